@@ -1,0 +1,1 @@
+"""Expert daemons and their launcher (importable as moerun.daemons)."""

@@ -1,0 +1,1 @@
+"""Parent/daemon protocol and transports (importable as moerun.ipc)."""

@@ -1,0 +1,1 @@
+"""moerun: run Mixture-of-Experts GGUF models across a heterogeneous rig."""

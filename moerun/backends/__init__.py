@@ -1,0 +1,1 @@
+"""Compute backends: numpy (reference), CUDA and HIP."""

@@ -1,0 +1,1 @@
+"""The engine: forward pass, KV cache, sampler, generator."""

@@ -1,0 +1,1 @@
+"""GGUF files: mmap reader, quant formats, tokenizer."""

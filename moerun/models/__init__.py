@@ -1,0 +1,1 @@
+"""Architecture specs: one small module per GGUF architecture."""

@@ -1,0 +1,1 @@
+"""Mixture-of-experts: router rules, expert stores."""

@@ -1,1 +1,99 @@
-"""Architecture specs: one small module per GGUF architecture."""
+"""Architecture specs: one small module per GGUF architecture, and `load_spec`,
+which turns a GGUF file's metadata and tensor index into a `ModelSpec`."""
+from __future__ import annotations
+
+from moerun.gguf.reader import GGUFError, GGUFFile
+from moerun.models import mixtral, olmoe, qwen2moe, qwen3moe
+from moerun.models.spec import ArchRule, ModelSpec
+
+RULES: dict[str, ArchRule] = {r.gguf_arch: r for r in (qwen3moe.RULE, qwen2moe.RULE, olmoe.RULE, mixtral.RULE)}
+SUPPORTED = "qwen3moe, qwen2moe, olmoe and Mixtral (llama with experts)"
+
+
+def load_spec(gguf: GGUFFile) -> ModelSpec:
+    """Read the hyper-parameters; raise GGUFError for anything moerun cannot run."""
+    arch = gguf.require("general.architecture")
+    rule = RULES.get(arch)
+    if rule is None:
+        raise GGUFError(gguf.path, f"unsupported architecture '{arch}' (moerun runs {SUPPORTED})")
+
+    def key(name: str, default=None):
+        value = gguf.get(f"{arch}.{name}", default)
+        if value is None:
+            raise GGUFError(gguf.path, f"missing metadata key '{arch}.{name}'")
+        return value
+
+    n_layers = int(key("block_count"))
+    moe_layers = tuple(gguf.has_tensor(f"blk.{i}.ffn_gate_inp.weight") for i in range(n_layers))
+    if not any(moe_layers):
+        raise GGUFError(gguf.path, f"'{arch}' model has no expert layers: moerun runs mixture-of-experts models only")
+    _check_dense_layout(gguf, arch, moe_layers)
+
+    hidden = int(key("embedding_length"))
+    n_heads = _uniform(gguf, arch, "attention.head_count", key("attention.head_count"))
+    n_kv_heads = _uniform(gguf, arch, "attention.head_count_kv", key("attention.head_count_kv", n_heads))
+    first_moe = moe_layers.index(True)
+    fused = gguf.has_tensor(f"blk.{first_moe}.ffn_gate_up_exps.weight")
+    down = gguf.tensor(f"blk.{first_moe}.ffn_down_exps.weight").shape  # (E, H, F)
+    rope_scale = _rope_scale(gguf, arch)
+    return ModelSpec(
+        rule=rule,
+        name=str(gguf.get("general.name", gguf.path.stem)),
+        n_layers=n_layers,
+        hidden=hidden,
+        vocab=gguf.tensor("token_embd.weight").shape[0],
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim_k=int(key("attention.key_length", hidden // n_heads)),
+        head_dim_v=int(key("attention.value_length", hidden // n_heads)),
+        context_train=int(key("context_length")),
+        rope_base=float(key("rope.freq_base", 10000.0)),
+        rope_scale=rope_scale,
+        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        n_experts=down[0],
+        n_experts_used=int(key("expert_used_count")),
+        expert_ff=down[2],
+        shared_ff=_first_dim(gguf, "ffn_down_shexp.weight", n_layers, axis=-1),
+        dense_ff=_first_dim(gguf, "ffn_down.weight", n_layers, axis=-1),
+        moe_layers=moe_layers,
+        fused_gate_up=fused,
+    )
+
+
+def _uniform(gguf: GGUFFile, arch: str, name: str, value) -> int:
+    """Head counts may be stored per layer; moerun needs them equal across layers."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    values = {int(v) for v in value}
+    if len(values) != 1:
+        raise GGUFError(gguf.path, f"'{arch}.{name}' varies across layers ({sorted(values)}); not supported")
+    return values.pop()
+
+
+def _check_dense_layout(gguf: GGUFFile, arch: str, moe_layers: tuple[bool, ...]) -> None:
+    leading = int(gguf.get(f"{arch}.leading_dense_block_count", 0))
+    if any(moe_layers[:leading]):
+        raise GGUFError(gguf.path, f"'{arch}.leading_dense_block_count' is {leading} but layer "
+                        f"{moe_layers.index(True)} has expert tensors")
+    for i, is_moe in enumerate(moe_layers):
+        if not is_moe and not gguf.has_tensor(f"blk.{i}.ffn_down.weight"):
+            raise GGUFError(gguf.path, f"layer {i} has neither expert tensors (blk.{i}.ffn_gate_inp.weight) "
+                            f"nor a dense FFN (blk.{i}.ffn_down.weight)")
+
+
+def _first_dim(gguf: GGUFFile, suffix: str, n_layers: int, axis: int) -> int:
+    for i in range(n_layers):
+        name = f"blk.{i}.{suffix}"
+        if gguf.has_tensor(name):
+            return gguf.tensor(name).shape[axis]
+    return 0
+
+
+def _rope_scale(gguf: GGUFFile, arch: str) -> float:
+    """Linear position scaling factor; other rope scaling schemes are refused clearly."""
+    kind = gguf.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return float(gguf.get(f"{arch}.rope.scale_linear", 1.0))
+    if kind == "linear":
+        return float(gguf.get(f"{arch}.rope.scaling.factor", 1.0))
+    raise GGUFError(gguf.path, f"rope scaling '{kind}' is not supported yet (moerun supports none and linear)")

@@ -1,0 +1,74 @@
+"""Reference numpy kernels, float32 throughout.
+
+Shape legend: T tokens in the chunk, S cached positions, H hidden size,
+NH query heads, NKV key/value heads, D head dim, F FFN width.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., N], weight [N] -> [..., N]"""
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return (x / np.sqrt(variance + eps)) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    shifted = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return shifted / np.sum(shifted, axis=axis, keepdims=True)
+
+
+def swiglu_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """x [T, H], gate/up [F, H], down [H, F] -> [T, H]"""
+    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def rope_tables(positions: np.ndarray, dim: int, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """positions [T] -> cos, sin [T, dim/2], computed in float64 then rounded once."""
+    inv_freq = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    angles = (positions.astype(np.float64) / scale)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    """x [T, heads, D]; cos/sin [T, D/2]. "neox" rotates the two halves of D,
+    "norm" rotates adjacent pairs (2i, 2i+1)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    if style == "neox":
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x1 * s + x2 * c
+    return out
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Grouped-query attention of a chunk over the cache.
+
+    q [T, NH, D] at positions start..start+T-1; k [S, NKV, D], v [S, NKV, Dv] with
+    S = start + T; query head h reads kv head h // (NH / NKV). Returns [T, NH * Dv].
+    """
+    n_tokens, n_heads, head_dim = q.shape
+    n_cached, n_kv = k.shape[:2]
+    group = n_heads // n_kv
+    qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3)     # [NKV, G, T, D]
+    kt = k.transpose(1, 2, 0)[:, None]                                          # [NKV, 1, D, S]
+    scores = (qg @ kt) * np.float32(1.0 / np.sqrt(head_dim))                    # [NKV, G, T, S]
+    query_pos = start + np.arange(n_tokens)[:, None]
+    future = np.arange(n_cached)[None, :] > query_pos                           # [T, S]
+    scores = np.where(future, np.float32(-np.inf), scores)
+    probs = softmax(scores, axis=-1)
+    out = probs @ v.transpose(1, 0, 2)[:, None]                                 # [NKV, G, T, Dv]
+    return out.transpose(2, 0, 1, 3).reshape(n_tokens, -1)

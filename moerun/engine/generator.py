@@ -1,0 +1,126 @@
+"""Runtime: one loaded model and the loops that drive it — chunked prefill,
+decode, logits for every position — with their timing.
+
+Shape legend: T prompt tokens, V vocab.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moerun.engine.kv_cache import ContextFull, KVCache
+from moerun.engine.model import MoEModel
+from moerun.engine.sampler import Sampler, SamplingParams
+from moerun.gguf.reader import GGUFFile
+from moerun.gguf.tokenizer import Tokenizer
+from moerun.models import load_spec
+
+DEFAULT_CONTEXT = 4096
+DEFAULT_UBATCH = 512
+DEFAULT_EXPERT_CACHE_BYTES = 4 << 30
+
+
+class RequestError(Exception):
+    """A request the loaded model cannot serve (prompt too long, bad token id, ...)."""
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_steps: int = 0        # single-token forward passes after the prompt
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "prefill_tokens_per_second": self.prefill_tokens_per_second,
+                "decode_tokens_per_second": self.decode_tokens_per_second}
+
+
+class Runtime:
+    def __init__(self, path: str | Path, *, ctx: int | None = None, ubatch: int = DEFAULT_UBATCH,
+                 expert_cache_bytes: int = DEFAULT_EXPERT_CACHE_BYTES):
+        if ubatch < 1:
+            raise RequestError(f"--ubatch must be at least 1 (got {ubatch})")
+        self.gguf = GGUFFile(path)
+        self.spec = load_spec(self.gguf)
+        self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
+        if self.ctx < 1:
+            raise RequestError(f"--ctx must be at least 1 (got {self.ctx})")
+        self.ubatch = ubatch
+        self.model = MoEModel(self.gguf, self.spec, expert_cache_bytes)
+        self._tokenizer: Tokenizer | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Built on first use, so `logits --ids` works on files without a vocabulary."""
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+        return self._tokenizer
+
+    def close(self) -> None:
+        self.gguf.close()
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Float32 logits [T, V] for every position of a fresh sequence, prefilled
+        in chunks of `ubatch` tokens exactly as generation does."""
+        cache = self._new_cache(ids)
+        chunks = [self.model.forward(chunk, cache, all_logits=True) for chunk in self._chunks(ids)]
+        return np.concatenate(chunks, axis=0).astype(np.float32)
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int] = frozenset(), stats: RunStats | None = None) -> Iterator[int]:
+        """Yield up to max_new_tokens sampled ids; a stop id ends generation and is
+        not yielded. Stops early, without error, when the context is full.
+        Time spent by the caller between tokens is not counted in `stats`."""
+        stats = stats if stats is not None else RunStats()
+        cache = self._new_cache(prompt)
+        sampler = Sampler(sampling)
+        history = list(prompt)
+
+        started = time.perf_counter()
+        for chunk in self._chunks(prompt):
+            logits = self.model.forward(chunk, cache, all_logits=False)
+        stats.prompt_tokens = len(prompt)
+        stats.prefill_seconds = time.perf_counter() - started
+
+        for _ in range(max_new_tokens):
+            token = sampler(logits[-1], history)
+            if token in stop_ids:
+                return
+            stats.generated_tokens += 1
+            yield token
+            history.append(token)
+            if stats.generated_tokens == max_new_tokens or cache.length >= self.ctx:
+                return
+            started = time.perf_counter()
+            logits = self.model.forward(np.array([token]), cache, all_logits=False)
+            stats.decode_seconds += time.perf_counter() - started
+            stats.decode_steps += 1
+
+    def _new_cache(self, ids: Sequence[int]) -> KVCache:
+        if len(ids) == 0:
+            raise RequestError("the prompt is empty: give at least one token")
+        if len(ids) > self.ctx:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the context is {self.ctx}; raise --ctx")
+        bad = [i for i in ids if not 0 <= i < self.spec.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab - 1})")
+        return KVCache(self.spec, self.ctx)
+
+    def _chunks(self, ids: Sequence[int]) -> Iterator[np.ndarray]:
+        array = np.asarray(ids, dtype=np.int64)
+        for start in range(0, len(array), self.ubatch):
+            yield array[start:start + self.ubatch]

@@ -1,0 +1,35 @@
+"""The embedded default model `moerun run` uses when no -m is given: made
+deterministically on first use in the user's cache directory."""
+from __future__ import annotations
+
+import os
+from importlib.resources import files
+from pathlib import Path
+
+from moerun.models.synthetic import SyntheticConfig, write_synthetic_model
+
+DEFAULT_CONFIG = SyntheticConfig(name="moerun-demo-moe", weight_std=0.01)
+FORMAT_VERSION = 1
+DESCRIPTION = (
+    "moerun's built-in demo model: a tiny 4-layer qwen3moe (8 experts, top-2, Q8_0) "
+    "with random attention and expert weights and an output head that holds the word-pair "
+    "statistics of a short built-in text. It runs the whole MoE pipeline, but it is not a "
+    "language model: its text only echoes that built-in text. Pass -m MODEL.gguf for a real one."
+)
+
+
+def cache_dir() -> Path:
+    """$MOERUN_CACHE, else $XDG_CACHE_HOME/moerun, else ~/.cache/moerun."""
+    if os.environ.get("MOERUN_CACHE"):
+        return Path(os.environ["MOERUN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "moerun"
+
+
+def default_model_path() -> Path:
+    """Path of the demo model, written there first if it is not there yet."""
+    path = cache_dir() / f"demo-moe-v{FORMAT_VERSION}.gguf"
+    if not path.exists():
+        corpus = files("moerun.models").joinpath("default_corpus.txt").read_text(encoding="utf-8")
+        write_synthetic_model(path, DEFAULT_CONFIG, corpus, bigram_head=True)
+    return path

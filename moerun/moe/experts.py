@@ -1,0 +1,70 @@
+"""Routed experts on the reference backend: a byte-bounded cache of dequantized
+experts read straight from the GGUF mmap, and the grouped expert FFN.
+
+Shape legend: T tokens, H hidden size, F expert FFN width, E experts, K experts per token.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from moerun.backends.numpy_ops import swiglu_ffn
+from moerun.gguf.reader import GGUFFile
+from moerun.models.spec import ModelSpec
+
+ExpertWeights = tuple[np.ndarray, np.ndarray, np.ndarray]  # gate [F, H], up [F, H], down [H, F]
+
+
+class ExpertStore:
+    """Dequantizes one expert at a time on first use; keeps the most recently
+    used ones while they fit in `cache_bytes` of float32."""
+
+    def __init__(self, gguf: GGUFFile, spec: ModelSpec, cache_bytes: int):
+        self.gguf = gguf
+        self.spec = spec
+        self.cache_bytes = cache_bytes
+        self.expert_bytes = 3 * spec.expert_ff * spec.hidden * 4
+        self._cache: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
+        for layer in self.moe_layer_ids:
+            for name in self._tensor_names(layer):
+                gguf.tensor(name)  # fail at load, not mid-generation, if one is missing
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i, is_moe in enumerate(self.spec.moe_layers) if is_moe]
+
+    def _tensor_names(self, layer: int) -> list[str]:
+        parts = ("gate_up", "down") if self.spec.fused_gate_up else ("gate", "up", "down")
+        return [f"blk.{layer}.ffn_{p}_exps.weight" for p in parts]
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        key = (layer, expert)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        weights = self._load(layer, expert)
+        self._cache[key] = weights
+        while len(self._cache) * self.expert_bytes > self.cache_bytes and len(self._cache) > 1:
+            self._cache.popitem(last=False)
+        return weights
+
+    def _load(self, layer: int, expert: int) -> ExpertWeights:
+        names = self._tensor_names(layer)
+        mats = [self.gguf.dequantize_expert(name, expert) for name in names]
+        if self.spec.fused_gate_up:
+            gate_up, down = mats                       # gate_up [2F, H], gate first
+            f = self.spec.expert_ff
+            return gate_up[:f], gate_up[f:], down
+        gate, up, down = mats
+        return gate, up, down
+
+
+def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store: ExpertStore, layer: int) -> np.ndarray:
+    """out[t] = Σ_k weights[t, k] · FFN_{ids[t, k]}(x[t]).  x [T, H], ids/weights [T, K] -> [T, H]"""
+    out = np.zeros_like(x)
+    for expert in np.unique(ids):
+        rows, slots = np.nonzero(ids == expert)        # each token picks an expert at most once
+        y = swiglu_ffn(x[rows], *store.get(layer, int(expert)))
+        out[rows] += y * weights[rows, slots][:, None]
+    return out

@@ -1,0 +1,23 @@
+"""Shared fixtures: a moerun CLI runner and isolation of the user's cache directory."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from moerun.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """Never touch the real ~/.cache/moerun from tests."""
+    monkeypatch.setenv("MOERUN_CACHE", str(tmp_path_factory.getbasetemp() / "moerun-cache"))
+
+
+@pytest.fixture
+def moerun():
+    """Call the CLI in-process: moerun("logits", "-m", path, ...) -> click Result."""
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return invoke

@@ -4,8 +4,6 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from moerun.cli import main
-
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory, monkeypatch):
@@ -16,6 +14,8 @@ def _private_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def moerun():
     """Call the CLI in-process: moerun("logits", "-m", path, ...) -> click Result."""
+    from moerun.cli import main
+
     runner = CliRunner()
 
     def invoke(*args: str):

@@ -86,3 +86,13 @@ def test_greedy_generation_matches_transformers(hf_model, tmp_path):
     got = list(runtime.generate(ids, 32, SamplingParams(temperature=0.0)))
     runtime.close()
     assert got == expected
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("layout", [dict(mlp_only_layers=[0]), dict(decoder_sparse_step=2)],
+                         ids=["leading-dense", "sparse-step"])
+def test_dense_ffn_layers(arch, layout, tmp_path, moerun):
+    model = tiny_model(arch, seed=2, intermediate_size=64, **layout)
+    path = write_gguf(model, tmp_path / "dense.gguf", "Q8_0")
+    ids = prompt_ids(model, seed=6)
+    assert_close(cli_logits(moerun, path, ids, tmp_path), hf_logits(dequantized_model(model, path), ids))

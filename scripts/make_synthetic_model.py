@@ -1,0 +1,37 @@
+"""Write a synthetic qwen3moe GGUF with random weights, for benchmarks.
+
+    python scripts/make_synthetic_model.py -o /tmp/mid.gguf --preset mid
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from importlib.resources import files
+
+from moerun.models.synthetic import SyntheticConfig, write_synthetic_model
+
+PRESETS = {
+    # hidden 1024, 8 layers, 32 experts, top-4: the mid-size numpy benchmark model
+    "mid": SyntheticConfig(name="synthetic-mid", n_layers=8, hidden=1024, n_heads=16, n_kv_heads=4,
+                           head_dim=64, n_experts=32, n_experts_used=4, expert_ff=512, vocab_size=32000),
+    "tiny": SyntheticConfig(name="synthetic-tiny"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-o", "--output", required=True)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="mid")
+    parser.add_argument("--ftype", default=None, help="F32, F16, BF16, Q8_0 or Q4_0 [default: the preset's]")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    config = dataclasses.replace(PRESETS[args.preset], seed=args.seed)
+    if args.ftype:
+        config = dataclasses.replace(config, ftype=args.ftype)
+    corpus = files("moerun.models").joinpath("default_corpus.txt").read_text(encoding="utf-8")
+    path = write_synthetic_model(args.output, config, corpus, bigram_head=False)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): {config}")
+
+
+if __name__ == "__main__":
+    main()

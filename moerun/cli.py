@@ -181,14 +181,18 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp file beside `path`, then rename: a full disk never leaves a torn file."""
+    """Write a regular file through a temp file beside it and a rename, so a full disk
+    never leaves a torn file; write devices and pipes (/dev/stdout) directly."""
+    if path.exists() and not path.is_file():
+        with path.open("wb") as stream:
+            stream.write(data)
+        return
     partial = path.with_name(f".{path.name}.partial")
     try:
         partial.write_bytes(data)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-
 
 if __name__ == "__main__":
     main()

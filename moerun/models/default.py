@@ -9,7 +9,7 @@ from pathlib import Path
 from moerun.models.synthetic import SyntheticConfig, write_synthetic_model
 
 DEFAULT_CONFIG = SyntheticConfig(name="moerun-demo-moe", weight_std=0.01)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DESCRIPTION = (
     "moerun's built-in demo model: a tiny 4-layer qwen3moe (8 experts, top-2, Q8_0) "
     "with random attention and expert weights and an output head that holds the word-pair "

@@ -157,8 +157,8 @@ def _random_tensors(c: SyntheticConfig, vocab: int, rng: np.random.Generator) ->
 
 def _bigram_head(ids: list[int], vocab: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:
     """One-hot embeddings and an output head whose logits for token t are
-    log P(next | t) from the counts in `ids` (add-0.1 smoothed)."""
-    counts = np.full((vocab, vocab), 0.1)
+    log P(next | t) from the counts in `ids` (add-0.001 smoothed)."""
+    counts = np.full((vocab, vocab), 1e-3)
     np.add.at(counts, (np.asarray(ids[:-1]), np.asarray(ids[1:])), 1.0)
     log_probs = np.log(counts / counts.sum(axis=1, keepdims=True))                        # [V prev, V next]
     embedding = np.zeros((vocab, hidden), np.float32)

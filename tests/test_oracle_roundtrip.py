@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
+from transformers.modeling_gguf_pytorch_utils import (
+    LlamaTensorProcessor,
+    load_gguf_checkpoint,
+)
 
 from tests.oracle.from_gguf import dequantized_model
 from tests.oracle.hf_models import ARCHS, tiny_model

@@ -8,14 +8,20 @@ import hashlib
 import re
 import subprocess
 import sys
-
 from pathlib import Path
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from moerun.gguf.tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, USER_DEFINED, Tokenizer, TokenizerError
+from moerun.gguf.tokenizer import (
+    CONTROL,
+    NORMAL,
+    PRE_TOKENIZERS,
+    USER_DEFINED,
+    Tokenizer,
+    TokenizerError,
+)
 from moerun.gguf.vocab import bpe_metadata, byte_level_bpe
 from tests.fixtures.vocabs import (
     CORPUS,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moerun.engine.kv_cache import ContextFull, KVCache
+from moerun.engine.kv_cache import KVCache
 from moerun.engine.model import MoEModel
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.gguf.reader import GGUFFile

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from moerun.backends.numpy_ops import apply_rope, causal_attention, rms_norm, rope_tables, sigmoid, swiglu_ffn
+from moerun.backends.numpy_ops import (
+    apply_rope,
+    causal_attention,
+    rms_norm,
+    rope_tables,
+    sigmoid,
+    swiglu_ffn,
+)
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.weights import LayerWeights, load_layer
 from moerun.gguf.reader import GGUFFile

@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
 
 from moerun.gguf import quants
 

@@ -7,7 +7,14 @@ import json
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .tokenizer import CONTROL, NORMAL, PRE_TOKENIZERS, UNUSED, USER_DEFINED, byte_level_pre_tokenizer
+from .tokenizer import (
+    CONTROL,
+    NORMAL,
+    PRE_TOKENIZERS,
+    UNUSED,
+    USER_DEFINED,
+    byte_level_pre_tokenizer,
+)
 
 
 def byte_level_bpe(corpus: str, vocab_size: int, specials: list[str]) -> Tokenizer:

@@ -11,15 +11,14 @@ Shape legend: V vocab, H hidden, E experts, F expert FFN width, NH/NKV heads, D 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
 
 from moerun.gguf.vocab import bpe_metadata, byte_level_bpe
+from moerun.gguf.writing import write_metadata
 
 UNUSED_TOKEN = 5   # GGUF token type "unused"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -80,23 +79,6 @@ def write_synthetic_model(path: str | Path, config: SyntheticConfig, corpus: str
     finally:
         partial.unlink(missing_ok=True)
     return path
-
-
-def write_metadata(writer: gguf.GGUFWriter, meta: Mapping[str, Any]) -> None:
-    """Write plain Python/numpy metadata values with their natural GGUF types."""
-    for key, value in meta.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, (int, np.integer)):
-            writer.add_uint32(key, int(value)) if value >= 0 else writer.add_int32(key, int(value))
-        elif isinstance(value, (float, np.floating)):
-            writer.add_float32(key, float(value))
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, np.ndarray):
-            writer.add_array(key, value.tolist())
-        else:
-            writer.add_array(key, list(value))
 
 
 def _pad_vocab(meta: dict, vocab_size: int) -> dict:

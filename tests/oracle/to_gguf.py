@@ -13,6 +13,8 @@ import gguf
 import numpy as np
 import torch
 
+from moerun.gguf.writing import write_metadata
+
 FTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 
 GGUF_ARCH = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
@@ -129,8 +131,7 @@ def write_gguf(model, path, ftype: str = "F32", *, fused_gate_up: bool = False,
     _write_hparams(writer, model, arch, ftype)
     if tokenizer_metadata is None:
         tokenizer_metadata = byte_level_vocab(model.config.vocab_size)
-    for key, value in tokenizer_metadata.items():
-        _add_key_value(writer, key, value)
+    write_metadata(writer, tokenizer_metadata)
     for name, weight in gguf_tensors(model, fused_gate_up=fused_gate_up).items():
         qtype = storage_type(name, weight.ndim, ftype)
         try:
@@ -207,17 +208,3 @@ def _gpt2_byte_to_unicode() -> dict[int, str]:
 
 
 _BYTE_TO_UNICODE = _gpt2_byte_to_unicode()
-
-
-def _add_key_value(writer: gguf.GGUFWriter, key: str, value) -> None:
-    """Scalars as the converter types them (ints as UINT32); array element types are inferred."""
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    else:
-        writer.add_array(key, list(value))

@@ -78,3 +78,9 @@ def test_missing_file(tmp_path, moerun):
     path = tmp_path / "absent.gguf"
     assert_clear_error(run_logits(moerun, path, tmp_path), path)
 
+
+
+def test_unsupported_tokenizer_names_the_file(good_model, tmp_path, moerun):
+    path = rewrite_gguf(good_model, tmp_path / "rwkv.gguf", set_strings={"tokenizer.ggml.model": "rwkv"})
+    assert run_logits(moerun, path, tmp_path).exit_code == 0          # logits by id need no vocabulary
+    assert_clear_error(moerun("run", "-m", path, "-n", "2"), path, "rwkv")

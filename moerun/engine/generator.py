@@ -15,8 +15,8 @@ import numpy as np
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.model import MoEModel
 from moerun.engine.sampler import Sampler, SamplingParams
-from moerun.gguf.reader import GGUFFile
-from moerun.gguf.tokenizer import Tokenizer
+from moerun.gguf.reader import GGUFError, GGUFFile
+from moerun.gguf.tokenizer import Tokenizer, TokenizerError
 from moerun.models import load_spec
 
 DEFAULT_CONTEXT = 4096
@@ -67,7 +67,10 @@ class Runtime:
     def tokenizer(self) -> Tokenizer:
         """Built on first use, so `logits --ids` works on files without a vocabulary."""
         if self._tokenizer is None:
-            self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+            try:
+                self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+            except TokenizerError as err:
+                raise GGUFError(self.gguf.path, str(err)) from None
         return self._tokenizer
 
     def close(self) -> None:

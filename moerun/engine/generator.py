@@ -12,12 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
+from moerun.config import RigConfig
 from moerun.engine.kv_cache import KVCache
 from moerun.engine.model import MoEModel
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.gguf.tokenizer import Tokenizer, TokenizerError
 from moerun.models import load_spec
+from moerun.moe.dispatch import Dispatcher
+from moerun.moe.rig import Rig
 
 DEFAULT_CONTEXT = 4096
 DEFAULT_UBATCH = 512
@@ -51,17 +54,23 @@ class RunStats:
 
 class Runtime:
     def __init__(self, path: str | Path, *, ctx: int | None = None, ubatch: int = DEFAULT_UBATCH,
-                 expert_cache_bytes: int = DEFAULT_EXPERT_CACHE_BYTES):
+                 expert_cache_bytes: int = DEFAULT_EXPERT_CACHE_BYTES, rig: RigConfig = RigConfig()):
         if ubatch < 1:
             raise RequestError(f"--ubatch must be at least 1 (got {ubatch})")
         self.gguf = GGUFFile(path)
-        self.spec = load_spec(self.gguf)
-        self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
-        if self.ctx < 1:
-            raise RequestError(f"--ctx must be at least 1 (got {self.ctx})")
-        self.ubatch = ubatch
-        self.model = MoEModel(self.gguf, self.spec, expert_cache_bytes)
+        self.rig: Rig | None = None
         self._tokenizer: Tokenizer | None = None
+        self.ubatch = ubatch
+        try:
+            self.spec = load_spec(self.gguf)
+            self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
+            self.model = MoEModel(self.gguf, self.spec, expert_cache_bytes)
+            if rig.daemons:
+                self.rig = Rig(rig, self.gguf, self.spec)
+                self.model.moe = Dispatcher(self.model.experts, self.rig)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -74,13 +83,26 @@ class Runtime:
         return self._tokenizer
 
     def close(self) -> None:
+        """Stop the daemons this runtime spawned and release the model file."""
+        if self.rig is not None:
+            self.rig.close()
+            self.rig = None
         self.gguf.close()
 
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def logits(self, ids: Sequence[int], stats: RunStats | None = None) -> np.ndarray:
         """Float32 logits [T, V] for every position of a fresh sequence, prefilled
         in chunks of `ubatch` tokens exactly as generation does."""
         cache = self._new_cache(ids)
+        started = time.perf_counter()
         chunks = [self.model.forward(chunk, cache, all_logits=True) for chunk in self._chunks(ids)]
+        if stats is not None:
+            stats.prompt_tokens, stats.prefill_seconds = len(ids), time.perf_counter() - started
         return np.concatenate(chunks, axis=0).astype(np.float32)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,

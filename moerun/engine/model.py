@@ -19,7 +19,9 @@ from moerun.engine.kv_cache import KVCache
 from moerun.engine.weights import LayerWeights, load_layer
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
-from moerun.moe.experts import ExpertStore, moe_ffn
+from moerun.moe.dispatch import Dispatcher, LocalMoE
+from moerun.moe.experts import ExpertStore
+from moerun.moe.hotness import RoutingCounter
 from moerun.moe.router import route
 
 
@@ -29,6 +31,8 @@ class MoEModel:
         self.spec = spec
         self.layers: list[LayerWeights] = [load_layer(gguf, spec, i) for i in range(spec.n_layers)]
         self.experts = ExpertStore(gguf, spec, expert_cache_bytes)
+        self.moe: LocalMoE | Dispatcher = LocalMoE(self.experts)   # the Runtime swaps in a Dispatcher for daemons
+        self.routing_counter: RoutingCounter | None = None          # set by `moerun profile`
         self.output_norm = gguf.dequantize("output_norm.weight")                     # [H]
         head = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"
         self.output = gguf.dequantize(head)                                           # [V, H]
@@ -69,13 +73,16 @@ class MoEModel:
         if w.ffn_dense is not None:
             return swiglu_ffn(h, *w.ffn_dense)
         ids, weights = route(h @ w.ffn_gate_inp.T, self.spec.n_experts_used, self.spec.rule.renormalize_topk)
-        out = moe_ffn(h, ids, weights, self.experts, i)                                # [T, H]
+        if self.routing_counter is not None:
+            self.routing_counter.add(i, ids)
+        pending = self.moe.begin(i, h, ids, weights)          # cold work is on its way to the daemons
+        shared = None
         if w.ffn_shexp is not None:
             shared = swiglu_ffn(h, *w.ffn_shexp)
             if w.ffn_gate_inp_shexp is not None:
                 shared = shared * sigmoid(h @ w.ffn_gate_inp_shexp)[:, None]
-            out = out + shared
-        return out
+        out = pending.finish()                                                         # [T, H]
+        return out if shared is None else out + shared
 
 
 def _qk_norm(x: np.ndarray, weight: np.ndarray | None, head_dim: int, eps: float) -> np.ndarray:

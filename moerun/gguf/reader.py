@@ -9,6 +9,7 @@ names must be valid UTF-8.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import operator
 import os
@@ -33,6 +34,7 @@ MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4
 MAX_ARRAY_NESTING = 8
+FINGERPRINT_SAMPLE = 4096  # bytes of each tensor's data that go into the fingerprint
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -206,6 +208,17 @@ class GGUFFile:
         except NotImplementedError:
             problem = f"tensor '{name}' has type {ggml_type.name}, which cannot be dequantized"
             raise GGUFError(self.path, problem) from None
+
+    def fingerprint(self) -> str:
+        """Identity of the model for parent/daemon handshakes: SHA-256 over the header,
+        metadata and tensor index, the file size, and the first 4 KiB of every tensor."""
+        if self._data is None:
+            raise GGUFError(self.path, "file is closed")
+        digest = hashlib.sha256(self._data[: self.data_offset].tobytes())
+        digest.update(len(self._data).to_bytes(8, "little"))
+        for info in self.tensors.values():
+            digest.update(self._data[info.offset : info.offset + min(info.nbytes, FINGERPRINT_SAMPLE)].tobytes())
+        return digest.hexdigest()
 
     def close(self) -> None:
         """Drop the mapping; arrays already handed out stay valid and keep their pages until released."""

@@ -6,6 +6,7 @@ Shape legend: T tokens, H hidden size, F expert FFN width, E experts, K experts 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -60,11 +61,21 @@ class ExpertStore:
         return gate, up, down
 
 
-def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store: ExpertStore, layer: int) -> np.ndarray:
-    """out[t] = Σ_k weights[t, k] · FFN_{ids[t, k]}(x[t]).  x [T, H], ids/weights [T, K] -> [T, H]"""
+def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store: ExpertStore, layer: int,
+            mask: np.ndarray | None = None) -> np.ndarray:
+    """out[t] = Σ_k weights[t, k] · FFN_{ids[t, k]}(x[t]) over the pairs `mask` [T, K]
+    selects (all by default).  x [T, H], ids/weights [T, K] -> [T, H]"""
+    rows, slots = np.nonzero(mask if mask is not None else np.ones(ids.shape, bool))
+    return grouped_ffn(x, rows, ids[rows, slots], weights[rows, slots], lambda e: store.get(layer, e))
+
+
+def grouped_ffn(x: np.ndarray, rows: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+                expert: Callable[[int], ExpertWeights]) -> np.ndarray:
+    """Routed pairs grouped by expert: out[rows[p]] += weights[p] · FFN_{experts[p]}(x[rows[p]]).
+    x [T, H]; rows, experts, weights [P] with each (row, expert) at most once -> [T, H]"""
     out = np.zeros_like(x)
-    for expert in np.unique(ids):
-        rows, slots = np.nonzero(ids == expert)        # each token picks an expert at most once
-        y = swiglu_ffn(x[rows], *store.get(layer, int(expert)))
-        out[rows] += y * weights[rows, slots][:, None]
+    for e in np.unique(experts):
+        pick = experts == e
+        token_rows = rows[pick]
+        out[token_rows] += swiglu_ffn(x[token_rows], *expert(int(e))) * weights[pick][:, None]
     return out

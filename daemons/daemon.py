@@ -1,0 +1,140 @@
+"""The expert daemon: holds the experts a parent assigns it and computes them on request.
+
+Started by `moerun daemon --model M --device D --listen ENDPOINT`; the protocol and the
+session rules live in moerun.ipc.server, this module is the compute behind them.
+
+Shape legend: T tokens, H hidden, P routed pairs (token, expert), F expert FFN width.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+from moerun.ipc.server import Server
+
+from moerun.gguf.reader import GGUFFile
+from moerun.models import load_spec
+from moerun.moe.experts import ExpertWeights, grouped_ffn
+
+
+class DeviceUnavailable(RuntimeError):
+    """The requested device has no backend in this installation."""
+
+
+def check_device(device: str) -> str:
+    """The backend name for a device string, or DeviceUnavailable saying what is missing."""
+    if device == "cpu":
+        return "numpy"
+    kind = device.split(":")[0]
+    raise DeviceUnavailable(f"--device {device}: GPU expert daemons need moerun's {kind} backend, which this "
+                            f"version does not include yet; use --device cpu")
+
+
+class ExpertDaemon:
+    """The Handler behind moerun.ipc.server.Server for one model file on one device."""
+
+    def __init__(self, model_path: str, device: str):
+        self.backend = check_device(device)
+        self.device = device
+        self.gguf = GGUFFile(model_path)
+        self.spec = load_spec(self.gguf)
+        self._fingerprint = self.gguf.fingerprint()
+        self.assigned: dict[int, np.ndarray] = {}                  # layer -> global ids, index = local id
+        self.weights: dict[tuple[int, int], ExpertWeights] = {}
+        self.calls = self.tokens = self.pairs = 0
+        self.compute_seconds = 0.0
+
+    def info(self) -> dict:
+        return {"fingerprint": self._fingerprint, "device": self.device, "backend": self.backend,
+                "model": str(self.gguf.path), "n_layers": self.spec.n_layers,
+                "n_experts": self.spec.n_experts, "hidden": self.spec.hidden}
+
+    def assign(self, experts: dict[int, list[int]], progress: Callable[[int, int], None]) -> None:
+        """Load exactly these experts (global ids per layer) from this daemon's own mmap."""
+        self._check_assignment(experts)
+        self.release()
+        total = sum(len(ids) for ids in experts.values())
+        done = 0
+        for layer, ids in sorted(experts.items()):
+            for expert in ids:
+                self.weights[(layer, expert)] = self._load(layer, expert)
+                done += 1
+                progress(done, total)
+            self.assigned[layer] = np.asarray(ids, np.int64)
+
+    def _check_assignment(self, experts: dict[int, list[int]]) -> None:
+        for layer, ids in experts.items():
+            if not 0 <= layer < self.spec.n_layers or not self.spec.moe_layers[layer]:
+                raise ValueError(f"layer {layer} is not a MoE layer of this model")
+            if len(set(ids)) != len(ids) or not all(0 <= e < self.spec.n_experts for e in ids):
+                raise ValueError(f"layer {layer}: expert ids must be distinct and in 0..{self.spec.n_experts - 1}")
+
+    def _load(self, layer: int, expert: int) -> ExpertWeights:
+        if self.spec.fused_gate_up:
+            gate_up = self.gguf.dequantize_expert(f"blk.{layer}.ffn_gate_up_exps.weight", expert)   # [2F, H]
+            gate, up = gate_up[: self.spec.expert_ff], gate_up[self.spec.expert_ff:]
+        else:
+            gate = self.gguf.dequantize_expert(f"blk.{layer}.ffn_gate_exps.weight", expert)        # [F, H]
+            up = self.gguf.dequantize_expert(f"blk.{layer}.ffn_up_exps.weight", expert)
+        return gate, up, self.gguf.dequantize_expert(f"blk.{layer}.ffn_down_exps.weight", expert)  # [H, F]
+
+    def compute(self, layer: int, x: np.ndarray, counts: np.ndarray, local_ids: np.ndarray,
+                weights: np.ndarray) -> np.ndarray:
+        """out[t] = Σ weights · FFN(x[t]) over token t's experts here.  x [T, H] -> [T, H]"""
+        started = time.perf_counter()
+        if layer not in self.assigned:
+            raise KeyError(f"no experts of layer {layer} are assigned to this daemon")
+        experts = self.assigned[layer]
+        if local_ids.size and (local_ids.min() < 0 or local_ids.max() >= len(experts)):
+            raise IndexError(f"layer {layer}: local expert ids must be in 0..{len(experts) - 1}")
+        rows = np.repeat(np.arange(len(counts)), counts)                              # [P]
+        out = grouped_ffn(x, rows, experts[local_ids], weights, lambda e: self.weights[(layer, e)])
+        self.calls += 1
+        self.tokens += len(counts)
+        self.pairs += len(local_ids)
+        self.compute_seconds += time.perf_counter() - started
+        return out
+
+    def release(self) -> None:
+        self.assigned.clear()
+        self.weights.clear()
+
+    def stats(self) -> dict:
+        return {"calls": self.calls, "tokens": self.tokens, "pairs": self.pairs,
+                "compute_seconds": self.compute_seconds, "experts_loaded": len(self.weights)}
+
+
+def serve(model_path: str, device: str, listen: str, parent_pid: int | None) -> None:
+    """Run a daemon until SHUTDOWN, SIGTERM/SIGINT, or the death of `parent_pid`."""
+    daemon = ExpertDaemon(model_path, device)
+    server = Server(listen, daemon)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.stop())
+    if parent_pid is not None:
+        threading.Thread(target=_stop_when_gone, args=(parent_pid, server), daemon=True).start()
+    try:
+        server.serve_forever()
+    finally:
+        daemon.gguf.close()
+
+
+def _stop_when_gone(pid: int, server: Server) -> None:
+    """A spawned daemon never outlives its parent (backs up PR_SET_PDEATHSIG)."""
+    while _alive(pid):
+        time.sleep(0.5)
+    server.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    return True
+

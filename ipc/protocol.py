@@ -1,0 +1,235 @@
+"""The parent/daemon wire protocol: message headers, ops, error codes and payload encodings.
+
+Every message is one msgpack header (a map with at least "v" and "op") followed by zero or
+more raw data frames. No pickle anywhere; docs/protocol.md is the full reference.
+
+Shape legend: T tokens, H hidden size, P routed (token, expert) pairs sent to one daemon.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+MAX_ERROR_MESSAGE = 400  # characters; an error reply must fit a shared-memory slot header
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+# Ops.
+HELLO = "hello"
+ASSIGN = "assign"
+PROGRESS = "progress"
+READY = "ready"
+ATTACH = "attach"
+COMPUTE = "compute"
+RESULT = "result"
+STATS = "stats"
+PING = "ping"
+PONG = "pong"
+BYE = "bye"
+SHUTDOWN = "shutdown"
+ERROR = "error"
+OPS = (HELLO, ASSIGN, PROGRESS, READY, ATTACH, COMPUTE, RESULT, STATS, PING, PONG, BYE, SHUTDOWN,
+       ERROR)
+
+# Error codes of {"op": "error"} replies.
+BAD_FRAME = "bad_frame"
+VERSION_MISMATCH = "version_mismatch"
+FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+BUSY = "busy"
+NO_SESSION = "no_session"
+BAD_REQUEST = "bad_request"
+NOT_READY = "not_ready"
+INTERNAL = "internal"
+
+# Payload dtype tag -> (numpy dtype of the values, numpy dtype on the wire).
+PAYLOAD_DTYPES = {
+    "f32": (np.dtype(np.float32), np.dtype(np.float32)),
+    "f16": (np.dtype(np.float16), np.dtype(np.float16)),
+    "bf16": (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)),
+}
+WIRE_ITEMSIZE = {dtype: wire.itemsize for dtype, (_, wire) in PAYLOAD_DTYPES.items()}
+COMPUTE_FRAMES = 4  # x [T, H], counts int32 [T], local_ids int32 [P], weights f32 [P]
+MAX_PAIRS = 2**30
+
+
+class ProtocolError(Exception):
+    """A message this side cannot accept; becomes an error reply with `code` (and the
+    message's request id, when it could be read)."""
+
+    def __init__(self, code: str, message: str, request_id: int | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class DaemonError(Exception):
+    """The daemon at `endpoint` answered a request with an error reply."""
+
+    def __init__(self, code: str, message: str, endpoint: str):
+        super().__init__(f"daemon {endpoint}: {code}: {message}")
+        self.code = code
+        self.message = message
+        self.endpoint = endpoint
+
+
+class DaemonTimeout(TimeoutError):
+    """No reply from a daemon within the caller's deadline."""
+
+
+class DaemonDied(RuntimeError):
+    """The caller's liveness check reported the daemon gone while a request was pending."""
+
+
+def _plain(value):
+    """msgpack fallback: numpy scalars become Python numbers."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot pack {type(value).__name__} into a header")
+
+
+_packer = msgpack.Packer(default=_plain)
+
+
+def pack_header(op: str, **fields) -> bytes:
+    """One message header: {"v": PROTOCOL_VERSION, "op": op, **fields}."""
+    return _packer.pack({"v": PROTOCOL_VERSION, "op": op, **fields})
+
+
+def error_header(request_id, code: str, message: str) -> bytes:
+    request_id = request_id if type(request_id) is int else None
+    return pack_header(ERROR, id=request_id, code=code, message=message[:MAX_ERROR_MESSAGE])
+
+
+def unpack_header(data, sender: str = "peer", receiver: str = "this side") -> dict:
+    """Decode and sanity-check a header; raises ProtocolError (bad_frame, version_mismatch).
+    `sender` and `receiver` name the two sides in a version-mismatch message."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise ProtocolError(BAD_FRAME, f"header of {len(data)} bytes (at most {MAX_HEADER_BYTES})")
+    try:
+        header = msgpack.unpackb(data)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types for garbage
+        raise ProtocolError(BAD_FRAME,
+                            f"header is not msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(BAD_FRAME, f"header is a {type(header).__name__}, not a map")
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(VERSION_MISMATCH, f"protocol version mismatch: {sender} speaks "
+                                              f"version {version!r}, {receiver} speaks version "
+                                              f"{PROTOCOL_VERSION}", header.get("id"))
+    if not isinstance(header.get("op"), str):
+        raise ProtocolError(BAD_FRAME, "header has no string 'op'")
+    return header
+
+
+def host_identity() -> dict:
+    """This process as HELLO names it: pid, hostname and the kernel boot id ("" off Linux)."""
+    try:
+        with open(BOOT_ID_PATH) as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    return {"pid": os.getpid(), "hostname": socket.gethostname(), "boot_id": boot_id}
+
+
+def int_field(header: dict, name: str, low: int, high: int | None = None) -> int:
+    """header[name] as an int in [low, high]; raises ProtocolError(bad_request) otherwise."""
+    value = header.get(name)
+    if type(value) is not int or value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ProtocolError(BAD_REQUEST, f"field {name!r} must be an int in {bound}, got {value!r}")
+    return value
+
+
+def encode_payload(x_f32: np.ndarray, dtype: str) -> np.ndarray:
+    """The wire form of f32 activations: f32, f16, or bf16 as raw uint16 bits; contiguous."""
+    value_dtype, wire_dtype = PAYLOAD_DTYPES[dtype]
+    return np.ascontiguousarray(x_f32, dtype=value_dtype).view(wire_dtype)
+
+
+def decode_payload(buffer, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """f32 activations from a wire buffer (a read-only view for f32, a new array otherwise)."""
+    value_dtype, _ = PAYLOAD_DTYPES[dtype]
+    values = np.frombuffer(buffer, dtype=value_dtype).reshape(shape)
+    return values if dtype == "f32" else values.astype(np.float32)
+
+
+@dataclass(slots=True)
+class ComputeRequest:
+    layer: int
+    x: np.ndarray          # f32 [T, H]
+    counts: np.ndarray     # int32 [T], experts each token needs here
+    local_ids: np.ndarray  # int32 [P], daemon-local expert ids, token-major
+    weights: np.ndarray    # f32 [P]
+
+
+def compute_header(request_id: int, layer: int, dtype: str, tokens: int, pairs: int,
+                   hidden: int, frames=None) -> bytes:
+    """A COMPUTE header; `frames` lists [offset, nbytes] of each frame in a shared slot."""
+    header = {"v": PROTOCOL_VERSION, "op": COMPUTE, "id": request_id, "layer": layer,
+              "dtype": dtype, "tokens": tokens, "pairs": pairs, "hidden": hidden}
+    if frames is not None:
+        header["frames"] = frames
+    return _packer.pack(header)
+
+
+def result_header(request_id: int, layer: int, tokens: int, hidden: int, compute_us: float,
+                  frames=None) -> bytes:
+    header = {"v": PROTOCOL_VERSION, "op": RESULT, "id": request_id, "layer": layer,
+              "tokens": tokens, "hidden": hidden, "compute_us": compute_us}
+    if frames is not None:
+        header["frames"] = frames
+    return _packer.pack(header)
+
+
+def compute_frame_sizes(dtype: str, tokens: int, pairs: int, hidden: int) -> tuple[int, ...]:
+    """Byte sizes of the four COMPUTE frames."""
+    return tokens * hidden * WIRE_ITEMSIZE[dtype], tokens * 4, pairs * 4, pairs * 4
+
+
+def parse_compute(header: dict, frames: list, *, hidden: int, max_tokens: int) -> ComputeRequest:
+    """Validate a COMPUTE header and its frames (buffers); raises ProtocolError."""
+    get = header.get
+    layer, tokens, pairs, dtype = get("layer"), get("tokens"), get("pairs"), get("dtype")
+    if not (type(layer) is int and type(tokens) is int and type(pairs) is int
+            and type(get("hidden")) is int and layer >= 0 and 1 <= tokens <= max_tokens
+            and 0 <= pairs <= MAX_PAIRS and get("hidden") == hidden and dtype in WIRE_ITEMSIZE):
+        raise _compute_field_error(header, hidden, max_tokens)
+    if len(frames) != COMPUTE_FRAMES:
+        raise ProtocolError(BAD_FRAME, f"compute needs {COMPUTE_FRAMES} data frames "
+                                       f"(x, counts, local_ids, weights), got {len(frames)}")
+    x_frame, counts_frame, ids_frame, weights_frame = frames
+    if (len(x_frame) != tokens * hidden * WIRE_ITEMSIZE[dtype] or len(counts_frame) != tokens * 4
+            or len(ids_frame) != pairs * 4 or len(weights_frame) != pairs * 4):
+        expected = list(compute_frame_sizes(dtype, tokens, pairs, hidden))
+        raise ProtocolError(BAD_FRAME, f"frame sizes {[len(frame) for frame in frames]} bytes, "
+                                       f"expected {expected} for T={tokens} P={pairs} "
+                                       f"H={hidden} {dtype}")
+    counts = np.frombuffer(counts_frame, dtype=np.int32)
+    # Seen as uint32 a negative count is >= 2**31 > MAX_PAIRS, so one sum checks both rules.
+    total = counts[0] if tokens == 1 else counts.view(np.uint32).sum(dtype=np.uint64)
+    if total != pairs:
+        raise ProtocolError(BAD_REQUEST, f"counts must be >= 0 and sum to pairs={pairs}")
+    return ComputeRequest(layer, decode_payload(x_frame, dtype, (tokens, hidden)), counts,
+                          np.frombuffer(ids_frame, dtype=np.int32),
+                          np.frombuffer(weights_frame, dtype=np.float32))
+
+
+def _compute_field_error(header: dict, hidden: int, max_tokens: int) -> ProtocolError:
+    """The first bad COMPUTE header field, as a ProtocolError."""
+    try:
+        int_field(header, "layer", 0)
+        int_field(header, "tokens", 1, max_tokens)
+        int_field(header, "pairs", 0, MAX_PAIRS)
+        int_field(header, "hidden", hidden, hidden)
+    except ProtocolError as e:
+        return e
+    return ProtocolError(BAD_REQUEST, f"unknown payload dtype {header.get('dtype')!r} "
+                                      f"(known: {', '.join(PAYLOAD_DTYPES)})")

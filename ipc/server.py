@@ -1,0 +1,385 @@
+"""The daemon side of the protocol: a ZeroMQ ROUTER serving one parent session at a time, plus
+the slots of the shared arena that parent attached, if any.
+
+The loop never dies on a bad request: every message and every slot gets a reply, an error
+reply when it cannot be served. The session owner is the peer that completed HELLO; another
+peer's HELLO gets `busy` until the owner has been silent for `lease_s` (or, on this host, its
+pid is gone). Shape legend: T tokens, H hidden size, P routed pairs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import zmq
+from moerun.ipc import protocol as p
+from moerun.ipc.doorbell import fence
+from moerun.ipc.protocol import ProtocolError
+from moerun.ipc.shm import DATA_OFFSET, STATE_ATTACHED, Arena, ArenaLayout, Slot
+from moerun.ipc.sockets import bind_router, receive, remove_socket_file
+
+DAEMON_SPIN_S = 0.0005        # keep spinning on the doorbell this long after the last work
+SLEEP_SLICE_S = 0.05          # longest futex sleep; foreign peers are heard at least this often
+IDLE_POLL_MS = 100            # ZeroMQ poll slice without an arena (bounds the stop() latency)
+CONTROL_WAIT_MS = 5           # wait for a control message the parent announced on the doorbell
+SOCKET_CHECK_S = 0.01         # while busy on slots, look at the socket this often
+
+
+def print_to_stderr(message: str) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"{stamp} moerun-daemon[{os.getpid()}] {message}", file=sys.stderr, flush=True)
+
+
+class Handler(Protocol):
+    """What the daemon process implements; all calls come from the serving thread."""
+
+    def info(self) -> dict: ...   # fingerprint, device, backend, model, n_layers, n_experts, hidden
+
+    def assign(self, experts: dict[int, list[int]],
+               progress: Callable[[int, int], None]) -> None: ...
+
+    def compute(self, layer: int, x: np.ndarray, counts: np.ndarray, local_ids: np.ndarray,
+                weights: np.ndarray) -> np.ndarray: ...  # f32 [T, H] -> f32 [T, H]
+
+    def release(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+
+@dataclass
+class Session:
+    peer: bytes                       # ZeroMQ routing id of the owner
+    parent: dict                      # pid, hostname, boot_id from its HELLO
+    started: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
+    ready: bool = False               # an ASSIGN has succeeded
+    arena: Arena | None = None
+
+    def describe(self) -> str:
+        return f"parent pid {self.parent['pid']} on {self.parent['hostname']}"
+
+    def parent_gone(self) -> bool:
+        """True when the owner ran on this host and its pid no longer exists."""
+        me = p.host_identity()
+        if not me["boot_id"] or (self.parent["boot_id"], self.parent["hostname"]) != (
+                me["boot_id"], me["hostname"]):
+            return False
+        try:
+            os.kill(self.parent["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+
+class Server:
+    def __init__(self, endpoint: str, handler: Handler, *, batch_capacity_max: int = 4096,
+                 lease_s: float = 30.0, log: Callable[[str], None] = print_to_stderr,
+                 spin_s: float = DAEMON_SPIN_S):
+        self.endpoint, self.handler, self.log = endpoint, handler, log
+        self.batch_capacity_max, self.lease_s, self.spin_s = batch_capacity_max, lease_s, spin_s
+        self.info = dict(handler.info())
+        self.hidden = int(self.info["hidden"])
+        self._context = zmq.Context()
+        self._socket = bind_router(self._context, endpoint, batch_capacity_max * self.hidden * 4)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._session: Session | None = None
+        self._stopping = False
+        self._control_seen = 0
+        self._last_work = 0.0
+        self._next_socket_check = 0.0
+        self.counts = {"requests": 0, "errors": 0, "sessions": 0}
+        self._ops = {p.HELLO: self._hello, p.ASSIGN: self._assign, p.ATTACH: self._attach,
+                     p.COMPUTE: self._compute, p.STATS: self._stats, p.PING: self._ping,
+                     p.BYE: self._bye, p.SHUTDOWN: self._shutdown}
+
+    def stop(self) -> None:
+        """Ask serve_forever to return; safe from a signal handler."""
+        self._stopping = True
+
+    def serve_forever(self) -> None:
+        self.log(f"serving {self.endpoint}: model {self.info.get('model')}, device "
+                 f"{self.info.get('device')}, protocol v{p.PROTOCOL_VERSION}")
+        try:
+            while not self._stopping:
+                arena = self._session.arena if self._session else None
+                if arena is None:
+                    self._serve_stream()
+                else:
+                    self._serve_shared(arena)
+        finally:
+            if self._session is not None:
+                self._end_session("daemon stopping")
+            self._socket.close(linger=0)
+            self._context.term()
+            remove_socket_file(self.endpoint)
+            self.log(f"stopped serving {self.endpoint}")
+
+    def _serve_stream(self) -> None:
+        """Without an arena: poll without sleeping for spin_s after the last message (to catch
+        back-to-back requests), then sleep in the poll."""
+        spinning = time.perf_counter() - self._last_work < self.spin_s
+        if self._poller.poll(0 if spinning else IDLE_POLL_MS):
+            self._drain_socket(0)
+            self._last_work = time.perf_counter()
+        elif spinning:
+            os.sched_yield()
+
+    # -- the loop with an arena: slots first, the socket when announced or now and then ------
+
+    def _serve_shared(self, arena: Arena) -> None:
+        seen = arena.doorbell.value()
+        now = time.perf_counter()
+        for slot in arena.slots:
+            if slot.pending() and not self._stopping:
+                self._serve_slot(slot, arena.layout.batch_capacity)
+                self._last_work = now = time.perf_counter()
+        if arena.control_bell != self._control_seen:
+            self._control_seen = arena.control_bell
+            self._drain_socket(CONTROL_WAIT_MS)
+            self._last_work = now = time.perf_counter()
+        elif now >= self._next_socket_check:
+            self._drain_socket(0)
+            self._next_socket_check = now + SOCKET_CHECK_S
+        if self._stopping or self._session is None or self._session.arena is not arena:
+            return
+        spin_s = self.spin_s - (now - self._last_work)
+        if not arena.doorbell.wait(seen, spin_s, SLEEP_SLICE_S):
+            self._next_socket_check = 0.0
+
+    def _serve_slot(self, slot: Slot, batch_capacity: int) -> None:
+        sequence = slot.request_seq
+        fence()
+        self._session.last_seen = time.monotonic()
+        request_id = None
+        try:
+            header = p.unpack_header(slot.request_header(), "parent", "daemon")
+            request_id = header.get("id")
+            if header["op"] != p.COMPUTE:
+                raise ProtocolError(p.BAD_REQUEST, f"op {header['op']!r} cannot use a slot")
+            fields, out = self._run_compute(header, slot.frames(header.get("frames")),
+                                            batch_capacity)
+            slot.buffer[DATA_OFFSET:DATA_OFFSET + out.nbytes] = memoryview(out).cast("B")
+            reply = p.result_header(*fields, frames=[[DATA_OFFSET, out.nbytes]])
+        except Exception as e:  # noqa: BLE001 - any failure becomes an error reply
+            reply = self._error_reply(request_id, e)
+        try:
+            slot.write_reply_header(reply)
+        except ProtocolError:
+            slot.write_reply_header(p.error_header(request_id, p.INTERNAL, "reply too long"))
+        fence()
+        slot.reply.set(sequence)
+
+    # -- the socket ---------------------------------------------------------------------------
+
+    def _drain_socket(self, timeout_ms: int) -> None:
+        """Handle every message waiting on the socket, waiting up to timeout_ms for the first."""
+        while not self._stopping and self._poller.poll(timeout_ms):
+            parts = receive(self._socket, 2)
+            self._on_message(parts[0], parts[1:])
+            timeout_ms = 0
+
+    def _on_message(self, peer: bytes, parts: list) -> None:
+        """parts: the header (bytes), then the data frames."""
+        request_id = None
+        try:
+            if not parts:
+                raise ProtocolError(p.BAD_FRAME, "message without a header frame")
+            header = p.unpack_header(parts[0], "parent", "daemon")
+            request_id = header.get("id")
+            if type(request_id) is not int:
+                raise ProtocolError(p.BAD_REQUEST, f"request id must be an int, got {request_id!r}")
+            op = self._ops.get(header["op"])
+            if op is None:
+                raise ProtocolError(p.BAD_REQUEST, f"unknown request op {header['op']!r}")
+            self.counts["requests"] += 1
+            if self._session is not None and peer == self._session.peer:
+                self._session.last_seen = time.monotonic()
+            op(peer, header, parts[1:])
+        except Exception as e:  # noqa: BLE001 - any failure becomes an error reply
+            self._send(peer, self._error_reply(request_id, e))
+
+    def _send(self, peer: bytes, header: bytes, *frames) -> None:
+        try:
+            self._socket.send_multipart([peer, header, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # the peer's queue is full or it is gone: drop the reply
+            self.log(f"reply to a peer dropped: {e}")
+
+    def _error_reply(self, request_id, error: Exception) -> bytes:
+        self.counts["errors"] += 1
+        if isinstance(error, ProtocolError):
+            request_id = request_id if request_id is not None else error.request_id
+            if error.code in (p.VERSION_MISMATCH, p.NO_SESSION):
+                self.log(f"refused a request ({error.code}): {error.message}")
+            return p.error_header(request_id, error.code, error.message)
+        self.log(f"internal error on request {request_id!r}: {type(error).__name__}: {error}\n"
+                 + "".join(traceback.format_exception(error)).rstrip())
+        return p.error_header(request_id, p.INTERNAL, f"{type(error).__name__}: {error}")
+
+    # -- session ----------------------------------------------------------------------------
+
+    def _owned_session(self, peer: bytes) -> Session:
+        if self._session is None or self._session.peer != peer:
+            current = self._session.describe() if self._session else "no parent"
+            raise ProtocolError(p.NO_SESSION, f"no session for this peer (the daemon serves "
+                                              f"{current}); send HELLO first")
+        return self._session
+
+    def _end_session(self, reason: str) -> None:
+        session, self._session = self._session, None
+        self.log(f"session end: {session.describe()} ({reason})")
+        if session.arena is not None:
+            session.arena.detach()
+        try:
+            self.handler.release()
+        except Exception as e:  # noqa: BLE001 - a session ends even if the handler fails
+            self.log(f"handler.release failed: {type(e).__name__}: {e}")
+
+    # -- ops ----------------------------------------------------------------------------------
+
+    def _hello(self, peer: bytes, header: dict, frames: list) -> None:
+        parent = header.get("parent")
+        if (not isinstance(parent, dict) or type(parent.get("pid")) is not int
+                or not isinstance(parent.get("hostname"), str)
+                or not isinstance(parent.get("boot_id"), str)):
+            raise ProtocolError(p.BAD_REQUEST, "hello needs parent {pid, hostname, boot_id}")
+        who = f"parent pid {parent['pid']} on {parent['hostname']}"
+        ours = self.info.get("fingerprint")
+        if header.get("fingerprint") != ours:
+            message = (f"model fingerprint mismatch: parent expects {header.get('fingerprint')!r}, "
+                       f"daemon has {ours!r}")
+            self.log(f"refused {who}: {message}")
+            raise ProtocolError(p.FINGERPRINT_MISMATCH, message)
+        session = self._session
+        if session is not None and session.peer != peer:
+            silent_s = time.monotonic() - session.last_seen
+            if silent_s > self.lease_s:
+                self._end_session(f"silent for {silent_s:.1f} s, lease taken over by {who}")
+            elif session.parent_gone():
+                self._end_session(f"its process is gone, taken over by {who}")
+            else:
+                since = time.strftime("%H:%M:%S", time.localtime(session.started))
+                message = (f"serving {session.describe()} since {since} (last heard "
+                           f"{silent_s:.1f} s ago, lease {self.lease_s:g} s)")
+                self.log(f"refused {who} (busy): {message}")
+                raise ProtocolError(p.BUSY, message)
+        if self._session is None:
+            self._session = Session(peer=peer, parent=dict(parent))
+            self.counts["sessions"] += 1
+            self.log(f"session start: {who}")
+        self._send(peer, p.pack_header(p.HELLO, id=header["id"], **_fields(
+            self.info, p.host_identity(), {"batch_capacity_max": self.batch_capacity_max})))
+
+    def _assign(self, peer: bytes, header: dict, frames: list) -> None:
+        session = self._owned_session(peer)
+        experts = _parse_experts(header.get("experts"), self.info)
+        session.ready = False
+
+        def progress(done: int, total: int) -> None:
+            self._send(peer, p.pack_header(p.PROGRESS, id=header["id"], done=int(done),
+                                           total=int(total)))
+        try:
+            self.handler.assign(experts, progress)
+        except (ValueError, KeyError, IndexError) as e:
+            raise ProtocolError(p.BAD_REQUEST, f"assign: {type(e).__name__}: {e}") from None
+        session.ready = True
+        session.last_seen = time.monotonic()
+        total = sum(len(ids) for ids in experts.values())
+        self.log(f"assigned {total} experts over {len(experts)} layers to {session.describe()}")
+        self._send(peer, p.pack_header(p.READY, id=header["id"]))
+
+    def _attach(self, peer: bytes, header: dict, frames: list) -> None:
+        session = self._owned_session(peer)
+        layout = ArenaLayout.from_fields(header, hidden=self.hidden,
+                                         batch_capacity_max=self.batch_capacity_max)
+        arena = Arena.attach(header.get("name"), layout)
+        if session.arena is not None:
+            session.arena.detach()
+        arena.state = STATE_ATTACHED
+        session.arena = arena
+        self._control_seen = arena.control_bell
+        self.log(f"attached shared arena {arena.name}: {layout.slots} slots of "
+                 f"{layout.slot_bytes / 2**20:.1f} MiB for {session.describe()}")
+        self._send(peer, p.pack_header(p.ATTACH, id=header["id"], name=arena.name))
+
+    def _compute(self, peer: bytes, header: dict, frames: list) -> None:
+        self._owned_session(peer)
+        fields, out = self._run_compute(header, frames, self.batch_capacity_max)
+        self._send(peer, p.result_header(*fields), out)
+
+    def _run_compute(self, header: dict, frames: list, max_tokens: int) -> tuple[tuple, np.ndarray]:
+        """Validate, compute, and return the result_header() arguments and out f32 [T, H]."""
+        if not self._session.ready:
+            raise ProtocolError(p.NOT_READY, "no experts assigned in this session (send ASSIGN)")
+        request = p.parse_compute(header, frames, hidden=self.hidden, max_tokens=max_tokens)
+        start = time.perf_counter()
+        try:
+            out = self.handler.compute(request.layer, request.x, request.counts,
+                                       request.local_ids, request.weights)
+        except (ValueError, KeyError, IndexError) as e:
+            raise ProtocolError(p.BAD_REQUEST, f"compute: {type(e).__name__}: {e}") from None
+        compute_us = (time.perf_counter() - start) * 1e6
+        out = np.ascontiguousarray(out, dtype=np.float32)
+        if out.shape != request.x.shape:
+            raise ProtocolError(p.INTERNAL, f"handler returned shape {out.shape} for "
+                                            f"x of shape {request.x.shape}")
+        return (header["id"], request.layer, *out.shape, compute_us), out
+
+    def _stats(self, peer: bytes, header: dict, frames: list) -> None:
+        session = self._session
+        server = dict(self.counts, parent=session.parent if session else None,
+                      transport="shared" if session and session.arena else "stream")
+        self._send(peer, p.pack_header(p.STATS, id=header["id"], **_fields(
+            self.handler.stats(), {"server": server})))
+
+    def _ping(self, peer: bytes, header: dict, frames: list) -> None:
+        self._send(peer, p.pack_header(p.PONG, id=header["id"]))
+
+    def _bye(self, peer: bytes, header: dict, frames: list) -> None:
+        self._owned_session(peer)
+        self._end_session("bye")
+        self._send(peer, p.pack_header(p.BYE, id=header["id"]))
+
+    def _shutdown(self, peer: bytes, header: dict, frames: list) -> None:
+        if self._session is not None:
+            self._owned_session(peer)
+        self.log("shutdown requested")
+        self._send(peer, p.pack_header(p.BYE, id=header["id"]))
+        self.stop()
+
+
+def _fields(*parts: dict) -> dict:
+    """Merge reply fields, leaving out the names every header reserves."""
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    for reserved in ("v", "op", "id"):
+        merged.pop(reserved, None)
+    return merged
+
+
+def _parse_experts(experts, info: dict) -> dict[int, list[int]]:
+    """ASSIGN's {"<layer>": [global expert ids]} as {layer: ids}; raises ProtocolError."""
+    if not isinstance(experts, dict):
+        raise ProtocolError(p.BAD_REQUEST, "assign needs experts {\"<layer>\": [ids]}")
+    n_layers, n_experts = int(info["n_layers"]), int(info["n_experts"])
+    parsed = {}
+    for key, ids in experts.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()
+                and int(key) < n_layers):
+            raise ProtocolError(p.BAD_REQUEST, f"assign: layer key {key!r} is not a decimal "
+                                               f"string below {n_layers}")
+        if (not isinstance(ids, list) or not all(type(e) is int and 0 <= e < n_experts
+                                                 for e in ids) or len(set(ids)) != len(ids)):
+            raise ProtocolError(p.BAD_REQUEST, f"assign: layer {key} needs distinct expert ids "
+                                               f"in [0, {n_experts})")
+        parsed[int(key)] = ids
+    return parsed

@@ -1,0 +1,155 @@
+"""The parent's side of an attached arena: COMPUTE requests written into slots, replies read
+back from them. Up to `slots` requests are in flight; a submit that finds every slot busy
+completes the oldest request first and keeps its result for wait().
+
+Shape legend: T tokens, H hidden size, P routed pairs.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import lru_cache
+
+import numpy as np
+from moerun.ipc import protocol as p
+from moerun.ipc.doorbell import fence
+from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout, ProtocolError
+from moerun.ipc.shm import DATA_OFFSET, STATE_DETACHED, Arena, request_frame_offsets
+
+PARENT_SPIN_S = 0.0002   # spin this long on a reply before sleeping in futex
+WAIT_SLICE_S = 0.02      # futex sleeps between deadline / liveness / detach checks
+
+
+class SharedChannel:
+    def __init__(self, arena: Arena, endpoint: str, counters, spin_s: float = PARENT_SPIN_S):
+        self.arena, self.endpoint, self.counters, self.spin_s = arena, endpoint, counters, spin_s
+        self.in_flight: dict[int, tuple[int, int, int]] = {}  # id -> (slot, T, H), oldest first
+        self.done: dict[int, np.ndarray | DaemonError] = {}   # finished before wait() asked
+        self._busy = [False] * len(arena.slots)               # a live request owns the slot
+
+    def submit(self, request_id: int, layer: int, x: np.ndarray, counts: np.ndarray,
+               local_ids: np.ndarray, weights: np.ndarray, dtype: str, timeout_s: float,
+               alive: Callable[[], bool] | None) -> None:
+        tokens, hidden = x.shape
+        pairs = len(local_ids)
+        if tokens > self.arena.layout.batch_capacity:
+            raise ValueError(f"{tokens} tokens exceed the arena's batch capacity "
+                             f"{self.arena.layout.batch_capacity}")
+        self._raise_if_detached()
+        index = self._free_slot(timeout_s, alive)
+        slot = self.arena.slots[index]
+        offsets = _request_frames(dtype, tokens, pairs, hidden)
+        buffer = slot.buffer
+        for (offset, nbytes), array in zip(offsets, (p.encode_payload(x, dtype), counts,
+                                                     local_ids, weights)):
+            buffer[offset:offset + nbytes] = memoryview(array).cast("B")
+        header = p.compute_header(request_id, layer, dtype, tokens, pairs, hidden, frames=offsets)
+        slot.write_request_header(header)
+        fence()
+        slot.request_seq = slot.request_seq + 1
+        self.arena.doorbell.ring()
+        self._busy[index] = True
+        self.in_flight[request_id] = (index, tokens, hidden)
+        self.counters.bytes_sent += len(header) + offsets[-1][0] + offsets[-1][1] - DATA_OFFSET
+
+    def wait(self, request_id: int, deadline: float,
+             alive: Callable[[], bool] | None) -> np.ndarray:
+        result = self.done.pop(request_id, None)
+        if result is None:
+            index = self.in_flight[request_id][0]
+            try:
+                self._wait_slot(index, deadline, alive, request_id)
+            except (DaemonTimeout, DaemonDied, DaemonError):
+                del self.in_flight[request_id]
+                self._busy[index] = False  # the slot is reused once the daemon answers it
+                raise
+            result = self._read_reply(request_id)
+        if type(result) is DaemonError:
+            raise result
+        return result
+
+    def close(self) -> None:
+        self.arena.close()
+
+    def _free_slot(self, timeout_s: float, alive) -> int:
+        """A slot with no live request whose last request the daemon has answered; when there
+        is none, complete the oldest request (its result waits in `done`)."""
+        index = self._idle_slot()
+        if index is not None:
+            return index
+        start = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while index is None:
+                if self.in_flight:
+                    oldest = next(iter(self.in_flight))
+                    self._wait_slot(self.in_flight[oldest][0], deadline, alive, oldest)
+                    self.done[oldest] = self._read_reply(oldest)
+                else:  # every slot still holds a request abandoned after a timeout
+                    pending = [i for i, slot in enumerate(self.arena.slots) if slot.pending()]
+                    self._wait_slot(pending[0], deadline, alive, None)
+                index = self._idle_slot()
+            return index
+        finally:
+            self.counters.wait_seconds += time.perf_counter() - start
+
+    def _idle_slot(self) -> int | None:
+        for index, slot in enumerate(self.arena.slots):
+            if not self._busy[index] and not slot.pending():
+                return index
+        return None
+
+    def _wait_slot(self, index: int, deadline: float, alive, request_id: int | None) -> None:
+        """Wait until the daemon answered slot `index` (for request_id, None: any request)."""
+        slot = self.arena.slots[index]
+        expected, reply = slot.request_seq, slot.reply
+        seen, spin_s = reply.value(), self.spin_s
+        while seen != expected:
+            sleep_s = min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
+            if not reply.wait(seen, spin_s, sleep_s):
+                spin_s = 0.0
+                self._check(deadline, alive, request_id)
+            seen = reply.value()
+        fence()
+
+    def _raise_if_detached(self) -> None:
+        if self.arena.state == STATE_DETACHED:
+            raise DaemonError(p.NO_SESSION, "the daemon ended this session (another parent "
+                                            "took over, or it stopped)", self.endpoint)
+
+    def _check(self, deadline: float, alive, request_id: int | None) -> None:
+        what = "a free slot" if request_id is None else f"compute request {request_id}"
+        self._raise_if_detached()
+        if alive is not None and not alive():
+            raise DaemonDied(f"daemon {self.endpoint} died while serving {what}")
+        if time.monotonic() >= deadline:
+            raise DaemonTimeout(f"daemon {self.endpoint}: no reply to {what} in time")
+
+    def _read_reply(self, request_id: int) -> np.ndarray | DaemonError:
+        index, tokens, hidden = self.in_flight.pop(request_id)
+        self._busy[index] = False
+        slot = self.arena.slots[index]
+        try:
+            raw_header = slot.reply_header()
+            header = p.unpack_header(raw_header, "daemon", "parent")
+            if header["op"] == p.ERROR:
+                return DaemonError(str(header.get("code")), str(header.get("message")),
+                                   self.endpoint)
+            nbytes = tokens * hidden * 4
+            if (header["op"] != p.RESULT or header.get("id") != request_id
+                    or header.get("frames") != [[DATA_OFFSET, nbytes]]):
+                raise ProtocolError(p.BAD_FRAME, f"unexpected reply {header}")
+            out = np.frombuffer(slot.buffer, np.float32, tokens * hidden, DATA_OFFSET)
+            out = out.reshape(tokens, hidden).copy()
+        except (ProtocolError, ValueError) as e:
+            return DaemonError(p.BAD_FRAME, f"unreadable slot reply: {e}", self.endpoint)
+        self.counters.bytes_received += len(raw_header) + nbytes
+        self.counters.compute_seconds += float(header.get("compute_us", 0.0)) / 1e6
+        return out
+
+
+@lru_cache(maxsize=1024)
+def _request_frames(dtype: str, tokens: int, pairs: int, hidden: int) -> tuple:
+    """((offset, nbytes), ...) of the four COMPUTE frames in a slot."""
+    return tuple(tuple(entry) for entry in request_frame_offsets(
+        p.compute_frame_sizes(dtype, tokens, pairs, hidden)))

@@ -14,6 +14,7 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 5.0
 RUN_DIR_PREFIX = "moerun-run-"
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclass
@@ -66,10 +67,15 @@ def sweep_stale_run_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def spawn_local_daemon(spec: str, model_path: str | Path, run_dir: Path, index: int) -> LocalDaemon:
-    """Start `moerun daemon` on `spec`'s device, seeing only that device."""
+def spawn_local_daemon(spec: str, model_path: str | Path, run_dir: Path, index: int,
+                       cpu_threads: int) -> LocalDaemon:
+    """Start `moerun daemon` on `spec`'s device, seeing only that device; a CPU daemon's
+    BLAS gets `cpu_threads` threads unless the environment already says how many."""
     endpoint = f"ipc://{run_dir}/daemon-{index}.sock"
     device, env = _pinned_device(spec)
+    if device == "cpu":
+        for variable in BLAS_THREAD_VARIABLES:
+            env.setdefault(variable, str(cpu_threads))
     log_path = run_dir / f"daemon-{index}.log"
     command = [sys.executable, "-m", "moerun", "daemon", "--model", str(model_path), "--device", device,
                "--listen", endpoint, "--parent-pid", str(os.getpid())]

@@ -78,6 +78,7 @@ def serve_raw_shm(path: str) -> None:
         mm = mmap.mmap(f.fileno(), 0)
     words, buffer = memoryview(mm).cast("I"), memoryview(mm)
     reply_at, reply_bytes = words[2], words[3]
+    words[5] = 1  # mapped: the parent may unlink the file
     seen = 0
     while True:
         while words[0] == seen:
@@ -116,7 +117,11 @@ def raw_shm_path(tokens: int):
     words, buffer = memoryview(mm).cast("I"), memoryview(mm)
     words[2], words[3] = reply_at, x.nbytes
     child = spawn("raw-shm", path)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while not words[5]:
+        if child.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the raw shared-memory child did not start")
+        time.sleep(0.01)
     os.unlink(path)
 
     def round_trip():

@@ -2,6 +2,7 @@
 experts, watched, and marked down when they fail (their experts then run on the parent)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from threadpoolctl import ThreadpoolController
 
 from moerun.config import LOCAL_DEVICE, RigConfig
 from moerun.daemons.launcher import (
@@ -65,6 +67,7 @@ class Rig:
         self.fingerprint = gguf.fingerprint()
         self.placement = _placement(config, spec, self.fingerprint)
         self.links: list[DaemonLink] = []
+        self._blas_limit = None
         self.context = zmq.Context()
         sweep_stale_segments()
         sweep_stale_run_dirs()
@@ -76,7 +79,11 @@ class Rig:
             raise
 
     def _start(self, gguf: GGUFFile) -> None:
-        locals_ = {i: spawn_local_daemon(spec, gguf.path, self.run_dir, i)
+        cpu_daemons = sum(spec == "cpu" for spec in self.config.daemons)
+        cpu_threads = max(1, (os.cpu_count() or 1) // (cpu_daemons + 1))
+        if cpu_daemons:   # the parent's BLAS threads spin while it waits: share the cores, don't fight
+            self._blas_limit = ThreadpoolController().limit(limits=cpu_threads, user_api="blas")
+        locals_ = {i: spawn_local_daemon(spec, gguf.path, self.run_dir, i, cpu_threads)
                    for i, spec in enumerate(self.config.daemons) if LOCAL_DEVICE.match(spec)}
         for i, spec in enumerate(self.config.daemons):
             local = locals_.get(i)
@@ -163,6 +170,8 @@ class Rig:
         self.links = []
         remove_run_dir(self.run_dir)
         self.context.term()
+        if self._blas_limit is not None:
+            self._blas_limit.restore_original_limits()
 
 
 def _placement(config: RigConfig, spec: ModelSpec, fingerprint: str) -> Placement:

@@ -19,6 +19,7 @@ from moerun.ipc.server import Server
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.moe.experts import ExpertWeights, grouped_ffn
+from moerun.units import available_host_bytes
 
 
 class DeviceUnavailable(RuntimeError):
@@ -51,7 +52,8 @@ class ExpertDaemon:
     def info(self) -> dict:
         return {"fingerprint": self._fingerprint, "device": self.device, "backend": self.backend,
                 "model": str(self.gguf.path), "n_layers": self.spec.n_layers,
-                "n_experts": self.spec.n_experts, "hidden": self.spec.hidden}
+                "n_experts": self.spec.n_experts, "hidden": self.spec.hidden,
+                "free_bytes": available_host_bytes()}
 
     def assign(self, experts: dict[int, list[int]], progress: Callable[[int, int], None]) -> None:
         """Load exactly these experts (global ids per layer) from this daemon's own mmap."""

@@ -79,6 +79,8 @@ def runtime_options(command):
     for option in reversed([
         click.option("--ctx", type=click.IntRange(min=1), default=None,
                      help="Context length in tokens [default: the model's, at most 4096]."),
+        click.option("--kv-pool", type=click.IntRange(min=1), default=None,
+                     help="Hold at most this many tokens of KV cache (a sequence that outgrows it is an error)."),
         click.option("--ubatch", type=click.IntRange(min=1), default=DEFAULT_UBATCH, show_default=True,
                      help="Prefill chunk size in tokens."),
         click.option("--daemon", "daemons", multiple=True, metavar="SPEC",
@@ -87,8 +89,8 @@ def runtime_options(command):
         click.option("--hot", type=click.IntRange(min=0), default=None,
                      help="Keep experts 0..N-1 of each layer on the parent, deal the rest to the daemons "
                           "[default: experts per token]."),
-        click.option("--placement", type=click.Path(dir_okay=False), default=None,
-                     help="Placement JSON file (docs/placement.md)."),
+        click.option("--placement", default=None, metavar="FILE|auto",
+                     help="Placement JSON file (docs/placement.md), or auto: plan from the free memory now."),
         click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True,
                      help="shared: shared memory (same host); stream: ZeroMQ frames; auto: shared when possible."),
         click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
@@ -107,12 +109,12 @@ def runtime_options(command):
     return command
 
 
-def open_runtime(model, ctx, ubatch, daemons, hot, placement, transport, mode, batch_capacity, payload_dtype,
+def open_runtime(model, ctx, kv_pool, ubatch, daemons, hot, placement, transport, mode, batch_capacity, payload_dtype,
                  daemon_timeout, require_daemons) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
                     require_daemons=require_daemons)
-    return Runtime(model, ctx=ctx, ubatch=ubatch, rig=rig)
+    return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig)
 
 
 @main.command()
@@ -296,7 +298,8 @@ def profile(model, prompts_file, output, n_predict, chat, ctx, ubatch):
         for prompt in prompts:
             text = _render(runtime.tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
             ids = runtime.tokenizer.encode(text)[: runtime.ctx - n_predict]
-            tokens += len(ids) + len(list(runtime.generate(ids, n_predict, SamplingParams(temperature=0.0))))
+            tokens += len(ids) + len(list(runtime.generate(ids, n_predict, SamplingParams(temperature=0.0),
+                                                           runtime.tokenizer.stop_ids)))
         write_hotness(output, counter.counts, runtime.spec)
     click.echo(f"profiled {len(prompts)} prompts, {tokens} tokens: routing counts in {output}", err=True)
 

@@ -9,6 +9,7 @@ MODES = ("auto", "batched", "stream")
 PAYLOAD_DTYPES = ("f32", "f16", "bf16")
 MAX_BATCH_CAPACITY = 4096
 STREAM_SLICE_TOKENS = 4          # --mode stream: prefill tokens per call per daemon
+AUTO = "auto"                    # --placement auto: plan from the devices' free memory at start-up
 
 LOCAL_DEVICE = re.compile(r"^(cpu|cuda:\d+|hip:\d+)$")
 REMOTE_ENDPOINT = re.compile(r"^(ipc://.+|tcp://[^:/]+:\d+)$")
@@ -22,7 +23,7 @@ class ConfigError(ValueError):
 class RigConfig:
     daemons: tuple[str, ...] = ()        # cpu | cuda:N | hip:N (spawned) or ipc://… | tcp://… (connected)
     hot: int | None = None               # --hot N; None = the model's experts-per-token
-    placement: str | None = None         # --placement FILE
+    placement: str | None = None         # --placement FILE, or "auto"
     transport: str = "auto"
     mode: str = "auto"
     batch_capacity: int = 1024

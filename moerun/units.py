@@ -1,6 +1,7 @@
 """Byte sizes as people write them: 24GiB, 512MiB, 64GB, 1000000."""
 from __future__ import annotations
 
+import os
 import re
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -14,3 +15,14 @@ def parse_bytes(text: str, flag: str) -> int:
     if not match or match[2].lower() not in UNITS:
         raise ValueError(f"{flag}: cannot read size {text!r} (write e.g. 24GiB, 512MiB, 64GB)")
     return int(float(match[1]) * UNITS[match[2].lower()])
+
+
+def available_host_bytes() -> int:
+    """Memory the host can still give out without swapping (MemAvailable on Linux)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -15,6 +15,10 @@ PRESETS = {
     "mid": SyntheticConfig(name="synthetic-mid", n_layers=8, hidden=1024, n_heads=16, n_kv_heads=4,
                            head_dim=64, n_experts=32, n_experts_used=4, expert_ff=512, vocab_size=32000),
     "tiny": SyntheticConfig(name="synthetic-tiny"),
+    # skewed routing, for placement benchmarks: 32 experts, a few of them routed to far more often
+    "skewed": SyntheticConfig(name="synthetic-skewed", n_layers=4, hidden=512, n_heads=8, n_kv_heads=2,
+                              head_dim=64, n_experts=32, n_experts_used=4, expert_ff=256, vocab_size=2048,
+                              router_skew=3.0),
 }
 
 

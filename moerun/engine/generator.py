@@ -53,7 +53,8 @@ class RunStats:
 
 
 class Runtime:
-    def __init__(self, path: str | Path, *, ctx: int | None = None, ubatch: int = DEFAULT_UBATCH,
+    def __init__(self, path: str | Path, *, ctx: int | None = None, kv_pool: int | None = None,
+                 ubatch: int = DEFAULT_UBATCH,
                  expert_cache_bytes: int = DEFAULT_EXPERT_CACHE_BYTES, rig: RigConfig = RigConfig()):
         if ubatch < 1:
             raise RequestError(f"--ubatch must be at least 1 (got {ubatch})")
@@ -64,9 +65,10 @@ class Runtime:
         try:
             self.spec = load_spec(self.gguf)
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
+            self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
             self.model = MoEModel(self.gguf, self.spec, expert_cache_bytes)
             if rig.daemons:
-                self.rig = Rig(rig, self.gguf, self.spec)
+                self.rig = Rig(rig, self.gguf, self.spec, kv_tokens=self.kv_pool or self.ctx)
                 self.model.moe = Dispatcher(self.model.experts, self.rig)
         except BaseException:
             self.close()
@@ -130,6 +132,8 @@ class Runtime:
             history.append(token)
             if stats.generated_tokens == max_new_tokens or cache.length >= self.ctx:
                 return
+            if cache.length >= cache.capacity:
+                raise RequestError(self._pool_full(cache.length + 1))
             started = time.perf_counter()
             logits = self.model.forward(np.array([token]), cache, all_logits=False)
             stats.decode_seconds += time.perf_counter() - started
@@ -140,10 +144,16 @@ class Runtime:
             raise RequestError("the prompt is empty: give at least one token")
         if len(ids) > self.ctx:
             raise RequestError(f"the prompt has {len(ids)} tokens but the context is {self.ctx}; raise --ctx")
+        if self.kv_pool is not None and len(ids) > self.kv_pool:
+            raise RequestError(self._pool_full(len(ids)))
         bad = [i for i in ids if not 0 <= i < self.spec.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab - 1})")
-        return KVCache(self.spec, self.ctx)
+        return KVCache(self.spec, self.kv_pool or self.ctx)
+
+    def _pool_full(self, needed: int) -> str:
+        return (f"the sequence needs {needed} KV positions but the KV pool holds {self.kv_pool} "
+                f"(--kv-pool); raise --kv-pool, or drop it to reserve the whole --ctx {self.ctx}")
 
     def _chunks(self, ids: Sequence[int]) -> Iterator[np.ndarray]:
         array = np.asarray(ids, dtype=np.int64)

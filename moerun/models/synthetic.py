@@ -45,6 +45,7 @@ class SyntheticConfig:
     ftype: str = "Q8_0"              # F32 | F16 | BF16 | Q8_0 | Q4_0 (2-D weights; norms stay F32)
     weight_std: float = 0.02
     router_std: float = 0.1
+    router_skew: float = 0.0         # > 0: a few experts (a seeded random set) win most of the routing
     seed: int = 0
 
 
@@ -134,7 +135,21 @@ def _random_tensors(c: SyntheticConfig, vocab: int, rng: np.random.Generator) ->
         }
     tensors["output_norm.weight"] = np.ones(c.hidden, np.float32)
     tensors["output.weight"] = normal(vocab, c.hidden, std=0.05)                         # [V, H]
+    if c.router_skew > 0:
+        _skew_routing(tensors, c, rng)
     return tensors
+
+
+def _skew_routing(tensors: dict[str, np.ndarray], c: SyntheticConfig, rng: np.random.Generator) -> None:
+    """Give every token a shared direction and point the routers of a random set of
+    experts along it, with Zipf-like strength (1/rank): those experts win most tokens."""
+    direction = rng.normal(size=c.hidden).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    tensors["token_embd.weight"] += 2.0 * direction                                       # [V, H]
+    for i in range(c.n_layers):
+        rank = rng.permutation(c.n_experts)                                               # [E] popularity rank
+        strength = c.router_skew / (1.0 + rank)
+        tensors[f"blk.{i}.ffn_gate_inp.weight"] += (strength[:, None] * direction[None, :]).astype(np.float32)
 
 
 def _bigram_head(ids: list[int], vocab: int, hidden: int) -> tuple[np.ndarray, np.ndarray]:

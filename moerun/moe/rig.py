@@ -12,7 +12,7 @@ from pathlib import Path
 import zmq
 from threadpoolctl import ThreadpoolController
 
-from moerun.config import LOCAL_DEVICE, RigConfig
+from moerun.config import AUTO, LOCAL_DEVICE, RigConfig
 from moerun.daemons.launcher import (
     LocalDaemon,
     make_run_dir,
@@ -25,6 +25,15 @@ from moerun.ipc.client import DaemonClient
 from moerun.ipc.shm import sweep_stale_segments
 from moerun.models.spec import ModelSpec
 from moerun.moe.placement import Placement, hot_placement, load_placement
+from moerun.moe.planner import (
+    DeviceBudget,
+    PlanError,
+    PlanRequest,
+    explain,
+    model_sizes,
+    plan,
+)
+from moerun.units import available_host_bytes
 
 SPAWN_TIMEOUT_S = 60.0
 GOODBYE_TIMEOUT_S = 2.0
@@ -61,11 +70,12 @@ class DaemonLink:
 
 
 class Rig:
-    def __init__(self, config: RigConfig, gguf: GGUFFile, spec: ModelSpec):
+    def __init__(self, config: RigConfig, gguf: GGUFFile, spec: ModelSpec, kv_tokens: int):
         self.config = config
         self.spec = spec
+        self.kv_tokens = kv_tokens
         self.fingerprint = gguf.fingerprint()
-        self.placement = _placement(config, spec, self.fingerprint)
+        self.placement = None if config.placement == AUTO else _placement(config, spec, self.fingerprint)
         self.links: list[DaemonLink] = []
         self._blas_limit = None
         self.context = zmq.Context()
@@ -95,7 +105,26 @@ class Rig:
             link = DaemonLink(i, spec, client, local)
             self.links.append(link)
             self._handshake(link)
+        if self.placement is None:
+            self.placement = self._auto_placement(gguf)
         self._assign_all()
+
+    def _auto_placement(self, gguf: GGUFFile) -> Placement:
+        """--placement auto: plan from the memory each process can have now. The parent and
+        the CPU daemons on this host share its available RAM equally; other daemons report
+        their own free memory in HELLO."""
+        local_cpu = [link for link in self.links if link.client.info.get("device") == "cpu" and link.client.same_host()]
+        host_share = available_host_bytes() // (1 + len(local_cpu))
+        daemons = tuple(DeviceBudget(link.spec, host_share if link in local_cpu else int(link.client.info["free_bytes"]))
+                        for link in self.links)
+        request = PlanRequest(sizes=model_sizes(gguf, self.spec), parent=DeviceBudget("parent cpu", host_share, True),
+                              daemons=daemons, context=self.kv_tokens, kv_dtype="f32")
+        try:
+            result = plan(request)
+        except PlanError as err:
+            raise RigError(f"--placement auto: {err}") from None
+        log(f"--placement auto:\n{explain(result)}")
+        return result.placement
 
     def _handshake(self, link: DaemonLink) -> None:
         try:

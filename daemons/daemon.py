@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -113,6 +114,9 @@ class ExpertDaemon:
 def serve(model_path: str, device: str, listen: str, parent_pid: int | None) -> None:
     """Run a daemon until SHUTDOWN, SIGTERM/SIGINT, or the death of `parent_pid`."""
     daemon = ExpertDaemon(model_path, device)
+    if _exposed(listen):
+        print(f"moerun daemon: warning: {listen} accepts unauthenticated connections from other hosts; "
+              f"listen on ipc:// or a loopback address unless the network is trusted", file=sys.stderr, flush=True)
     server = Server(listen, daemon)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())
@@ -122,6 +126,14 @@ def serve(model_path: str, device: str, listen: str, parent_pid: int | None) -> 
         server.serve_forever()
     finally:
         daemon.gguf.close()
+
+
+def _exposed(endpoint: str) -> bool:
+    """A tcp:// endpoint other hosts can reach."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host not in ("localhost", "::1") and not host.startswith("127.")
 
 
 def _stop_when_gone(pid: int, server: Server) -> None:

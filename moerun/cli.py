@@ -1,7 +1,6 @@
 """The `moerun` command line."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -11,23 +10,20 @@ from pathlib import Path
 import click
 import numpy as np
 
-from moerun.config import (
-    MAX_BATCH_CAPACITY,
-    MODES,
-    PAYLOAD_DTYPES,
-    REMOTE_ENDPOINT,
-    STREAM_SLICE_TOKENS,
-    TRANSPORTS,
-    RigConfig,
+from moerun.cli_options import (
+    DEMO_DAEMONS,
+    friendly_errors,
+    open_runtime,
+    runtime_options,
 )
-from moerun.daemons.daemon import DeviceUnavailable
-from moerun.engine.generator import DEFAULT_UBATCH, RequestError, RunStats, Runtime
+from moerun.config import (
+    REMOTE_ENDPOINT,
+)
+from moerun.engine.generator import DEFAULT_UBATCH, RunStats, Runtime
 from moerun.engine.report import stats_document, stats_table
 from moerun.engine.sampler import SamplingParams
-from moerun.gguf.chat import DEFAULT_CHATML, render_chat
-from moerun.gguf.reader import GGUFError, GGUFFile
-from moerun.gguf.tokenizer import TokenizerError
-from moerun.ipc.protocol import DaemonError
+from moerun.gguf.chat import render_messages
+from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.moe.hotness import RoutingCounter, read_hotness, write_hotness
 from moerun.moe.planner import (
@@ -38,28 +34,10 @@ from moerun.moe.planner import (
     model_sizes,
 )
 from moerun.moe.planner import plan as make_plan
-from moerun.moe.rig import RigError
+from moerun.server.command import serve
 from moerun.units import parse_bytes
 
 DEFAULT_PROMPT = "The experts"
-DEMO_DAEMONS = ("cpu", "cpu")
-
-
-def friendly_errors(command):
-    """Turn every expected failure into one `Error: ...` line and exit status 1."""
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        # ValueError covers ConfigError, PlacementError, PlanError, HotnessError and bad sizes
-        except (GGUFError, TokenizerError, RequestError, RigError, DaemonError, DeviceUnavailable, ValueError) as err:
-            raise click.ClickException(str(err)) from None
-        except OSError as err:
-            raise click.ClickException(f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")) from None
-        except KeyboardInterrupt:
-            click.echo("", err=True)
-            sys.exit(130)
-    return wrapper
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -72,49 +50,6 @@ def main() -> None:
 def _exit_on_sigterm(signum, frame) -> None:
     """SIGTERM unwinds like Ctrl-C does, so daemons and shared memory are released."""
     raise SystemExit(128 + signum)
-
-
-def runtime_options(command):
-    """Flags shared by every command that loads a model: context, prefill chunking, the rig."""
-    for option in reversed([
-        click.option("--ctx", type=click.IntRange(min=1), default=None,
-                     help="Context length in tokens [default: the model's, at most 4096]."),
-        click.option("--kv-pool", type=click.IntRange(min=1), default=None,
-                     help="Hold at most this many tokens of KV cache (a sequence that outgrows it is an error)."),
-        click.option("--ubatch", type=click.IntRange(min=1), default=DEFAULT_UBATCH, show_default=True,
-                     help="Prefill chunk size in tokens."),
-        click.option("--daemon", "daemons", multiple=True, metavar="SPEC",
-                     help="Expert daemon: cpu, cuda:N or hip:N (spawned here) or ipc://PATH, tcp://HOST:PORT "
-                          "(running already). Repeatable."),
-        click.option("--hot", type=click.IntRange(min=0), default=None,
-                     help="Keep experts 0..N-1 of each layer on the parent, deal the rest to the daemons "
-                          "[default: experts per token]."),
-        click.option("--placement", default=None, metavar="FILE|auto",
-                     help="Placement JSON file (docs/placement.md), or auto: plan from the free memory now."),
-        click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True,
-                     help="shared: shared memory (same host); stream: ZeroMQ frames; auto: shared when possible."),
-        click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
-                     help=f"batched: a whole prefill chunk per call; stream: {STREAM_SLICE_TOKENS} tokens per call."),
-        click.option("--batch-capacity", type=click.IntRange(1, MAX_BATCH_CAPACITY), default=1024,
-                     show_default=True, help="Most prefill tokens per daemon call in batched mode."),
-        click.option("--payload-dtype", type=click.Choice(PAYLOAD_DTYPES), default="f32", show_default=True,
-                     help="Activations sent to daemons (replies are f32)."),
-        click.option("--daemon-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
-                     show_default=True, help="Seconds a daemon may take per call before the parent computes "
-                                             "its experts itself."),
-        click.option("--require-daemons", is_flag=True,
-                     help="Stop with an error instead of computing a failed daemon's experts on the parent."),
-    ]):
-        command = option(command)
-    return command
-
-
-def open_runtime(model, ctx, kv_pool, ubatch, daemons, hot, placement, transport, mode, batch_capacity, payload_dtype,
-                 daemon_timeout, require_daemons) -> Runtime:
-    rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
-                    batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
-                    require_daemons=require_daemons)
-    return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig)
 
 
 @main.command()
@@ -160,17 +95,10 @@ def run(model, prompt, chat, n_predict, temp, top_k, top_p, min_p, repeat_penalt
         else:
             text = prompt if prompt is not None else DEFAULT_PROMPT
             if chat:
-                text = _render(tokenizer, [{"role": "user", "content": text}])
+                text = render_messages(tokenizer, [{"role": "user", "content": text}])
             _generate(runtime, tokenizer.encode(text), n_predict, sampling, run_stats)
             click.echo()
         _report(stats_document(runtime, run_stats, seed=seed), stats, stats_json)
-
-
-def _render(tokenizer, messages: list[dict]) -> str:
-    template = tokenizer.chat_template or DEFAULT_CHATML
-    return render_chat(template, messages,
-                       bos_token=tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
-                       eos_token=tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else "")
 
 
 def _generate(runtime: Runtime, ids: list[int], n_predict: int, sampling: SamplingParams, stats: RunStats) -> str:
@@ -198,7 +126,7 @@ def _chat_loop(runtime: Runtime, n_predict: int, sampling: SamplingParams, stats
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = runtime.tokenizer.encode(_render(runtime.tokenizer, messages))
+        ids = runtime.tokenizer.encode(render_messages(runtime.tokenizer, messages))
         reply = _generate(runtime, ids, n_predict, sampling, stats)
         click.echo()
         messages.append({"role": "assistant", "content": reply})
@@ -296,7 +224,7 @@ def profile(model, prompts_file, output, n_predict, chat, ctx, ubatch):
         counter = runtime.model.routing_counter = RoutingCounter(runtime.spec)
         tokens = 0
         for prompt in prompts:
-            text = _render(runtime.tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
+            text = render_messages(runtime.tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
             ids = runtime.tokenizer.encode(text)[: runtime.ctx - n_predict]
             tokens += len(ids) + len(list(runtime.generate(ids, n_predict, SamplingParams(temperature=0.0),
                                                            runtime.tokenizer.stop_ids)))
@@ -348,5 +276,5 @@ def _write_atomic(path: Path, data: bytes) -> None:
     finally:
         partial.unlink(missing_ok=True)
 
-if __name__ == "__main__":
-    main()
+
+main.add_command(serve)

@@ -12,10 +12,10 @@ from moerun.engine.generator import RequestError, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
+from moerun.models.synthetic import SyntheticConfig, write_synthetic_model
 from moerun.moe.hotness import HotnessError, read_hotness
 from moerun.moe.placement import load_placement
 from moerun.moe.planner import model_sizes
-from moerun.models.synthetic import SyntheticConfig, write_synthetic_model
 
 CONFIG = SyntheticConfig(name="skewed-test", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32,
                          n_experts=16, n_experts_used=2, expert_ff=64, vocab_size=400, router_skew=3.0)

@@ -95,3 +95,12 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
+
+
+def render_messages(tokenizer, messages: list[dict]) -> str:
+    """The file's chat template (ChatML when it has none) applied to `messages`, ready for
+    the assistant's reply."""
+    template = tokenizer.chat_template or DEFAULT_CHATML
+    return render_chat(template, messages,
+                       bos_token=tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else "",
+                       eos_token=tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else "")

@@ -1,0 +1,1 @@
+"""`moerun serve`: an OpenAI-compatible HTTP server over one Runtime (docs/server.md)."""

@@ -1,0 +1,194 @@
+"""The ASGI app: OpenAI's chat and text completions (whole or streamed as server-sent events),
+the model list, /health and /metrics. Every refusal is an OpenAI error body with a 4xx or 503
+status; nothing answers with a traceback."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from moerun.server.engine import Engine, Failed, Finished, Job, Piece
+from moerun.server.responses import Reply, model_list
+from moerun.server.schemas import ApiError, Generation, parse_chat, parse_completion
+
+
+def create_app(engine: Engine, model_id: str) -> Starlette:
+    """The app serves `engine` under the name `model_id`; it starts the engine and stops it on shutdown."""
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        engine.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(engine.stop)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={ApiError: refused, HTTPException: http_error, Exception: internal_error},
+    )
+    app.state.engine = engine
+    app.state.model_id = model_id
+    app.state.created = int(time.time())
+    return app
+
+
+async def chat_completions(request: Request) -> Response:
+    chat = parse_chat(await json_body(request))
+    engine: Engine = request.app.state.engine
+    return await complete(request, chat.generation, partial(engine.chat_prompt, chat.messages), chat=True)
+
+
+async def completions(request: Request) -> Response:
+    completion = parse_completion(await json_body(request))
+    engine: Engine = request.app.state.engine
+    return await complete(request, completion.generation, partial(engine.text_prompt, completion.prompt), chat=False)
+
+
+async def complete(request: Request, generation: Generation, prompt_ids: Callable[[], list[int]],
+                   chat: bool) -> Response:
+    """Queue the request and answer it whole or as a stream of chunks."""
+    model_id = request.app.state.model_id
+    if generation.model != model_id:
+        raise ApiError(404, f"the model '{generation.model}' does not exist; this server runs '{model_id}'",
+                       param="model", code="model_not_found")
+    engine: Engine = request.app.state.engine
+    job = engine.submit(await run_in_threadpool(prompt_ids), generation)
+    reply = Reply(model_id, chat)
+    if generation.stream:
+        return StreamingResponse(event_stream(job, reply, generation.include_usage), media_type="text/event-stream")
+    return await whole_reply(request, job, reply)
+
+
+async def whole_reply(request: Request, job: Job, reply: Reply) -> Response:
+    """Wait for the whole text, or for the client to hang up (which cancels the job). When the
+    server stops before the text is done, it cancels this handler: the client gets a 503."""
+    collecting = asyncio.ensure_future(collect(job))
+    hanging_up = asyncio.ensure_future(client_gone(request))
+    try:
+        done, _ = await asyncio.wait({collecting, hanging_up}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        return error_response(ApiError(503, "the server is shutting down", type="server_error", code="shutting_down"))
+    finally:
+        hanging_up.cancel()
+        if not collecting.done():
+            collecting.cancel()
+            job.cancel()
+    if collecting not in done:
+        return Response(status_code=499)           # nobody reads it: the client is gone
+    result = collecting.result()
+    if isinstance(result, ApiError):
+        return error_response(result)
+    text, finished = result
+    return JSONResponse(reply.whole(text, finished))
+
+
+async def collect(job: Job) -> tuple[str, Finished] | ApiError:
+    pieces = []
+    async for event in job.events():
+        if isinstance(event, Piece):
+            pieces.append(event.text)
+        elif isinstance(event, Failed):
+            return event.error
+        else:
+            return "".join(pieces), event
+
+
+async def client_gone(request: Request) -> None:
+    """Return when the client disconnects (the body has been read, so nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def event_stream(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: chunks, the finish reason, the usage if asked, then [DONE]. The
+    response stops this generator when the client disconnects, which cancels the job."""
+    try:
+        first = reply.first_chunk()
+        if first is not None:
+            yield sse(first)
+        async for event in job.events():
+            if isinstance(event, Piece):
+                yield sse(reply.text_chunk(event.text))
+            elif isinstance(event, Failed):
+                yield sse(event.error.body())
+                return
+            else:
+                yield sse(reply.last_chunk(event))
+                if include_usage:
+                    yield sse(reply.usage_chunk(event))
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse(model_list(request.app.state.model_id, request.app.state.created))
+
+
+async def model(request: Request) -> Response:
+    listing = model_list(request.app.state.model_id, request.app.state.created)["data"][0]
+    if request.path_params["model_id"] != listing["id"]:
+        raise ApiError(404, f"the model '{request.path_params['model_id']}' does not exist", code="model_not_found")
+    return JSONResponse(listing)
+
+
+async def health(request: Request) -> Response:
+    engine: Engine = request.app.state.engine
+    if engine.ready:
+        return JSONResponse({"status": "ok"})
+    if engine.load_error:
+        return JSONResponse({"status": "error", "message": engine.load_error}, status_code=503)
+    return JSONResponse({"status": "loading"}, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def refused(request: Request, error: ApiError) -> Response:
+    request.app.state.engine.metrics.requests.labels("rejected").inc()
+    return error_response(error)
+
+
+async def http_error(request: Request, error: HTTPException) -> Response:
+    return await refused(request, ApiError(error.status_code, f"{request.method} {request.url.path}: {error.detail}"))
+
+
+async def internal_error(request: Request, error: Exception) -> Response:
+    """A bug: the client gets a plain message, the traceback goes to the server's log."""
+    return error_response(ApiError(500, "the server failed to handle the request", type="server_error"))

@@ -1,0 +1,91 @@
+"""What /metrics shows, in Prometheus text format (series described in docs/server.md).
+
+Request and token series are updated by the engine as it works; daemon and MoE series are
+read from the runtime's own counters at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from moerun.engine.generator import Runtime
+
+OUTCOMES = ("stop", "length", "cancelled", "failed", "rejected")
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter("moerun_requests", "Requests ended, by outcome: stop, length (finish reasons), "
+                                "cancelled (client gone), failed (server error), rejected (4xx/429/503)",
+                                ["outcome"], registry=registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter("moerun_prompt_tokens", "Prompt tokens prefilled", registry=registry)
+        self.generation_tokens = Counter("moerun_generation_tokens", "Tokens generated", registry=registry)
+        self.prompt_tokens_per_second = Gauge("moerun_prompt_tokens_per_second",
+                                              "Prefill throughput of the last request", registry=registry)
+        self.generation_tokens_per_second = Gauge("moerun_generation_tokens_per_second",
+                                                  "Decode throughput of the last request", registry=registry)
+        self.running = Gauge("moerun_requests_running", "Requests generating now (0 or 1)", registry=registry)
+        self.queued = Gauge("moerun_requests_queued", "Requests waiting for their turn", registry=registry)
+        self.time_to_first_token = Histogram("moerun_time_to_first_token_seconds",
+                                             "From arrival to the first generated token, queueing included",
+                                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.request_duration = Histogram("moerun_request_duration_seconds",
+                                          "From arrival to the last generated token, queueing included",
+                                          buckets=LATENCY_BUCKETS, registry=registry)
+
+    def watch(self, runtime: Runtime) -> None:
+        """Show the loaded runtime's daemon and MoE counters from now on."""
+        self.registry.register(RuntimeCollector(runtime))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RuntimeCollector:
+    """Per-daemon IPC counters and state, and the MoE dispatch counters, as they are at scrape time."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    def collect(self):
+        labels = ["daemon", "spec"]
+        calls = CounterMetricFamily("moerun_daemon_calls", "Compute calls sent to the daemon", labels=labels)
+        sent = CounterMetricFamily("moerun_daemon_sent_bytes", "Bytes sent to the daemon", labels=labels)
+        received = CounterMetricFamily("moerun_daemon_received_bytes", "Bytes received from the daemon",
+                                       labels=labels)
+        wait = CounterMetricFamily("moerun_daemon_wait_seconds", "Time the parent waited for the daemon",
+                                   labels=labels)
+        compute = CounterMetricFamily("moerun_daemon_compute_seconds", "Time the daemon spent computing",
+                                      labels=labels)
+        fallback = CounterMetricFamily("moerun_daemon_fallback_calls",
+                                       "Calls the parent computed itself because the daemon was down", labels=labels)
+        up = GaugeMetricFamily("moerun_daemon_up", "1 while the daemon is in use, 0 once it is marked down",
+                               labels=labels)
+        rig = self.runtime.rig
+        for link in rig.links if rig else []:
+            names, counters = [f"d{link.index}", link.spec], link.client.counters
+            calls.add_metric(names, counters.calls)
+            sent.add_metric(names, counters.bytes_sent)
+            received.add_metric(names, counters.bytes_received)
+            wait.add_metric(names, counters.wait_seconds)
+            compute.add_metric(names, counters.compute_seconds)
+            fallback.add_metric(names, link.fallback_calls)
+            up.add_metric(names, 1 if link.up else 0)
+        yield from (calls, sent, received, wait, compute, fallback, up)
+
+        moe = self.runtime.model.moe.stats
+        yield CounterMetricFamily("moerun_moe_routed_pairs", "(token, expert) pairs routed", value=moe.routed_pairs)
+        yield CounterMetricFamily("moerun_moe_remote_pairs", "Routed pairs sent to a daemon", value=moe.remote_pairs)
+        yield CounterMetricFamily("moerun_moe_fallback_pairs", "Routed pairs the parent computed after a daemon failed",
+                                  value=moe.fallback_pairs)

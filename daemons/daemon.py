@@ -7,7 +7,6 @@ Shape legend: T tokens, H hidden, P routed pairs (token, expert), F expert FFN w
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -20,6 +19,7 @@ from moerun.ipc.server import Server
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.moe.experts import ExpertWeights, grouped_ffn
+from moerun.procs import pid_alive
 from moerun.units import available_host_bytes
 
 
@@ -138,17 +138,6 @@ def _exposed(endpoint: str) -> bool:
 
 def _stop_when_gone(pid: int, server: Server) -> None:
     """A spawned daemon never outlives its parent (backs up PR_SET_PDEATHSIG)."""
-    while _alive(pid):
+    while pid_alive(pid):
         time.sleep(0.5)
     server.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    return True
-

@@ -11,6 +11,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from moerun.procs import pid_alive
+
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 5.0
 RUN_DIR_PREFIX = "moerun-run-"
@@ -63,7 +65,7 @@ def sweep_stale_run_dirs() -> None:
     """Remove run directories left by parents that were killed (their pid is gone)."""
     for path in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
         pid = path.name[len(RUN_DIR_PREFIX):].split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -121,12 +121,17 @@ def unpack_header(data, sender: str = "peer", receiver: str = "this side") -> di
         raise ProtocolError(BAD_FRAME, f"header is a {type(header).__name__}, not a map")
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(VERSION_MISMATCH, f"protocol version mismatch: {sender} speaks "
-                                              f"version {version!r}, {receiver} speaks version "
-                                              f"{PROTOCOL_VERSION}", header.get("id"))
+        raise version_mismatch(version, sender, receiver, header.get("id"))
     if not isinstance(header.get("op"), str):
         raise ProtocolError(BAD_FRAME, "header has no string 'op'")
     return header
+
+
+def version_mismatch(version, sender: str, receiver: str, request_id=None) -> ProtocolError:
+    """The error for a message of another protocol version, naming both sides' versions."""
+    return ProtocolError(VERSION_MISMATCH, f"protocol version mismatch: {sender} speaks version "
+                                           f"{version!r}, {receiver} speaks version "
+                                           f"{PROTOCOL_VERSION}", request_id)
 
 
 def host_identity() -> dict:
@@ -171,22 +176,15 @@ class ComputeRequest:
 
 
 def compute_header(request_id: int, layer: int, dtype: str, tokens: int, pairs: int,
-                   hidden: int, frames=None) -> bytes:
-    """A COMPUTE header; `frames` lists [offset, nbytes] of each frame in a shared slot."""
-    header = {"v": PROTOCOL_VERSION, "op": COMPUTE, "id": request_id, "layer": layer,
-              "dtype": dtype, "tokens": tokens, "pairs": pairs, "hidden": hidden}
-    if frames is not None:
-        header["frames"] = frames
-    return _packer.pack(header)
+                   hidden: int) -> bytes:
+    return pack_header(COMPUTE, id=request_id, layer=layer, dtype=dtype, tokens=tokens,
+                       pairs=pairs, hidden=hidden)
 
 
-def result_header(request_id: int, layer: int, tokens: int, hidden: int, compute_us: float,
-                  frames=None) -> bytes:
-    header = {"v": PROTOCOL_VERSION, "op": RESULT, "id": request_id, "layer": layer,
-              "tokens": tokens, "hidden": hidden, "compute_us": compute_us}
-    if frames is not None:
-        header["frames"] = frames
-    return _packer.pack(header)
+def result_header(request_id: int, layer: int, tokens: int, hidden: int,
+                  compute_us: float) -> bytes:
+    return pack_header(RESULT, id=request_id, layer=layer, tokens=tokens, hidden=hidden,
+                       compute_us=compute_us)
 
 
 def compute_frame_sizes(dtype: str, tokens: int, pairs: int, hidden: int) -> tuple[int, ...]:
@@ -213,13 +211,18 @@ def parse_compute(header: dict, frames: list, *, hidden: int, max_tokens: int) -
                                        f"expected {expected} for T={tokens} P={pairs} "
                                        f"H={hidden} {dtype}")
     counts = np.frombuffer(counts_frame, dtype=np.int32)
-    # Seen as uint32 a negative count is >= 2**31 > MAX_PAIRS, so one sum checks both rules.
-    total = counts[0] if tokens == 1 else counts.view(np.uint32).sum(dtype=np.uint64)
-    if total != pairs:
-        raise ProtocolError(BAD_REQUEST, f"counts must be >= 0 and sum to pairs={pairs}")
+    check_counts(counts, pairs)
     return ComputeRequest(layer, decode_payload(x_frame, dtype, (tokens, hidden)), counts,
                           np.frombuffer(ids_frame, dtype=np.int32),
                           np.frombuffer(weights_frame, dtype=np.float32))
+
+
+def check_counts(counts: np.ndarray, pairs: int) -> None:
+    """counts int32 [T] must be >= 0 and sum to P; raises ProtocolError(bad_request)."""
+    # Seen as uint32 a negative count is >= 2**31 > MAX_PAIRS, so one sum checks both rules.
+    total = counts[0] if len(counts) == 1 else counts.view(np.uint32).sum(dtype=np.uint64)
+    if total != pairs:
+        raise ProtocolError(BAD_REQUEST, f"counts must be >= 0 and sum to pairs={pairs}")
 
 
 def _compute_field_error(header: dict, hidden: int, max_tokens: int) -> ProtocolError:

@@ -19,10 +19,13 @@ from typing import Protocol
 import numpy as np
 import zmq
 from moerun.ipc import protocol as p
+from moerun.ipc import slot_headers
 from moerun.ipc.doorbell import fence
 from moerun.ipc.protocol import ProtocolError
-from moerun.ipc.shm import DATA_OFFSET, STATE_ATTACHED, Arena, ArenaLayout, Slot
+from moerun.ipc.shm import STATE_ATTACHED, Arena, ArenaLayout, Slot
 from moerun.ipc.sockets import bind_router, receive, remove_socket_file
+
+from moerun.procs import pid_alive
 
 DAEMON_SPIN_S = 0.0005        # keep spinning on the doorbell this long after the last work
 SLEEP_SLICE_S = 0.05          # longest futex sleep; foreign peers are heard at least this often
@@ -70,13 +73,7 @@ class Session:
         if not me["boot_id"] or (self.parent["boot_id"], self.parent["hostname"]) != (
                 me["boot_id"], me["hostname"]):
             return False
-        try:
-            os.kill(self.parent["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
+        return not pid_alive(self.parent["pid"])
 
 
 class Server:
@@ -140,7 +137,7 @@ class Server:
         now = time.perf_counter()
         for slot in arena.slots:
             if slot.pending() and not self._stopping:
-                self._serve_slot(slot, arena.layout.batch_capacity)
+                self._serve_slot(slot, arena.layout)
                 self._last_work = now = time.perf_counter()
         if arena.control_bell != self._control_seen:
             self._control_seen = arena.control_bell
@@ -155,26 +152,22 @@ class Server:
         if not arena.doorbell.wait(seen, spin_s, SLEEP_SLICE_S):
             self._next_socket_check = 0.0
 
-    def _serve_slot(self, slot: Slot, batch_capacity: int) -> None:
+    def _serve_slot(self, slot: Slot, layout: ArenaLayout) -> None:
         sequence = slot.request_seq
         fence()
         self._session.last_seen = time.monotonic()
-        request_id = None
+        request_id = slot_headers.request_id(slot.buffer)
         try:
-            header = p.unpack_header(slot.request_header(), "parent", "daemon")
-            request_id = header.get("id")
-            if header["op"] != p.COMPUTE:
-                raise ProtocolError(p.BAD_REQUEST, f"op {header['op']!r} cannot use a slot")
-            fields, out = self._run_compute(header, slot.frames(header.get("frames")),
-                                            batch_capacity)
-            slot.buffer[DATA_OFFSET:DATA_OFFSET + out.nbytes] = memoryview(out).cast("B")
-            reply = p.result_header(*fields, frames=[[DATA_OFFSET, out.nbytes]])
+            layer, dtype, tokens, pairs = slot_headers.read_request(slot.buffer, layout)
+            self._require_ready()
+            request = p.ComputeRequest(layer, *slot.request_frames(dtype, tokens, pairs))
+            p.check_counts(request.counts, pairs)
+            out, compute_us = self._run_compute(request)
+            slot.write_result(out)
+            slot_headers.write_result(slot.buffer, request_id, layer, tokens, layout.hidden,
+                                      compute_us)
         except Exception as e:  # noqa: BLE001 - any failure becomes an error reply
-            reply = self._error_reply(request_id, e)
-        try:
-            slot.write_reply_header(reply)
-        except ProtocolError:
-            slot.write_reply_header(p.error_header(request_id, p.INTERNAL, "reply too long"))
+            slot_headers.write_error(slot.buffer, *self._error_reply(request_id, e))
         fence()
         slot.reply.set(sequence)
 
@@ -205,7 +198,7 @@ class Server:
                 self._session.last_seen = time.monotonic()
             op(peer, header, parts[1:])
         except Exception as e:  # noqa: BLE001 - any failure becomes an error reply
-            self._send(peer, self._error_reply(request_id, e))
+            self._send(peer, p.error_header(*self._error_reply(request_id, e)))
 
     def _send(self, peer: bytes, header: bytes, *frames) -> None:
         try:
@@ -213,16 +206,17 @@ class Server:
         except zmq.ZMQError as e:  # the peer's queue is full or it is gone: drop the reply
             self.log(f"reply to a peer dropped: {e}")
 
-    def _error_reply(self, request_id, error: Exception) -> bytes:
+    def _error_reply(self, request_id, error: Exception) -> tuple:
+        """(request id, code, message) of the error reply to a failed request."""
         self.counts["errors"] += 1
         if isinstance(error, ProtocolError):
             request_id = request_id if request_id is not None else error.request_id
             if error.code in (p.VERSION_MISMATCH, p.NO_SESSION):
                 self.log(f"refused a request ({error.code}): {error.message}")
-            return p.error_header(request_id, error.code, error.message)
+            return request_id, error.code, error.message
         self.log(f"internal error on request {request_id!r}: {type(error).__name__}: {error}\n"
                  + "".join(traceback.format_exception(error)).rstrip())
-        return p.error_header(request_id, p.INTERNAL, f"{type(error).__name__}: {error}")
+        return request_id, p.INTERNAL, f"{type(error).__name__}: {error}"
 
     # -- session ----------------------------------------------------------------------------
 
@@ -312,14 +306,20 @@ class Server:
 
     def _compute(self, peer: bytes, header: dict, frames: list) -> None:
         self._owned_session(peer)
-        fields, out = self._run_compute(header, frames, self.batch_capacity_max)
-        self._send(peer, p.result_header(*fields), out)
+        self._require_ready()
+        request = p.parse_compute(header, frames, hidden=self.hidden,
+                                  max_tokens=self.batch_capacity_max)
+        out, compute_us = self._run_compute(request)
+        out = np.ascontiguousarray(out)
+        self._send(peer, p.result_header(header["id"], request.layer, *out.shape, compute_us),
+                   out)
 
-    def _run_compute(self, header: dict, frames: list, max_tokens: int) -> tuple[tuple, np.ndarray]:
-        """Validate, compute, and return the result_header() arguments and out f32 [T, H]."""
+    def _require_ready(self) -> None:
         if not self._session.ready:
             raise ProtocolError(p.NOT_READY, "no experts assigned in this session (send ASSIGN)")
-        request = p.parse_compute(header, frames, hidden=self.hidden, max_tokens=max_tokens)
+
+    def _run_compute(self, request: p.ComputeRequest) -> tuple[np.ndarray, float]:
+        """The handler's result for a validated request, f32 [T, H], and its time in µs."""
         start = time.perf_counter()
         try:
             out = self.handler.compute(request.layer, request.x, request.counts,
@@ -327,11 +327,11 @@ class Server:
         except (ValueError, KeyError, IndexError) as e:
             raise ProtocolError(p.BAD_REQUEST, f"compute: {type(e).__name__}: {e}") from None
         compute_us = (time.perf_counter() - start) * 1e6
-        out = np.ascontiguousarray(out, dtype=np.float32)
+        out = np.asarray(out, dtype=np.float32)
         if out.shape != request.x.shape:
             raise ProtocolError(p.INTERNAL, f"handler returned shape {out.shape} for "
                                             f"x of shape {request.x.shape}")
-        return (header["id"], request.layer, *out.shape, compute_us), out
+        return out, compute_us
 
     def _stats(self, peer: bytes, header: dict, frames: list) -> None:
         session = self._session

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from functools import lru_cache
 
 import numpy as np
 from moerun.ipc import protocol as p
+from moerun.ipc import slot_headers
 from moerun.ipc.doorbell import fence
 from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout, ProtocolError
-from moerun.ipc.shm import DATA_OFFSET, STATE_DETACHED, Arena, request_frame_offsets
+from moerun.ipc.shm import STATE_DETACHED, Arena
 
 PARENT_SPIN_S = 0.0002   # spin this long on a reply before sleeping in futex
 WAIT_SLICE_S = 0.02      # futex sleeps between deadline / liveness / detach checks
@@ -32,25 +32,23 @@ class SharedChannel:
                alive: Callable[[], bool] | None) -> None:
         tokens, hidden = x.shape
         pairs = len(local_ids)
-        if tokens > self.arena.layout.batch_capacity:
-            raise ValueError(f"{tokens} tokens exceed the arena's batch capacity "
-                             f"{self.arena.layout.batch_capacity}")
+        layout = self.arena.layout
+        if tokens > layout.batch_capacity or pairs > layout.max_pairs or hidden != layout.hidden:
+            raise ValueError(f"x [{tokens}, {hidden}] with {pairs} pairs does not fit the arena's "
+                             f"batch capacity {layout.batch_capacity} (hidden {layout.hidden}, "
+                             f"{layout.max_pairs} pairs)")
         self._raise_if_detached()
         index = self._free_slot(timeout_s, alive)
         slot = self.arena.slots[index]
-        offsets = _request_frames(dtype, tokens, pairs, hidden)
-        buffer = slot.buffer
-        for (offset, nbytes), array in zip(offsets, (p.encode_payload(x, dtype), counts,
-                                                     local_ids, weights)):
-            buffer[offset:offset + nbytes] = memoryview(array).cast("B")
-        header = p.compute_header(request_id, layer, dtype, tokens, pairs, hidden, frames=offsets)
-        slot.write_request_header(header)
+        slot.write_request_frames(dtype, x, counts, local_ids, weights)
+        slot_headers.write_request(slot.buffer, request_id, layer, dtype, tokens, pairs, hidden)
         fence()
         slot.request_seq = slot.request_seq + 1
         self.arena.doorbell.ring()
         self._busy[index] = True
         self.in_flight[request_id] = (index, tokens, hidden)
-        self.counters.bytes_sent += len(header) + offsets[-1][0] + offsets[-1][1] - DATA_OFFSET
+        self.counters.bytes_sent += (slot_headers.REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype]
+                                     + 4 * tokens + 8 * pairs)
 
     def wait(self, request_id: int, deadline: float,
              alive: Callable[[], bool] | None) -> np.ndarray:
@@ -130,26 +128,16 @@ class SharedChannel:
         self._busy[index] = False
         slot = self.arena.slots[index]
         try:
-            raw_header = slot.reply_header()
-            header = p.unpack_header(raw_header, "daemon", "parent")
-            if header["op"] == p.ERROR:
-                return DaemonError(str(header.get("code")), str(header.get("message")),
-                                   self.endpoint)
-            nbytes = tokens * hidden * 4
-            if (header["op"] != p.RESULT or header.get("id") != request_id
-                    or header.get("frames") != [[DATA_OFFSET, nbytes]]):
-                raise ProtocolError(p.BAD_FRAME, f"unexpected reply {header}")
-            out = np.frombuffer(slot.buffer, np.float32, tokens * hidden, DATA_OFFSET)
-            out = out.reshape(tokens, hidden).copy()
-        except (ProtocolError, ValueError) as e:
+            reply_id, reply_tokens, reply_hidden, compute_us, error = slot_headers.read_reply(
+                slot.buffer)
+        except ProtocolError as e:
             return DaemonError(p.BAD_FRAME, f"unreadable slot reply: {e}", self.endpoint)
-        self.counters.bytes_received += len(raw_header) + nbytes
-        self.counters.compute_seconds += float(header.get("compute_us", 0.0)) / 1e6
-        return out
-
-
-@lru_cache(maxsize=1024)
-def _request_frames(dtype: str, tokens: int, pairs: int, hidden: int) -> tuple:
-    """((offset, nbytes), ...) of the four COMPUTE frames in a slot."""
-    return tuple(tuple(entry) for entry in request_frame_offsets(
-        p.compute_frame_sizes(dtype, tokens, pairs, hidden)))
+        if error is not None:
+            return DaemonError(*error, self.endpoint)
+        if (reply_id, reply_tokens, reply_hidden) != (request_id, tokens, hidden):
+            return DaemonError(p.BAD_FRAME, f"slot reply is for request {reply_id} "
+                                            f"[{reply_tokens}, {reply_hidden}], not request "
+                                            f"{request_id} [{tokens}, {hidden}]", self.endpoint)
+        self.counters.bytes_received += slot_headers.REPLY.size + tokens * hidden * 4
+        self.counters.compute_seconds += compute_us / 1e6
+        return slot.read_result(tokens)

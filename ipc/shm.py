@@ -7,14 +7,16 @@ Layout (all integers little-endian; docs/protocol.md has the full table):
                                    state, control bell, doorbell, daemon-sleeping
     slot i at CONTROL_BYTES + i * slot_bytes:
         +0    request_seq       +64   reply_seq       +128  parent-sleeping
-        +256  request header (u32 length, msgpack)    +2048 reply header (u32 length, msgpack)
-        +4096 data: request frames, then the reply frame (sized for f32 payloads)
+        +256  request header    +2048 reply header    (binary structs: slot_headers.py)
+        +4096 frames, each at a fixed offset sized for the capacity and f32 payloads:
+              x [C, H], counts [C], local_ids [C*K], weights [C*K]; the result [C, H] at +4096
 
 Shape legend: T tokens (batch capacity C), H hidden size, K max experts per token.
 """
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import re
@@ -23,16 +25,18 @@ import stat
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 from moerun.ipc.doorbell import Doorbell, FutexUnavailable, require_futex
-from moerun.ipc.protocol import BAD_FRAME, BAD_REQUEST, ProtocolError, int_field
+from moerun.ipc.protocol import BAD_REQUEST, PAYLOAD_DTYPES, ProtocolError, int_field
+
+from moerun.procs import pid_alive
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "moerun-"
 NAME_PATTERN = re.compile(r"moerun-([0-9]+)-[0-9a-f]{16}")
 MAGIC = 0x41454F4D  # b"MOEA"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 MAX_SLOTS = 64
-MAX_FRAMES = 8
 
 CONTROL_BYTES = 4096
 STATIC_FORMAT = "<IIIIQIII"  # magic, layout, slots, batch_capacity, slot_bytes, hidden, K, pid
@@ -56,11 +60,21 @@ class ArenaLayout:
     max_pairs_per_token: int  # K
 
     @property
+    def max_pairs(self) -> int:
+        return self.batch_capacity * self.max_pairs_per_token
+
+    @property
+    def frame_offsets(self) -> tuple[int, int, int, int]:
+        """Slot offsets of the x, counts, local_ids and weights frames."""
+        x = DATA_OFFSET
+        counts = x + _align(self.batch_capacity * self.hidden * 4, FRAME_ALIGN)
+        local_ids = counts + _align(self.batch_capacity * 4, FRAME_ALIGN)
+        weights = local_ids + _align(self.max_pairs * 4, FRAME_ALIGN)
+        return x, counts, local_ids, weights
+
+    @property
     def slot_bytes(self) -> int:
-        c, h, k = self.batch_capacity, self.hidden, self.max_pairs_per_token
-        data = (_align(c * h * 4, FRAME_ALIGN) + _align(c * 4, FRAME_ALIGN)
-                + 2 * _align(c * k * 4, FRAME_ALIGN))
-        return _align(DATA_OFFSET + data, mmap.PAGESIZE)
+        return _align(self.frame_offsets[3] + self.max_pairs * 4, mmap.PAGESIZE)
 
     @property
     def size(self) -> int:
@@ -87,22 +101,21 @@ class ArenaLayout:
         return layout
 
 
-def request_frame_offsets(sizes) -> list[list[int]]:
-    """[offset, nbytes] of each request frame, packed from the slot's data area."""
-    offsets, at = [], DATA_OFFSET
-    for size in sizes:
-        offsets.append([at, size])
-        at = _align(at + size, FRAME_ALIGN)
-    return offsets
-
-
 class Slot:
-    """One request/reply slot: its sequence doorbells, header areas and data area."""
+    """One request/reply slot: its sequence doorbells, its header areas (`buffer`, the slot's
+    bytes), and numpy views of its frames at full capacity, which requests slice."""
 
     def __init__(self, buffer: memoryview, words: memoryview, base_address: int, offset: int,
-                 size: int):
-        self.size = size
-        self.buffer = buffer[offset:offset + size]
+                 layout: ArenaLayout):
+        self.buffer = buffer[offset:offset + layout.slot_bytes]
+        rows = (layout.batch_capacity, layout.hidden)
+        x_at, counts_at, local_ids_at, weights_at = layout.frame_offsets
+        self._x = {dtype: self._view(value_dtype, rows, x_at)   # [C, H] by payload dtype
+                   for dtype, (value_dtype, _) in PAYLOAD_DTYPES.items()}
+        self._counts = self._view(np.int32, (layout.batch_capacity,), counts_at)
+        self._local_ids = self._view(np.int32, (layout.max_pairs,), local_ids_at)
+        self._weights = self._view(np.float32, (layout.max_pairs,), weights_at)
+        self._result = self._view(np.float32, rows, DATA_OFFSET)
         self._words, self._word = words, offset // 4
         self._request_word = self._word + REQUEST_SEQ_OFFSET // 4
         self._reply_word = self._word + REPLY_SEQ_OFFSET // 4
@@ -121,48 +134,32 @@ class Slot:
         """The parent wrote a request the daemon has not answered yet."""
         return self._words[self._request_word] != self._words[self._reply_word]
 
-    def write_request_header(self, header: bytes) -> None:
-        self._write_header(REQUEST_HEADER_OFFSET, REPLY_HEADER_OFFSET, header)
+    def write_request_frames(self, dtype: str, x: np.ndarray, counts: np.ndarray,
+                             local_ids: np.ndarray, weights: np.ndarray) -> None:
+        """Parent side: x [T, H] (encoded as `dtype` on the way in), counts [T], local_ids and
+        weights [P]; the caller checked them against the capacity."""
+        self._x[dtype][:len(x)] = x
+        self._counts[:len(counts)] = counts
+        self._local_ids[:len(local_ids)] = local_ids
+        self._weights[:len(weights)] = weights
 
-    def write_reply_header(self, header: bytes) -> None:
-        self._write_header(REPLY_HEADER_OFFSET, DATA_OFFSET, header)
+    def request_frames(self, dtype: str, tokens: int, pairs: int) -> tuple:
+        """Daemon side: x f32 [T, H] (a view for f32 payloads), counts [T], local_ids [P] and
+        weights [P], as views of the slot."""
+        x = self._x[dtype][:tokens]
+        return (x if dtype == "f32" else x.astype(np.float32), self._counts[:tokens],
+                self._local_ids[:pairs], self._weights[:pairs])
 
-    def request_header(self) -> memoryview:
-        return self._read_header(REQUEST_HEADER_OFFSET, REPLY_HEADER_OFFSET)
+    def write_result(self, out: np.ndarray) -> None:
+        """Daemon side: the f32 [T, H] result, at DATA_OFFSET."""
+        self._result[:len(out)] = out
 
-    def reply_header(self) -> memoryview:
-        return self._read_header(REPLY_HEADER_OFFSET, DATA_OFFSET)
+    def read_result(self, tokens: int) -> np.ndarray:
+        """Parent side: a copy of the f32 [T, H] result."""
+        return self._result[:tokens].copy()
 
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        """Bytes [offset, offset + nbytes) of the slot, which must lie in its data area."""
-        try:
-            if DATA_OFFSET <= offset and 0 <= nbytes and offset + nbytes <= self.size:
-                return self.buffer[offset:offset + nbytes]
-        except TypeError:
-            pass
-        raise ProtocolError(BAD_FRAME, f"frame [{offset!r}, +{nbytes!r}) is outside the "
-                                       f"slot's data area [{DATA_OFFSET}, {self.size})")
-
-    def frames(self, table) -> list[memoryview]:
-        """Views of the frames a header lists as [[offset, nbytes], ...]."""
-        if type(table) is not list or len(table) > MAX_FRAMES:
-            raise ProtocolError(BAD_FRAME, "slot message needs frames [[offset, nbytes], ...]")
-        try:
-            return [self.view(offset, nbytes) for offset, nbytes in table]
-        except (TypeError, ValueError):
-            raise ProtocolError(BAD_FRAME, f"bad frame table {table!r}") from None
-
-    def _write_header(self, start: int, end: int, header: bytes) -> None:
-        if 4 + len(header) > end - start:
-            raise ProtocolError(BAD_REQUEST, f"header of {len(header)} bytes does not fit a slot")
-        self._words[self._word + start // 4] = len(header)
-        self.buffer[start + 4:start + 4 + len(header)] = header
-
-    def _read_header(self, start: int, end: int) -> memoryview:
-        length = self._words[self._word + start // 4]
-        if length > end - start - 4:
-            raise ProtocolError(BAD_FRAME, f"slot header length {length} exceeds its area")
-        return self.buffer[start + 4:start + 4 + length]
+    def _view(self, dtype, shape: tuple[int, ...], offset: int) -> np.ndarray:
+        return np.frombuffer(self.buffer, dtype, math.prod(shape), offset).reshape(shape)
 
 
 class Arena:
@@ -177,7 +174,7 @@ class Arena:
         self.words = self.buffer.cast("I")
         self.doorbell = Doorbell(self.words, base_address, DOORBELL_WORD, DAEMON_SLEEPING_WORD)
         self.slots = [Slot(self.buffer, self.words, base_address,
-                           CONTROL_BYTES + i * layout.slot_bytes, layout.slot_bytes)
+                           CONTROL_BYTES + i * layout.slot_bytes, layout)
                       for i in range(layout.slots)]
 
     @classmethod
@@ -264,7 +261,7 @@ class Arena:
     def close(self) -> None:
         """Unmap. A view still held elsewhere keeps the mapping alive until it is collected."""
         views = [slot.buffer for slot in self.slots] + [self.words, self.buffer]
-        self.slots = []
+        self.slots = []  # frees the slots' numpy views, which pin their buffers
         try:
             for view in views:
                 view.release()
@@ -282,20 +279,10 @@ def sweep_stale_segments() -> list[str]:
         return removed
     for name in names:
         match = NAME_PATTERN.fullmatch(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed.append(name)
             except OSError:
                 pass
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import zmq
 from moerun.ipc import protocol as p
+from moerun.ipc import slot_headers
 from moerun.ipc.client import DaemonClient
-from moerun.ipc.shm import DATA_OFFSET, REQUEST_HEADER_OFFSET
+from moerun.ipc.shm import REQUEST_HEADER_OFFSET
 
 from tests.ipc_fake_daemon import (
     FINGERPRINT,
@@ -159,6 +160,45 @@ def test_garbage_messages_from_a_raw_socket(daemon):
         assert client.ping() < 1
 
 
+def garbage_slot_request(rng, slot, request_id):
+    """Write one malformed COMPUTE request into `slot`: random header bytes, or a valid request
+    with one bad header field or bad routing."""
+    tokens = int(rng.integers(1, CAPACITY + 1))
+    counts, local_ids, weights = routing(tokens, n_local=4, max_k=3, seed=request_id)
+    fields = {"request_id": request_id, "layer": 0, "dtype": "f32", "tokens": tokens,
+              "pairs": len(local_ids), "hidden": HIDDEN}
+    kind = request_id % 7
+    if kind == 1:
+        counts[0] += [-1, 1, -(2**31), 2**30][int(rng.integers(4))]
+    elif kind == 2:
+        local_ids = np.append(local_ids, [4, 1000, -1, 2**31 - 1][int(rng.integers(4))])
+        weights = np.append(weights, np.float32(1)).astype(np.float32)
+        counts[-1] += 1
+        fields["pairs"] += 1
+    slot.write_request_frames("f32", ramp(tokens), counts, local_ids, weights)
+    slot_headers.write_request(slot.buffer, **fields)
+    values = list(slot_headers.REQUEST.unpack_from(slot.buffer, REQUEST_HEADER_OFFSET))
+    if kind == 0:
+        size = slot_headers.REQUEST.size
+        slot.buffer[REQUEST_HEADER_OFFSET:REQUEST_HEADER_OFFSET + size] = (
+            rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+        return
+    if kind == 3:   # version, op
+        field = int(rng.integers(2))
+        values[field] = [0, 2, 99, 2**32 - 1][int(rng.integers(4))]
+    elif kind == 4:   # layer, dtype
+        field, bad = [(3, -1), (3, -(2**31)), (4, 3), (4, 2**32 - 1)][int(rng.integers(4))]
+        values[field] = bad
+    elif kind == 5:   # tokens, pairs (at most CAPACITY * 3 here), hidden
+        field = int(rng.integers(5, 8))
+        bad = {5: [0, CAPACITY + 1, 2**32 - 1], 6: [3 * CAPACITY + 1, 2**32 - 1],
+               7: [0, HIDDEN - 1, HIDDEN + 1, 2**32 - 1]}[field]
+        values[field] = bad[int(rng.integers(len(bad)))]
+    elif kind == 6:   # a field that disagrees with the frames
+        values[6] += 1
+    slot_headers.REQUEST.pack_into(slot.buffer, REQUEST_HEADER_OFFSET, *values)
+
+
 def test_garbage_in_arena_slots(daemon):
     client = DaemonClient(daemon.endpoint, connect_timeout_s=10)
     client.hello(FINGERPRINT)
@@ -167,36 +207,21 @@ def test_garbage_in_arena_slots(daemon):
     arena = client._shared.arena
     slot = arena.slots[1]
     rng = np.random.default_rng(99)
-    for request_id in range(300):
-        header, frames = valid_compute(rng, request_id)
-        header["frames"] = [[DATA_OFFSET + 4096 * i, len(f)] for i, f in enumerate(frames)]
-        kind = request_id % 6
-        if kind == 0:
-            raw = rng.integers(0, 256, int(rng.integers(1, 1500)), dtype=np.uint8).tobytes()
-        elif kind == 1:
-            header["frames"] = [[int(rng.integers(-10, 2**40)), int(rng.integers(-10, 2**33))]
-                                for _ in range(int(rng.integers(0, 10)))]
-        elif kind == 2:
-            header["frames"] = ["x", None, [1], [1, 2, 3]][request_id % 4]
-        elif kind == 3:
-            header["tokens"] = int(rng.integers(CAPACITY + 1, 10**6))
-        elif kind == 4:
-            header["op"] = "ping"
-        if kind != 0:
-            raw = msgpack.packb(header)
-        if kind == 5:   # a length word that points past the header area
-            slot.buffer[REQUEST_HEADER_OFFSET:REQUEST_HEADER_OFFSET + 4] = (
-                int(rng.integers(1789, 2**32))).to_bytes(4, "little")
-        else:
-            slot.write_request_header(raw)
+    codes = set()
+    for request_id in range(350):
+        garbage_slot_request(rng, slot, request_id)
+        sent_id = slot_headers.request_id(slot.buffer)
         slot.request_seq = slot.request_seq + 1
         arena.doorbell.ring()
         deadline = time.monotonic() + 2
         while slot.reply.value() != slot.request_seq:
             assert time.monotonic() < deadline, f"no reply to slot garbage {request_id}"
             slot.reply.wait(slot.reply.value(), 0.001, 0.05)
-        reply = p.unpack_header(slot.reply_header())
-        assert reply["op"] == "error" and reply["code"] in ERROR_CODES
+        reply_id, _, _, _, error = slot_headers.read_reply(slot.buffer)
+        assert reply_id == sent_id and error is not None, f"garbage {request_id} was served"
+        assert error[0] in ERROR_CODES and error[1]
+        codes.add(error[0])
+    assert codes == {p.BAD_REQUEST, p.VERSION_MISMATCH}
 
     x = ramp(3)
     routed = routing(3, n_local=4, max_k=3, seed=3)

@@ -11,9 +11,15 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
-from moerun.ipc import doorbell
+from moerun.ipc import doorbell, slot_headers
 from moerun.ipc import protocol as p
-from moerun.ipc.shm import SHM_DIR, Arena, ArenaLayout, sweep_stale_segments
+from moerun.ipc.shm import (
+    REQUEST_HEADER_OFFSET,
+    SHM_DIR,
+    Arena,
+    ArenaLayout,
+    sweep_stale_segments,
+)
 
 from tests.ipc_fake_daemon import shm_segments
 
@@ -99,6 +105,56 @@ def test_parse_compute_rejects_missing_and_extra_frames():
         with pytest.raises(p.ProtocolError) as error:
             p.parse_compute(header, bad, hidden=8, max_tokens=4)
         assert error.value.code == p.BAD_FRAME
+
+
+SLOT_LAYOUT = ArenaLayout(slots=1, batch_capacity=4, hidden=8, max_pairs_per_token=2)
+
+
+def test_slot_headers_round_trip():
+    buffer = bytearray(SLOT_LAYOUT.slot_bytes)
+    slot_headers.write_request(buffer, 2**40 + 7, 3, "bf16", 4, 8, 8)
+    assert slot_headers.request_id(buffer) == 2**40 + 7
+    assert slot_headers.read_request(buffer, SLOT_LAYOUT) == (3, "bf16", 4, 8)
+    slot_headers.write_result(buffer, 2**40 + 7, 3, 4, 8, 12.5)
+    assert slot_headers.read_reply(buffer) == (2**40 + 7, 4, 8, 12.5, None)
+    slot_headers.write_error(buffer, 9, p.BAD_REQUEST, "é" * 1000)
+    assert slot_headers.read_reply(buffer) == (9, 0, 0, 0.0, (p.BAD_REQUEST,
+                                                              "é" * p.MAX_ERROR_MESSAGE))
+
+
+@pytest.mark.parametrize("field, value, code", [
+    (0, 2, p.VERSION_MISMATCH),
+    (1, slot_headers.OP_RESULT, p.BAD_REQUEST),
+    (3, -1, p.BAD_REQUEST),        # layer
+    (4, 3, p.BAD_REQUEST),         # dtype code
+    (5, 0, p.BAD_REQUEST),         # tokens
+    (5, 5, p.BAD_REQUEST),         # above the capacity
+    (6, 9, p.BAD_REQUEST),         # pairs above capacity * K
+    (7, 16, p.BAD_REQUEST),        # hidden
+])
+def test_slot_requests_with_a_bad_field_are_refused(field, value, code):
+    buffer = bytearray(SLOT_LAYOUT.slot_bytes)
+    slot_headers.write_request(buffer, 7, 0, "f32", 1, 2, 8)
+    values = list(slot_headers.REQUEST.unpack_from(buffer, REQUEST_HEADER_OFFSET))
+    values[field] = value
+    slot_headers.REQUEST.pack_into(buffer, REQUEST_HEADER_OFFSET, *values)
+    with pytest.raises(p.ProtocolError) as error:
+        slot_headers.read_request(buffer, SLOT_LAYOUT)
+    assert error.value.code == code
+    if code == p.VERSION_MISMATCH:
+        assert "parent speaks version 2, daemon speaks version 1" in error.value.message
+
+
+@pytest.mark.parametrize("op, error, length", [(0, 0, 0), (slot_headers.OP_ERROR, 0, 5),
+                                               (slot_headers.OP_ERROR, 9, 5),
+                                               (slot_headers.OP_ERROR, 1, 2**31)])
+def test_unreadable_slot_replies_are_protocol_errors(op, error, length):
+    buffer = bytearray(SLOT_LAYOUT.slot_bytes)
+    slot_headers.REPLY.pack_into(buffer, slot_headers.REPLY_HEADER_OFFSET, 1, op, 7, 0, 0, 0,
+                                 error, 0.0, length)
+    with pytest.raises(p.ProtocolError) as raised:
+        slot_headers.read_reply(buffer)
+    assert raised.value.code == p.BAD_FRAME
 
 
 def test_arena_file_is_private_and_unlinked_after_use():

@@ -253,7 +253,7 @@ def wait_for_cancelled(server: str, before: float) -> dict:
 def test_a_client_that_disconnects_stops_its_generation(server, client, stream):
     before = scrape(server)
     body = {"model": "demo-moe-v2", "messages": [{"role": "user", "content": "The rig"}], "max_tokens": 3000,
-            "stream": stream}
+            "temperature": 0, "stream": stream}   # greedy from this prompt runs past 1500 tokens with no stop
     if stream:
         with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=TIMEOUT_S) as reply:
             lines = reply.iter_lines()

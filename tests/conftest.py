@@ -1,6 +1,8 @@
 """Shared fixtures: a moerun CLI runner and isolation of the user's cache directory."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
@@ -9,6 +11,13 @@ from click.testing import CliRunner
 def _private_cache(tmp_path_factory, monkeypatch):
     """Never touch the real ~/.cache/moerun from tests."""
     monkeypatch.setenv("MOERUN_CACHE", str(tmp_path_factory.getbasetemp() / "moerun-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_shared_memory():
+    """Whatever a test does, it leaves no moerun segment in /dev/shm."""
+    yield
+    assert sorted(p.name for p in Path("/dev/shm").glob("moerun-*")) == []
 
 
 @pytest.fixture

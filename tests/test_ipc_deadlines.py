@@ -19,14 +19,7 @@ from tests.ipc_fake_daemon import (
     expected_output,
     ramp,
     routing,
-    shm_segments,
 )
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    yield
-    assert shm_segments() == []
 
 
 def connected(endpoint: str, shared: bool) -> DaemonClient:

@@ -20,14 +20,7 @@ from tests.ipc_fake_daemon import (
     daemon_process,
     ramp,
     routing,
-    shm_segments,
 )
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    yield
-    assert shm_segments() == []
 
 
 def connected(endpoint: str, assign: bool = True) -> DaemonClient:

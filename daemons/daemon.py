@@ -18,7 +18,7 @@ from moerun.ipc.server import Server
 
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
-from moerun.moe.experts import ExpertWeights, grouped_ffn
+from moerun.moe.experts import ExpertWeights, grouped_ffn, load_expert
 from moerun.procs import pid_alive
 from moerun.units import available_host_bytes
 
@@ -64,7 +64,7 @@ class ExpertDaemon:
         done = 0
         for layer, ids in sorted(experts.items()):
             for expert in ids:
-                self.weights[(layer, expert)] = self._load(layer, expert)
+                self.weights[(layer, expert)] = load_expert(self.gguf, self.spec, layer, expert)
                 done += 1
                 progress(done, total)
             self.assigned[layer] = np.asarray(ids, np.int64)
@@ -75,15 +75,6 @@ class ExpertDaemon:
                 raise ValueError(f"layer {layer} is not a MoE layer of this model")
             if len(set(ids)) != len(ids) or not all(0 <= e < self.spec.n_experts for e in ids):
                 raise ValueError(f"layer {layer}: expert ids must be distinct and in 0..{self.spec.n_experts - 1}")
-
-    def _load(self, layer: int, expert: int) -> ExpertWeights:
-        if self.spec.fused_gate_up:
-            gate_up = self.gguf.dequantize_expert(f"blk.{layer}.ffn_gate_up_exps.weight", expert)   # [2F, H]
-            gate, up = gate_up[: self.spec.expert_ff], gate_up[self.spec.expert_ff:]
-        else:
-            gate = self.gguf.dequantize_expert(f"blk.{layer}.ffn_gate_exps.weight", expert)        # [F, H]
-            up = self.gguf.dequantize_expert(f"blk.{layer}.ffn_up_exps.weight", expert)
-        return gate, up, self.gguf.dequantize_expert(f"blk.{layer}.ffn_down_exps.weight", expert)  # [H, F]
 
     def compute(self, layer: int, x: np.ndarray, counts: np.ndarray, local_ids: np.ndarray,
                 weights: np.ndarray) -> np.ndarray:

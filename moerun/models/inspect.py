@@ -6,6 +6,7 @@ from collections import Counter
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.models.spec import ModelSpec
+from moerun.moe.planner import model_sizes
 
 
 def describe(path) -> str:
@@ -15,8 +16,9 @@ def describe(path) -> str:
         lines += _hyperparameters(spec)
         lines += ["", "tensor types:"] + _tensor_types(gguf)
         lines += ["", "per layer:"] + _layers(gguf, spec)
-        lines += ["", f"KV cache per token: {_size(spec.kv_bytes_per_token // 2)} at f16, "
-                      f"{_size(spec.kv_bytes_per_token)} at f32 (all {spec.n_layers} layers)"]
+        kv = model_sizes(gguf, spec).kv_bytes_per_token
+        lines += ["", f"KV cache per token: {_size(kv['f16'])} at f16, {_size(kv['f32'])} at f32 "
+                      f"(all {spec.n_layers} layers)"]
     return "\n".join(lines)
 
 

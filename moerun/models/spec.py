@@ -45,8 +45,3 @@ class ModelSpec:
     @property
     def family(self) -> str:
         return self.rule.family
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """f32 K+V bytes cached per token over all attention layers."""
-        return self.n_layers * self.n_kv_heads * (self.head_dim_k + self.head_dim_v) * 4

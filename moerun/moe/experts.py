@@ -28,37 +28,39 @@ class ExpertStore:
         self.expert_bytes = 3 * spec.expert_ff * spec.hidden * 4
         self._cache: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
         for layer in self.moe_layer_ids:
-            for name in self._tensor_names(layer):
+            for name in expert_tensor_names(spec, layer):
                 gguf.tensor(name)  # fail at load, not mid-generation, if one is missing
 
     @property
     def moe_layer_ids(self) -> list[int]:
         return [i for i, is_moe in enumerate(self.spec.moe_layers) if is_moe]
 
-    def _tensor_names(self, layer: int) -> list[str]:
-        parts = ("gate_up", "down") if self.spec.fused_gate_up else ("gate", "up", "down")
-        return [f"blk.{layer}.ffn_{p}_exps.weight" for p in parts]
-
     def get(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        weights = self._load(layer, expert)
+        weights = load_expert(self.gguf, self.spec, layer, expert)
         self._cache[key] = weights
         while len(self._cache) * self.expert_bytes > self.cache_bytes and len(self._cache) > 1:
             self._cache.popitem(last=False)
         return weights
 
-    def _load(self, layer: int, expert: int) -> ExpertWeights:
-        names = self._tensor_names(layer)
-        mats = [self.gguf.dequantize_expert(name, expert) for name in names]
-        if self.spec.fused_gate_up:
-            gate_up, down = mats                       # gate_up [2F, H], gate first
-            f = self.spec.expert_ff
-            return gate_up[:f], gate_up[f:], down
-        gate, up, down = mats
-        return gate, up, down
+
+
+def expert_tensor_names(spec: ModelSpec, layer: int) -> list[str]:
+    parts = ("gate_up", "down") if spec.fused_gate_up else ("gate", "up", "down")
+    return [f"blk.{layer}.ffn_{p}_exps.weight" for p in parts]
+
+
+def load_expert(gguf: GGUFFile, spec: ModelSpec, layer: int, expert: int) -> ExpertWeights:
+    """One expert dequantized to float32 from the mmap, without touching the others."""
+    mats = [gguf.dequantize_expert(name, expert) for name in expert_tensor_names(spec, layer)]
+    if spec.fused_gate_up:
+        gate_up, down = mats                           # gate_up [2F, H], gate first
+        return gate_up[: spec.expert_ff], gate_up[spec.expert_ff:], down
+    gate, up, down = mats
+    return gate, up, down
 
 
 def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store: ExpertStore, layer: int,

@@ -17,7 +17,8 @@ from moerun.server.engine import Engine, Failed, Finished, Limits, Piece
 from moerun.server.schemas import ApiError, Generation
 
 GREEDY = SamplingParams(temperature=0.0)
-CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+        "temperature": 0}   # greedy: the demo model gives 4 tokens here without a stop
 
 
 def generation(max_tokens: int | None = None, stop: tuple[str, ...] = ()) -> Generation:

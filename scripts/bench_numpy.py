@@ -26,7 +26,7 @@ def main() -> None:
     started = time.perf_counter()
     runtime = Runtime(args.model, ctx=args.prompt_tokens + args.decode_tokens, ubatch=args.ubatch)
     load_seconds = time.perf_counter() - started
-    store = runtime.model.experts
+    store = runtime.model.moe.store
     for layer in store.moe_layer_ids:                            # dequantize every expert up front: steady state
         for expert in range(runtime.spec.n_experts):
             store.get(layer, expert)

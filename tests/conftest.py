@@ -30,3 +30,15 @@ def moerun():
     def invoke(*args: str):
         return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
     return invoke
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu run only where CuPy sees a GPU (scripts/gpu_tests.sh runs them there)."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    from tests.gpu_support import gpu_device
+    if gpu_device() is None:
+        skip = pytest.mark.skip(reason="no CUDA or ROCm GPU on this machine")
+        for item in gpu_items:
+            item.add_marker(skip)

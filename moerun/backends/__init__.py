@@ -1,1 +1,22 @@
-"""Compute backends: numpy (reference), CUDA and HIP."""
+"""Compute backends: numpy (the reference, on the CPU), CUDA and HIP (through CuPy).
+
+Each offers the same operations (numpy_backend.NumpyBackend is the plainest
+statement of them) on its own arrays; moerun.engine.model writes the forward pass
+once over them.
+"""
+from __future__ import annotations
+
+from moerun.backends.devices import BackendUnavailable, parse_device
+from moerun.models.spec import ModelSpec
+
+__all__ = ["BackendUnavailable", "open_backend"]
+
+
+def open_backend(device: str, spec: ModelSpec, graphs: bool = True):
+    """The backend for `device` (cpu, cuda:N, hip:N); `graphs` False keeps GPU decode eager."""
+    parsed = parse_device(device)
+    if parsed.platform == "cpu":
+        from moerun.backends.numpy_backend import NumpyBackend
+        return NumpyBackend(spec)
+    from moerun.backends.gpu_backend import GpuBackend
+    return GpuBackend(parsed, spec, graphs=graphs)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moerun.backends import open_backend
 from moerun.config import RigConfig
-from moerun.engine.kv_cache import KVCache
 from moerun.engine.model import MoEModel
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.gguf.reader import GGUFError, GGUFFile
@@ -66,13 +66,22 @@ class Runtime:
             self.spec = load_spec(self.gguf)
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
             self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
-            self.model = MoEModel(self.gguf, self.spec, expert_cache_bytes)
+            self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs)
+            if rig.daemons and self.backend.name != "cpu":
+                raise RequestError(f"expert daemons need the parent on the CPU for now; drop --daemon "
+                                   f"or run the parent with --device cpu (got --device {rig.device})")
+            self.model = MoEModel(self.gguf, self.spec, self.backend, expert_cache_bytes)
             if rig.daemons:
                 self.rig = Rig(rig, self.gguf, self.spec, kv_tokens=self.kv_pool or self.ctx)
-                self.model.moe = Dispatcher(self.model.experts, self.rig)
+                self.model.moe = Dispatcher(self.model.moe.store, self.rig)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def device(self) -> str:
+        """The parent's device: cpu, cuda:N or hip:N."""
+        return self.backend.name
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -139,7 +148,7 @@ class Runtime:
             stats.decode_seconds += time.perf_counter() - started
             stats.decode_steps += 1
 
-    def _new_cache(self, ids: Sequence[int]) -> KVCache:
+    def _new_cache(self, ids: Sequence[int]):
         if len(ids) == 0:
             raise RequestError("the prompt is empty: give at least one token")
         if len(ids) > self.ctx:
@@ -149,7 +158,7 @@ class Runtime:
         bad = [i for i in ids if not 0 <= i < self.spec.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab - 1})")
-        return KVCache(self.spec, self.kv_pool or self.ctx)
+        return self.backend.new_cache(self.kv_pool or self.ctx)
 
     def _pool_full(self, needed: int) -> str:
         return (f"the sequence needs {needed} KV positions but the KV pool holds {self.kv_pool} "

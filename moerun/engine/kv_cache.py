@@ -37,12 +37,14 @@ class KVCache:
         self._k = [_grown(a, size) for a in self._k]
         self._v = [_grown(a, size) for a in self._v]
 
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Write k [T, NKV, D], v [T, NKV, Dv] after the current length; return
-        views of all S = length + T positions for this layer."""
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Write k [T, NKV, D], v [T, NKV, Dv] after the current length."""
         end = self.length + k.shape[0]
         self._k[layer][self.length:end] = k
         self._v[layer][self.length:end] = v
+
+    def rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Views of positions 0..end-1 of one layer: k [S, NKV, D], v [S, NKV, Dv]."""
         return self._k[layer][:end], self._v[layer][:end]
 
     def advance(self, n_tokens: int) -> None:

@@ -12,11 +12,12 @@ def stats_document(runtime: Runtime, run: RunStats, **extra) -> dict:
         counters = link.client.counters
         daemons.append({
             "name": link.name, "spec": link.spec, "endpoint": link.client.endpoint,
-            "transport": link.client.transport, "state": "up" if link.up else f"down: {link.down_reason}",
+            "transport": link.transport, "state": "up" if link.up else f"down: {link.down_reason}",
             "calls": counters.calls, "mib_sent": counters.bytes_sent / MIB,
             "mib_received": counters.bytes_received / MIB, "parent_wait_ms": counters.wait_seconds * 1e3,
             "daemon_compute_ms": counters.compute_seconds * 1e3,
-            "fallback_calls": link.fallback_calls,
+            "fallback_calls": link.fallback_calls, "times_down": link.times_down,
+            "restarts": link.restarts, "rejoins": link.rejoins,
         })
     return {**extra, "model": str(runtime.gguf.path), **run.to_dict(), **runtime.model.moe.stats.to_dict(),
             "daemons": daemons}
@@ -34,11 +35,12 @@ def stats_table(doc: dict) -> str:
     ]
     if doc["daemons"]:
         header = f"{'daemon':<14}{'transport':<10}{'calls':>8}{'MiB sent':>10}{'MiB recv':>10}" \
-                 f"{'wait ms':>10}{'compute ms':>12}  state"
+                 f"{'wait ms':>10}{'compute ms':>12}{'fallback':>10}{'down':>6}{'restarts':>10}{'rejoins':>9}  state"
         lines += ["", header]
         for d in doc["daemons"]:
             lines.append(f"{d['name']:<14}{d['transport']:<10}{d['calls']:>8}{d['mib_sent']:>10.2f}"
                          f"{d['mib_received']:>10.2f}{d['parent_wait_ms']:>10.1f}{d['daemon_compute_ms']:>12.1f}"
+                         f"{d['fallback_calls']:>10}{d['times_down']:>6}{d['restarts']:>10}{d['rejoins']:>9}"
                          f"  {d['state']}")
     if "seed" in doc:
         lines.append(f"seed:    {doc['seed']}")

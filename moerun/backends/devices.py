@@ -1,0 +1,59 @@
+"""Device names (`cpu`, `cuda:N`, `hip:N`) and what each needs to be present.
+
+CUDA runs through CuPy built for CUDA (extras `cuda12`/`cuda13`); HIP through
+CuPy built for ROCm (extra `rocm`). `hip:N` picks the HIP backend by itself when
+the ROCm build is installed, and says what is missing when it is not.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEVICE_PATTERN = re.compile(r"^(cpu|cuda:\d+|hip:\d+)$")
+
+
+class BackendUnavailable(RuntimeError):
+    """The device named cannot be used here; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Device:
+    platform: str     # cpu | cuda | hip
+    index: int
+
+    @property
+    def name(self) -> str:
+        return "cpu" if self.platform == "cpu" else f"{self.platform}:{self.index}"
+
+
+def parse_device(name: str) -> Device:
+    if not DEVICE_PATTERN.match(name):
+        raise ValueError(f"--device {name!r}: expected cpu, cuda:N or hip:N")
+    platform, _, index = name.partition(":")
+    return Device(platform, int(index or 0))
+
+
+def gpu_module(device: Device):
+    """The CuPy module, checked to drive `device`'s platform and to see the device."""
+    extra = "cuda12 or cuda13" if device.platform == "cuda" else "rocm"
+    try:
+        import cupy
+    except ImportError:
+        raise BackendUnavailable(
+            f"{device.name} needs CuPy for {device.platform.upper()}: pip install 'moerun[{extra}]'"
+        ) from None
+    is_hip = bool(getattr(cupy.cuda.runtime, "is_hip", False))
+    if is_hip != (device.platform == "hip"):
+        built_for, other = ("ROCm", "hip") if is_hip else ("CUDA", "cuda")
+        raise BackendUnavailable(
+            f"{device.name}: the installed CuPy is built for {built_for}; use --device {other}:N, "
+            f"or install the {device.platform.upper()} build (pip install 'moerun[{extra}]')"
+        )
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # the driver or runtime library is missing or broken
+        runtime = "ROCm" if is_hip else "the NVIDIA driver"
+        raise BackendUnavailable(f"{device.name}: no usable GPU ({runtime}: {err})") from None
+    if device.index >= count:
+        raise BackendUnavailable(f"{device.name}: this machine has {count} {device.platform.upper()} device(s)")
+    return cupy

@@ -1,0 +1,316 @@
+"""The GPU backend (CUDA through CuPy, HIP through CuPy for ROCm): weights stay in
+their stored types on the device and every operation is a kernel of kernels/.
+
+Decode (T <= 8) multiplies by quantized GEMVs in f32; prefill dequantizes each
+matrix to f16 and multiplies on the matrix units with f32 accumulation and output
+(f32 matrices, the routers, stay f32), and attends with batched f32 products.
+All-local decode steps replay as a captured CUDA graph (not on HIP, or with
+graphs off). Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv
+head dims, E experts, K experts per token, S cache positions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+
+from moerun.backends.devices import Device, gpu_module
+from moerun.backends.gpu_blas import Blas
+from moerun.backends.gpu_kernels import BLOCK, MAX_GEMV_TOKENS, Kernels
+from moerun.backends.gpu_moe import GpuExperts
+from moerun.backends.progress import UploadProgress
+from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
+from moerun.engine.kv_cache import ContextFull
+from moerun.gguf.reader import GGUFFile
+from moerun.models.spec import ModelSpec
+from moerun.moe.dispatch import MoEStats
+
+DECODE_CHUNK = 64              # cache positions per split of decode attention (<= MAX_CHUNK in layers.cu)
+NULL = np.uint64(0)            # a null pointer argument
+
+
+def i32(value: int) -> np.int32:
+    return np.int32(value)
+
+
+def i64(value: int) -> np.int64:
+    return np.int64(value)
+
+
+def pointer(array: Any | None) -> Any:
+    return NULL if array is None else array
+
+
+class GpuKVCache:
+    """Keys and values of one sequence in buffers sized for the whole capacity, so a
+    captured decode step keeps pointing at the same memory."""
+
+    def __init__(self, buffers: tuple[list, list], capacity: int):
+        self.k, self.v = buffers              # per layer: [S, NKV, D], [S, NKV, Dv]
+        self.capacity = capacity
+        self.length = 0
+
+    def reserve(self, n_tokens: int) -> None:
+        if self.length + n_tokens > self.capacity:
+            raise ContextFull(f"the sequence needs {self.length + n_tokens} positions "
+                              f"but the context holds {self.capacity}")
+
+    def advance(self, n_tokens: int) -> None:
+        self.length += n_tokens
+
+
+class GpuBackend:
+    def __init__(self, device: Device, spec: ModelSpec, graphs: bool = True):
+        cupy = self.cupy = gpu_module(device)
+        cupy.cuda.Device(device.index).use()
+        self.name = device.name
+        self.kind = device.platform.upper()
+        self.spec = spec
+        self.kernels = Kernels(cupy)
+        self.blas = Blas(cupy)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.graphs_enabled = graphs and not cupy.cuda.runtime.is_hip
+        self._graphs = GraphCache(self)
+        self._kv_buffers: dict[int, tuple[list, list]] = {}
+        self._uploader: Uploader | None = None
+        half = spec.head_dim_k // 2
+        inv_freq = spec.rope_base ** (-np.arange(0, spec.head_dim_k, 2, dtype=np.float64) / spec.head_dim_k)
+        self.inv_freq = cupy.asarray(inv_freq[:half])
+
+    # -- loading
+    def begin_loading(self, gguf: GGUFFile) -> None:
+        self._progress = UploadProgress(sum(info.nbytes for info in gguf.tensors.values()), self.name)
+        self._uploader = Uploader(self.cupy, gguf, self._progress.advance)
+
+    def finish_loading(self) -> None:
+        try:
+            self._uploader.finish()
+        finally:
+            self._progress.close()
+            self._uploader = None
+
+    def matrix(self, gguf: GGUFFile, name: str) -> DeviceMatrix:
+        return self._uploader.matrix(name)
+
+    def embedding(self, gguf: GGUFFile, name: str) -> DeviceMatrix:
+        return self._uploader.matrix(name)
+
+    def vector(self, values: np.ndarray) -> Any:
+        return self.cupy.asarray(np.ascontiguousarray(values, dtype=np.float32))
+
+    def local_moe(self, gguf: GGUFFile, expert_cache_bytes: int) -> GpuExperts:
+        return GpuExperts(self, self._uploader, self.spec)
+
+    # -- buffers
+    def upload_ids(self, ids: np.ndarray) -> Any:
+        return self.cupy.asarray(np.asarray(ids, dtype=np.int32))
+
+    def positions(self, start: int, n_tokens: int) -> Any:
+        return self.cupy.arange(start, start + n_tokens, dtype=self.cupy.int32)
+
+    def to_host(self, x: Any) -> np.ndarray:
+        return x.get(stream=self.stream)
+
+    def new_cache(self, capacity: int) -> GpuKVCache:
+        """A fresh sequence; the buffers of the last one of this capacity are reused."""
+        if capacity not in self._kv_buffers:
+            spec, cupy = self.spec, self.cupy
+            self._kv_buffers[capacity] = (
+                [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_k), cupy.float32) for _ in range(spec.n_layers)],
+                [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_v), cupy.float32) for _ in range(spec.n_layers)])
+        return GpuKVCache(self._kv_buffers[capacity], capacity)
+
+    # -- the step
+    def run(self, model, ids: np.ndarray, cache: GpuKVCache, all_logits: bool) -> np.ndarray:
+        with self.stream:
+            all_local = isinstance(model.moe, GpuExperts) and model.routing_counter is None
+            if len(ids) == 1 and self.graphs_enabled and all_local:
+                return self._graphs.step(model, int(ids[0]), cache, all_logits)
+            logits = model.forward_on_device(self.upload_ids(ids), self.positions(cache.length, len(ids)),
+                                             cache, all_logits)
+            return self.to_host(logits)
+
+    # -- operations
+    def embed(self, table: DeviceMatrix, ids: Any) -> Any:
+        units = table.cols // UNIT
+        out = self.cupy.empty((ids.size, table.cols), self.cupy.float32)
+        self.kernels.elementwise(f"gather_rows_f32_{table.kind}", ids.size * units,
+                                 (table.data, i64(table.row_bytes), i32(units), i32(ids.size), ids, out))
+        return out
+
+    def rms_norm(self, x: Any, weight: Any) -> Any:
+        out = self.cupy.empty_like(x)
+        width = x.shape[-1]
+        self.kernels["rms_norm"]((x.size // width,), (BLOCK,), (x, weight, out, i32(width), np.float32(self.spec.rms_eps)))
+        return out
+
+    def linear(self, x: Any, weight: DeviceMatrix, bias: Any | None = None, residual: Any | None = None) -> Any:
+        """x [T, K] · weight [N, K]ᵀ (+ bias [N]) (+ residual [T, N]) -> [T, N] f32"""
+        n_tokens = x.shape[0]
+        x = self.cupy.ascontiguousarray(x)
+        if n_tokens <= MAX_GEMV_TOKENS:
+            y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
+            self.kernels.rows(f"gemv_{weight.kind}", weight.rows, weight.cols // UNIT, 1,
+                              (weight.data, i64(weight.row_bytes), x, i32(weight.cols), y, i32(weight.rows),
+                               i32(n_tokens), pointer(residual)))
+        elif weight.kind == "f32":          # kept in f32 (routers): exact products
+            y = self.blas.matmul(x[None], weight.data.view(self.cupy.float32).reshape(1, *weight.shape), residual)[0]
+        else:
+            y = self.blas.matmul(self.to_f16(x)[None], self.dequantize_f16(weight)[None], residual)[0]
+        if bias is not None:
+            y += bias
+        return y
+
+    def rope_append(self, q: Any, k: Any, v: Any, q_norm: Any | None, k_norm: Any | None,
+                    cache: GpuKVCache, layer: int, positions: Any) -> Any:
+        spec = self.spec
+        n_tokens = q.shape[0]
+        self.kernels["qk_norm_rope_append"](
+            (n_tokens, spec.n_heads + spec.n_kv_heads), (spec.head_dim_k // 2,),
+            (q, k, v, pointer(q_norm), pointer(k_norm), np.float32(spec.rms_eps), positions, self.inv_freq,
+             np.float64(1.0 / spec.rope_scale), i32(spec.rule.rope_style == "neox"),
+             cache.k[layer], cache.v[layer], i32(spec.n_heads), i32(spec.n_kv_heads),
+             i32(spec.head_dim_k), i32(spec.head_dim_v)))
+        return q
+
+    def attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
+        """Causal attention of q [T, NH*D] over the cache -> [T, NH*Dv]: split-K kernels
+        for a few tokens, batched f32 products for a prefill chunk."""
+        if q.shape[0] > MAX_GEMV_TOKENS:
+            return self._prefill_attention(q, cache, layer, positions)
+        return self._split_attention(q, cache, layer, positions)
+
+    def _split_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
+        """A single token spans the whole capacity, so a captured step serves every position."""
+        spec, cupy = self.spec, self.cupy
+        n_tokens = q.shape[0]
+        span = cache.capacity if n_tokens == 1 else cache.length + n_tokens
+        splits = math.ceil(span / DECODE_CHUNK)
+        acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)
+        max_sum = cupy.empty((n_tokens, spec.n_heads, splits, 2), cupy.float32)
+        self.kernels["attention_partial"](
+            (n_tokens, spec.n_heads, splits), (128,),
+            (q, cache.k[layer], cache.v[layer], positions, i32(spec.n_heads), i32(spec.n_kv_heads),
+             i32(spec.head_dim_k), i32(spec.head_dim_v), i32(DECODE_CHUNK),
+             np.float32(1.0 / math.sqrt(spec.head_dim_k)),
+             acc, max_sum))
+        out = cupy.empty((n_tokens, spec.n_heads * spec.head_dim_v), cupy.float32)
+        self.kernels["attention_combine"]((n_tokens, spec.n_heads), (128,),
+                                          (acc, max_sum, i32(splits), i32(spec.n_heads), i32(spec.head_dim_v), out))
+        return out
+
+    def _prefill_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
+        """scores [NH, T, S] = q·kᵀ per head, causal softmax, then ·v; K/V expanded per query head."""
+        spec, cupy, blas = self.spec, self.cupy, self.blas
+        n_tokens, n_heads, d, dv = q.shape[0], spec.n_heads, spec.head_dim_k, spec.head_dim_v
+        span = cache.length + n_tokens
+        keys, values = (self._expand_heads(cache.k[layer], span, d), self._expand_heads(cache.v[layer], span, dv))
+        scores = cupy.empty((n_heads, n_tokens, span), cupy.float32)
+        blas.gemm(transpose_a=True, transpose_b=False, m=span, n=n_tokens, k=d,
+                  a=keys, lda=d, stride_a=span * d, b=q, ldb=n_heads * d, stride_b=d,
+                  c=scores, ldc=span, stride_c=n_tokens * span, batch=n_heads)
+        self.kernels["causal_softmax"]((n_heads * n_tokens,), (BLOCK,),
+                                       (scores, positions, i32(n_tokens), i32(span), np.float32(1.0 / math.sqrt(d))))
+        out = cupy.empty((n_tokens, n_heads * dv), cupy.float32)
+        blas.gemm(transpose_a=False, transpose_b=False, m=dv, n=n_tokens, k=span,
+                  a=values, lda=dv, stride_a=span * dv, b=scores, ldb=span, stride_b=n_tokens * span,
+                  c=out, ldc=n_heads * dv, stride_c=dv, batch=n_heads)
+        return out
+
+    def _expand_heads(self, cache: Any, span: int, head_dim: int) -> Any:
+        """Cache rows [S, NKV, D] -> [NH, S, D]."""
+        spec = self.spec
+        out = self.cupy.empty((spec.n_heads, span, head_dim), self.cupy.float32)
+        self.kernels.elementwise("expand_kv_heads", out.size // 4,
+                                 (cache, i32(span), i32(spec.n_kv_heads), i32(spec.n_heads), i32(head_dim), out))
+        return out
+
+    def route(self, logits: Any) -> tuple[Any, Any]:
+        cupy, k = self.cupy, self.spec.n_experts_used
+        n_tokens = logits.shape[0]
+        ids = cupy.empty((n_tokens, k), cupy.int32)
+        weights = cupy.empty((n_tokens, k), cupy.float32)
+        self.kernels["route_top_k"]((n_tokens,), (128,), (logits, i32(logits.shape[1]), i32(k),
+                                                         i32(self.spec.rule.renormalize_topk), ids, weights))
+        return ids, weights
+
+    def silu_mul(self, gate: Any, up: Any) -> Any:
+        out = self.cupy.empty_like(gate)
+        self.kernels.elementwise("silu_mul", gate.size, (gate, up, out, i64(gate.size)))
+        return out
+
+    def add(self, x: Any, y: Any, gate_logit: Any | None = None) -> Any:
+        out = x.copy()
+        self.kernels.elementwise("add_gated", out.size, (out, y, pointer(gate_logit), i32(out.shape[-1]), i64(out.size)))
+        return out
+
+    # -- prefill helpers
+    def to_f16(self, x: Any) -> Any:
+        out = self.cupy.empty(x.shape, self.cupy.float16)
+        self.kernels.elementwise("to_f16", x.size, (x, out, i64(x.size)))
+        return out
+
+    def dequantize_f16(self, weight: DeviceMatrix, experts: Any | None = None) -> Any:
+        """weight [N, K] -> f16 [N, K]; with `experts` (int32 [U]) the stack's experts -> [U, N, K]."""
+        count = 1 if experts is None else experts.size
+        units = weight.cols // UNIT
+        n_rows = count * weight.rows
+        out = self.cupy.empty((count, weight.rows, weight.cols), self.cupy.float16)
+        self.kernels.elementwise(f"dequant_f16_{weight.kind}", n_rows * units,
+                                 (weight.data, i64(weight.row_bytes), i32(units), i64(n_rows), pointer(experts),
+                                  i32(weight.rows), out))
+        return out if experts is not None else out[0]
+
+
+class GraphCache:
+    """Captured all-local decode steps, one per (cache capacity, all_logits). A key's
+    first step runs eagerly (loading every kernel), its second is captured, later
+    ones replay. Each graph allocates from its own memory pool, kept with it."""
+
+    def __init__(self, backend: GpuBackend):
+        self.backend = backend
+        self._graphs: dict[tuple[int, bool], tuple[Any, Any, Any, dict[str, int]]] = {}
+        self._seen: set[tuple[int, bool]] = set()
+        cupy = backend.cupy
+        self.token = cupy.zeros(1, cupy.int32)
+        self.position = cupy.zeros(1, cupy.int32)
+
+    def step(self, model, token: int, cache: GpuKVCache, all_logits: bool) -> np.ndarray:
+        backend = self.backend
+        self.token.fill(token)
+        self.position.fill(cache.length)
+        key = (cache.capacity, all_logits)
+        if key not in self._seen:
+            self._seen.add(key)
+            return backend.to_host(model.forward_on_device(self.token, self.position, cache, all_logits))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(model, cache, all_logits)
+        graph, logits, _pool, per_step = self._graphs[key]
+        graph.launch(backend.stream)
+        _add_counts(model.moe.stats, per_step)
+        return backend.to_host(logits)
+
+    def _capture(self, model, cache: GpuKVCache, all_logits: bool):
+        cupy, stream = self.backend.cupy, self.backend.stream
+        pool = cupy.cuda.MemoryPool()
+        before = _counts(model.moe.stats)
+        with cupy.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            try:
+                logits = model.forward_on_device(self.token, self.position, cache, all_logits)
+            finally:
+                graph = stream.end_capture()
+        per_step = {name: count - before[name] for name, count in _counts(model.moe.stats).items()}
+        _add_counts(model.moe.stats, {name: -count for name, count in per_step.items()})  # counted per launch
+        return graph, logits, pool, per_step
+
+
+def _counts(stats: MoEStats) -> dict[str, int]:
+    return {field.name: getattr(stats, field.name) for field in fields(stats)}
+
+
+def _add_counts(stats: MoEStats, counts: dict[str, int]) -> None:
+    for name, count in counts.items():
+        setattr(stats, name, getattr(stats, name) + count)

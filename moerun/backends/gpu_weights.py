@@ -1,0 +1,99 @@
+"""Weights on the GPU in their stored form, uploaded straight from the GGUF mapping
+through pinned staging buffers.
+
+Types the kernels read directly stay as they are; any other type is dequantized
+at load to f16 (said once on stderr). Shape legend: N rows, K columns (elements
+per row), E experts.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from moerun.gguf.quants import row_nbytes
+from moerun.gguf.reader import GGUFFile
+
+T = GGMLQuantizationType
+KERNEL_TYPES = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q8_0: "q8_0", T.Q4_0: "q4_0", T.Q4_1: "q4_1",
+                T.Q5_0: "q5_0", T.Q5_1: "q5_1", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k"}
+UNIT = 32                       # weights per kernel work unit: rows must hold a whole number
+STAGING_BYTES = 64 << 20        # each of the two pinned buffers
+
+
+@dataclass
+class DeviceMatrix:
+    """A weight matrix [N, K] (or a stack of E expert matrices [E, N, K]) in a stored type."""
+    data: Any                   # device uint8 [E * N * row_bytes]
+    kind: str                   # kernel suffix: f32, q4_k, ...
+    rows: int                   # N
+    cols: int                   # K
+    experts: int = 1            # E
+
+    @property
+    def row_bytes(self) -> int:
+        return self.data.size // (self.experts * self.rows)
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+
+class Uploader:
+    """Copies bytes host -> device through two pinned buffers used in turn, so the
+    CPU fills one while the GPU reads the other."""
+
+    def __init__(self, cupy, gguf: GGUFFile, progress):
+        self.cupy = cupy
+        self.gguf = gguf
+        self.progress = progress
+        self._buffers = [cupy.cuda.alloc_pinned_memory(STAGING_BYTES) for _ in range(2)]
+        self._events: list[Any] = [None, None]
+        self._turn = 0
+        self.converted: set[str] = set()
+
+    def matrix(self, name: str) -> DeviceMatrix:
+        """The tensor as a DeviceMatrix: 1-D tensors become one row; 3-D ones an expert stack."""
+        info = self.gguf.tensor(name)
+        shape = (1, *info.shape) if len(info.shape) == 1 else info.shape
+        experts, rows, cols = (1, *shape) if len(shape) == 2 else shape
+        if cols % UNIT:
+            raise ValueError(f"tensor '{name}' has rows of {cols} weights; the GPU kernels need a multiple of {UNIT}")
+        kind = KERNEL_TYPES.get(info.ggml_type)
+        if kind is None:
+            self.converted.add(info.ggml_type.name)
+            data = self.bytes(self.gguf.dequantize(name).astype(np.float16).view(np.uint8).reshape(-1))
+            return DeviceMatrix(data, "f16", rows, cols, experts)
+        assert info.nbytes == experts * rows * row_nbytes(info.ggml_type, cols)
+        return DeviceMatrix(self.bytes(self.gguf.raw(name).reshape(-1).view(np.uint8)), kind, rows, cols, experts)
+
+    def bytes(self, source: np.ndarray) -> Any:
+        """A device copy of the uint8 array `source`."""
+        cupy = self.cupy
+        out = cupy.empty(source.size, dtype=cupy.uint8)
+        for start in range(0, source.size, STAGING_BYTES):
+            chunk = source[start:start + STAGING_BYTES]
+            turn = self._turn
+            if self._events[turn] is not None:
+                self._events[turn].synchronize()             # the GPU is done with this buffer
+            staging = np.frombuffer(self._buffers[turn], dtype=np.uint8, count=chunk.size)
+            staging[:] = chunk
+            out[start:start + chunk.size].data.copy_from_host_async(staging.ctypes.data, chunk.size)
+            self._events[turn] = cupy.cuda.get_current_stream().record()
+            self._turn = 1 - turn
+            self.progress(chunk.size)
+        return out
+
+    def finish(self) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+        if self.converted:
+            print(f"note: {', '.join(sorted(self.converted))} weights were converted to F16 at load "
+                  "(the GPU kernels read F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K)",
+                  file=sys.stderr)

@@ -1,0 +1,79 @@
+// Platform prelude shared by every kernel: CUDA (NVRTC through CuPy, or nvcc) and
+// HIP (hiprtc through CuPy for ROCm, or hipcc). Nothing here assumes 32 lanes:
+// reductions shuffle within groups of at most 32 threads (valid on wave32 and
+// wave64) or go through shared memory.
+#pragma once
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+#ifndef __HIPCC_RTC__
+#include <hip/hip_runtime.h>
+#endif
+#include <hip/hip_fp16.h>
+#define SHFL_XOR(value, mask, width) __shfl_xor((value), (mask), (width))
+#else
+#include <cuda_fp16.h>
+#define SHFL_XOR(value, mask, width) __shfl_xor_sync(0xffffffffu, (value), (mask), (width))
+#endif
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef signed char i8;
+
+#define NEG_INF (__int_as_float(0xff800000))
+#define MAX_TOKENS 8      // most tokens one GEMV launch carries
+
+__device__ __forceinline__ float half_bits_to_float(u16 bits) {
+    __half h;
+    *reinterpret_cast<u16*>(&h) = bits;
+    return __half2float(h);
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(u16 bits) {
+    return __uint_as_float(((u32)bits) << 16);
+}
+
+__device__ __forceinline__ u16 load_u16(const u8* p) {      // unaligned-safe little-endian load
+    return (u16)p[0] | ((u16)p[1] << 8);
+}
+
+__device__ __forceinline__ float load_half(const u8* p) { return half_bits_to_float(load_u16(p)); }
+
+// Sum over a group of `width` consecutive threads (width a power of two <= 32);
+// every thread of the group must call it.
+__device__ __forceinline__ float group_sum(float value, int width) {
+    for (int offset = width / 2; offset > 0; offset /= 2) value += SHFL_XOR(value, offset, width);
+    return value;
+}
+
+__device__ __forceinline__ float group_max(float value, int width) {
+    for (int offset = width / 2; offset > 0; offset /= 2) value = fmaxf(value, SHFL_XOR(value, offset, width));
+    return value;
+}
+
+// Sum over the whole block through shared memory; `scratch` holds blockDim.x floats.
+__device__ float block_sum(float value, float* scratch) {
+    scratch[threadIdx.x] = value;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride) scratch[threadIdx.x] += scratch[threadIdx.x + stride];
+        __syncthreads();
+    }
+    float total = scratch[0];
+    __syncthreads();
+    return total;
+}
+
+__device__ float block_max(float value, float* scratch) {
+    scratch[threadIdx.x] = value;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride) scratch[threadIdx.x] = fmaxf(scratch[threadIdx.x], scratch[threadIdx.x + stride]);
+        __syncthreads();
+    }
+    float best = scratch[0];
+    __syncthreads();
+    return best;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }

@@ -1,0 +1,52 @@
+// Dequantization to f16 for the prefill path, whose products run on the matrix
+// units: out[r, :] = row src(r) of W, for r in [0, n_rows).  With `experts` set,
+// out holds n_experts * rows_per_expert rows: row r comes from expert
+// experts[r / rows_per_expert], row r % rows_per_expert; otherwise src(r) = r.
+// One thread per 32-weight unit.
+#include "quant_blocks.cuh"
+
+// Eight floats as eight f16 in one 16-byte store.
+__device__ __forceinline__ uint4 pack_halves(const float* v) {
+    u32 words[4];
+    for (int i = 0; i < 4; i++) {
+        __half lo = __float2half(v[2 * i]), hi = __float2half(v[2 * i + 1]);
+        words[i] = (u32)*reinterpret_cast<u16*>(&lo) | ((u32)*reinterpret_cast<u16*>(&hi) << 16);
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+#define DEFINE_DEQUANT_F16(TYPE)                                                                           \
+    extern "C" __global__ void dequant_f16_##TYPE(const u8* __restrict__ weight, long long row_bytes,      \
+                                                  int units_per_row, long long n_rows,                     \
+                                                  const int* __restrict__ experts, int rows_per_expert,    \
+                                                  __half* __restrict__ out) {                              \
+        long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                \
+        if (index >= n_rows * units_per_row) return;                                                       \
+        long long row = index / units_per_row;                                                             \
+        int unit = (int)(index % units_per_row);                                                           \
+        long long source = experts ? (long long)experts[row / rows_per_expert] * rows_per_expert           \
+                                         + row % rows_per_expert                                           \
+                                   : row;                                                                  \
+        float v[UNIT];                                                                                     \
+        dequant_unit_##TYPE(weight + source * row_bytes, unit, v);                                         \
+        uint4* dst = reinterpret_cast<uint4*>(out + row * (long long)units_per_row * UNIT + unit * UNIT);  \
+        for (int i = 0; i < UNIT / 8; i++) dst[i] = pack_halves(v + 8 * i);                               \
+    }
+
+FOR_EACH_TYPE(DEFINE_DEQUANT_F16)
+
+// out[i, :] = row rows[i] of W in f32 (the embedding lookup). out [n_rows, K].
+#define DEFINE_GATHER_F32(TYPE)                                                                            \
+    extern "C" __global__ void gather_rows_f32_##TYPE(const u8* __restrict__ weight, long long row_bytes,  \
+                                                      int units_per_row, int n_rows,                       \
+                                                      const int* __restrict__ rows, float* __restrict__ out) { \
+        long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                \
+        if (index >= (long long)n_rows * units_per_row) return;                                            \
+        int row = (int)(index / units_per_row), unit = (int)(index % units_per_row);                       \
+        float v[UNIT];                                                                                     \
+        dequant_unit_##TYPE(weight + rows[row] * row_bytes, unit, v);                                      \
+        float4* dst = reinterpret_cast<float4*>(out + (long long)row * units_per_row * UNIT + unit * UNIT); \
+        for (int i = 0; i < UNIT / 4; i++) dst[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]); \
+    }
+
+FOR_EACH_TYPE(DEFINE_GATHER_F32)

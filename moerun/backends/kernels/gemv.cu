@@ -1,0 +1,89 @@
+// Decode-time products: dense GEMV and the routed-expert GEMVs.
+// Shape legend: T tokens (<= MAX_TOKENS), K_in input features, N output rows,
+// H hidden, F expert FFN width, P routed (token, expert) pairs = T * top_k.
+#include "matvec.cuh"
+
+// y[t, r] = W[r, :] · x[t, :] (+ residual[t, r]).  W: N rows of row_bytes; x [T, K_in];
+// y, residual [T, N].  Block: groups of `group` threads, one row per group.
+#define DEFINE_GEMV(TYPE)                                                                                  \
+    extern "C" __global__ void gemv_##TYPE(const u8* __restrict__ weight, long long row_bytes,            \
+                                           const float* __restrict__ x, int in_features,                  \
+                                           float* __restrict__ y, int out_features, int n_tokens,         \
+                                           const float* __restrict__ residual, int group) {               \
+        int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
+        int lane = threadIdx.x % group;                                                                    \
+        float acc[MAX_TOKENS];                                                                             \
+        for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;                                                 \
+        if (row < out_features)                                                                            \
+            accumulate_row<dequant_unit_##TYPE>(weight + row * row_bytes, in_features / UNIT, x,          \
+                                                in_features, n_tokens, lane, group, acc);                 \
+        for (int t = 0; t < MAX_TOKENS; t++) {                                                             \
+            if (t >= n_tokens) break;                                                                      \
+            float total = group_sum(acc[t], group);                                                        \
+            if (lane == 0 && row < out_features)                                                           \
+                y[t * out_features + row] = total + (residual ? residual[t * out_features + row] : 0.f);   \
+        }                                                                                                  \
+    }
+
+// act[p, f] = silu(gate_e · x[t]) * (up_e · x[t]) for pair p = t*top_k + k, e = ids[p];
+// pairs with ids[p] < 0 (not resident here) are skipped. gate/up: E experts of
+// expert_bytes, rows of row_bytes; x [T, H]; act [P, F]. Grid: (F rows / groups, P).
+#define DEFINE_MOE_GATE_UP(TYPE)                                                                           \
+    extern "C" __global__ void moe_gate_up_##TYPE(const u8* __restrict__ gate, const u8* __restrict__ up,  \
+                                                  long long expert_bytes, long long row_bytes,              \
+                                                  const float* __restrict__ x, int hidden,                  \
+                                                  const int* __restrict__ ids, int top_k,                   \
+                                                  float* __restrict__ act, int ffn, int group) {            \
+        int pair = blockIdx.y;                                                                             \
+        int expert = ids[pair];                                                                            \
+        if (expert < 0) return;                                                                            \
+        int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
+        int lane = threadIdx.x % group;                                                                    \
+        const float* xt = x + (long long)(pair / top_k) * hidden;                                          \
+        float g[MAX_TOKENS] = {0.f}, u[MAX_TOKENS] = {0.f};                                                \
+        if (row < ffn) {                                                                                   \
+            long long offset = expert * expert_bytes + row * row_bytes;                                    \
+            accumulate_row<dequant_unit_##TYPE>(gate + offset, hidden / UNIT, xt, 0, 1, lane, group, g);  \
+            accumulate_row<dequant_unit_##TYPE>(up + offset, hidden / UNIT, xt, 0, 1, lane, group, u);    \
+        }                                                                                                  \
+        float gate_sum = group_sum(g[0], group), up_sum = group_sum(u[0], group);                          \
+        if (lane == 0 && row < ffn) act[(long long)pair * ffn + row] = silu(gate_sum) * up_sum;            \
+    }
+
+// out[t, r] = (residual[t, r]) + Σ_k weights[p] · down_e[r, :] · act[p, :] over the
+// token's pairs p = t*top_k + k with ids[p] >= 0, summed in k order (deterministic).
+// down: E experts of expert_bytes, H rows of row_bytes; act [P, F]; out [T, H].
+// Grid: (H rows / groups, T).
+#define DEFINE_MOE_DOWN(TYPE)                                                                              \
+    extern "C" __global__ void moe_down_##TYPE(const u8* __restrict__ down, long long expert_bytes,        \
+                                               long long row_bytes, const float* __restrict__ act, int ffn, \
+                                               const int* __restrict__ ids,                                 \
+                                               const float* __restrict__ weights, int top_k,                \
+                                               float* __restrict__ out, int hidden,                         \
+                                               const float* __restrict__ residual, int group) {             \
+        int token = blockIdx.y;                                                                            \
+        int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
+        int lane = threadIdx.x % group;                                                                    \
+        float acc = 0.f;                                                                                   \
+        if (row < hidden) {                                                                                \
+            for (int k = 0; k < top_k; k++) {                                                              \
+                int pair = token * top_k + k;                                                              \
+                int expert = ids[pair];                                                                    \
+                if (expert < 0) continue;                                                                  \
+                float part[MAX_TOKENS] = {0.f};                                                            \
+                accumulate_row<dequant_unit_##TYPE>(down + expert * expert_bytes + row * row_bytes,       \
+                                                    ffn / UNIT, act + (long long)pair * ffn, 0, 1, lane,   \
+                                                    group, part);                                          \
+                acc += weights[pair] * part[0];                                                            \
+            }                                                                                              \
+        }                                                                                                  \
+        float total = group_sum(acc, group);                                                               \
+        if (lane == 0 && row < hidden) {                                                                   \
+            long long at = (long long)token * hidden + row;                                                \
+            out[at] = total + (residual ? residual[at] : 0.f);                                             \
+        }                                                                                                  \
+    }
+
+FOR_EACH_TYPE(DEFINE_GEMV)
+FOR_EACH_TYPE(DEFINE_MOE_GATE_UP)
+FOR_EACH_TYPE(DEFINE_MOE_DOWN)

@@ -1,0 +1,301 @@
+// Norms, rope with the KV append, attention, routing and the small elementwise
+// steps. Shape legend: T tokens, S cache positions, NH/NKV query/KV heads, D/Dv
+// head dims, E experts, K experts per token, H hidden, N a row width.
+#include "common.cuh"
+
+#define MAX_HEAD_DIM 256
+#define MAX_CHUNK 256
+
+// out[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight.  One block per row.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
+                                    float* __restrict__ out, int width, float eps) {
+    __shared__ float scratch[1024];
+    const float* row = x + (long long)blockIdx.x * width;
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) sum += row[i] * row[i];
+    float inv = 1.0f / sqrtf(block_sum(sum, scratch) / width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        out[(long long)blockIdx.x * width + i] = row[i] * inv * weight[i];
+}
+
+// For one token t and one head (grid (T, NH + NKV), D/2 threads): apply the
+// per-head RMS norm when given, rotate by the token's position, then
+// store a query head back in q or a key head (with its value head) into the cache
+// at row positions[t].  neox rotates pairs (i, i + D/2), otherwise (2i, 2i + 1).
+extern "C" __global__ void qk_norm_rope_append(
+        float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+        const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
+        const int* __restrict__ positions, const double* __restrict__ inv_freq, double inv_scale, int neox,
+        float* __restrict__ k_cache, float* __restrict__ v_cache,
+        int n_heads, int n_kv_heads, int head_dim, int head_dim_v) {
+    __shared__ float scratch[MAX_HEAD_DIM / 2];
+    int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x, half = head_dim / 2;
+    bool is_query = head < n_heads;
+    int kv_head = head - n_heads;
+    const float* src = is_query ? q + ((long long)t * n_heads + head) * head_dim
+                                : k + ((long long)t * n_kv_heads + kv_head) * head_dim;
+    const float* norm = is_query ? q_norm : k_norm;
+    int i1 = neox ? i : 2 * i, i2 = neox ? i + half : 2 * i + 1;
+    float a = src[i1], b = src[i2];
+    if (norm) {
+        float inv = 1.0f / sqrtf(block_sum(a * a + b * b, scratch) / head_dim + eps);
+        a = a * inv * norm[i1];
+        b = b * inv * norm[i2];
+    }
+    double angle = (double)positions[t] * inv_scale * inv_freq[i];
+    float c = (float)cos(angle), s = (float)sin(angle);
+    float ra = a * c - b * s, rb = b * c + a * s;
+    if (is_query) {
+        float* dst = q + ((long long)t * n_heads + head) * head_dim;
+        dst[i1] = ra; dst[i2] = rb;
+        return;
+    }
+    long long slot = (long long)positions[t] * n_kv_heads + kv_head;
+    k_cache[slot * head_dim + i1] = ra;
+    k_cache[slot * head_dim + i2] = rb;
+    const float* v_src = v + ((long long)t * n_kv_heads + kv_head) * head_dim_v;
+    for (int j = i; j < head_dim_v; j += blockDim.x)
+        v_cache[slot * head_dim_v + j] = v_src[j];
+}
+
+// Split-K causal attention, first pass. Grid (T, NH, splits); split c covers cache
+// rows [c*chunk, (c+1)*chunk) up to the token's own position. Writes the split's
+// unnormalised output acc [T, NH, splits, Dv] and its (max, sum) [T, NH, splits, 2].
+extern "C" __global__ void attention_partial(
+        const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+        const int* __restrict__ positions, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,
+        int chunk, float scale, float* __restrict__ acc, float* __restrict__ max_sum) {
+    __shared__ float q_shared[MAX_HEAD_DIM];
+    __shared__ float probs[MAX_CHUNK];
+    __shared__ float scratch[1024];
+    int t = blockIdx.x, head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    int kv_head = head / (n_heads / n_kv_heads);
+    long long part = ((long long)t * n_heads + head) * splits + split;
+    int begin = split * chunk, end = min(begin + chunk, positions[t] + 1);
+    if (begin >= end) {
+        if (threadIdx.x == 0) { max_sum[2 * part] = NEG_INF; max_sum[2 * part + 1] = 0.f; }
+        return;
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+        q_shared[d] = q[((long long)t * n_heads + head) * head_dim + d];
+    __syncthreads();
+    // Scores: each group of 32 threads takes one key at a time, 4 dims per thread.
+    int lane = threadIdx.x % 32, groups = blockDim.x / 32;
+    float local_max = NEG_INF;
+    for (int s = begin + threadIdx.x / 32; s < end; s += groups) {
+        const float* key = k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim;
+        float dot = 0.f;
+        for (int d = 4 * lane; d < head_dim; d += 128) {
+            float4 kv = *reinterpret_cast<const float4*>(key + d);
+            dot += q_shared[d] * kv.x + q_shared[d + 1] * kv.y + q_shared[d + 2] * kv.z + q_shared[d + 3] * kv.w;
+        }
+        dot = group_sum(dot, 32) * scale;
+        if (lane == 0) probs[s - begin] = dot;
+        local_max = fmaxf(local_max, dot);
+    }
+    __syncthreads();
+    float best = block_max(local_max, scratch);
+    float local_sum = 0.f;
+    for (int s = begin + threadIdx.x; s < end; s += blockDim.x) {
+        float p = expf(probs[s - begin] - best);
+        probs[s - begin] = p;
+        local_sum += p;
+    }
+    float total = block_sum(local_sum, scratch);
+    for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {
+        float sum = 0.f;
+        for (int s = begin; s < end; s++)
+            sum += probs[s - begin] * v_cache[((long long)s * n_kv_heads + kv_head) * head_dim_v + d];
+        acc[part * head_dim_v + d] = sum;
+    }
+    if (threadIdx.x == 0) { max_sum[2 * part] = best; max_sum[2 * part + 1] = total; }
+}
+
+// Second pass: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] / Σ_c e^(m_c - M) l_c.  Grid (T, NH).
+extern "C" __global__ void attention_combine(const float* __restrict__ acc, const float* __restrict__ max_sum,
+                                             int splits, int n_heads, int head_dim_v, float* __restrict__ out) {
+    int t = blockIdx.x, head = blockIdx.y;
+    long long first = ((long long)t * n_heads + head) * splits;
+    float best = NEG_INF;
+    for (int c = 0; c < splits; c++) best = fmaxf(best, max_sum[2 * (first + c)]);
+    float denominator = 0.f;
+    for (int c = 0; c < splits; c++)
+        if (max_sum[2 * (first + c)] > NEG_INF) denominator += expf(max_sum[2 * (first + c)] - best) * max_sum[2 * (first + c) + 1];
+    for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {
+        float sum = 0.f;
+        for (int c = 0; c < splits; c++)
+            if (max_sum[2 * (first + c)] > NEG_INF) sum += expf(max_sum[2 * (first + c)] - best) * acc[(first + c) * head_dim_v + d];
+        out[((long long)t * n_heads + head) * head_dim_v + d] = sum / denominator;
+    }
+}
+
+// Router: softmax over E logits, the K most probable (ties to the lower id), their
+// probabilities, renormalised to sum 1 when asked.  One block per token.
+extern "C" __global__ void route_top_k(const float* __restrict__ logits, int n_experts, int top_k, int renormalize,
+                                       int* __restrict__ ids, float* __restrict__ weights) {
+    __shared__ float probs[1024];
+    __shared__ float best_value[1024];
+    __shared__ int best_index[1024];
+    __shared__ float scratch[1024];
+    int t = blockIdx.x;
+    const float* row = logits + (long long)t * n_experts;
+    float local_max = NEG_INF;
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) local_max = fmaxf(local_max, row[e]);
+    float top = block_max(local_max, scratch);
+    float local_sum = 0.f;
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+        probs[e] = expf(row[e] - top);
+        local_sum += probs[e];
+    }
+    float total = block_sum(local_sum, scratch);
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) probs[e] /= total;
+    __syncthreads();
+    float chosen_sum = 0.f;
+    for (int k = 0; k < top_k; k++) {
+        float value = -1.f;
+        int index = n_experts;
+        for (int e = threadIdx.x; e < n_experts; e += blockDim.x)
+            if (probs[e] > value) { value = probs[e]; index = e; }
+        best_value[threadIdx.x] = value;
+        best_index[threadIdx.x] = index;
+        __syncthreads();
+        for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+            if (threadIdx.x < stride) {
+                float other = best_value[threadIdx.x + stride];
+                int other_index = best_index[threadIdx.x + stride];
+                if (other > best_value[threadIdx.x] ||
+                    (other == best_value[threadIdx.x] && other_index < best_index[threadIdx.x])) {
+                    best_value[threadIdx.x] = other;
+                    best_index[threadIdx.x] = other_index;
+                }
+            }
+            __syncthreads();
+        }
+        int winner = best_index[0];
+        float winner_prob = best_value[0];
+        chosen_sum += winner_prob;
+        if (threadIdx.x == 0) {
+            ids[t * top_k + k] = winner;
+            weights[t * top_k + k] = winner_prob;
+            probs[winner] = -2.f;
+        }
+        __syncthreads();
+    }
+    if (renormalize && threadIdx.x < top_k) weights[t * top_k + threadIdx.x] /= chosen_sum;
+}
+
+// out[i] = silu(gate[i]) * up[i] over n values.
+extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float* __restrict__ up,
+                                    float* __restrict__ out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = silu(gate[i]) * up[i];
+}
+
+// Same, written as f16 for the next product on the matrix units.
+extern "C" __global__ void silu_mul_f16(const float* __restrict__ gate, const float* __restrict__ up,
+                                        __half* __restrict__ out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2half(silu(gate[i]) * up[i]);
+}
+
+// out[r, :] = x[rows[r], :] as f16, zeros where rows[r] < 0.  x [T, N]; out [R, N].
+extern "C" __global__ void gather_rows_f16(const float* __restrict__ x, const int* __restrict__ rows, int width,
+                                           long long n_out, __half* __restrict__ out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_out * width) return;
+    int source = rows[i / width];
+    out[i] = __float2half(source < 0 ? 0.f : x[(long long)source * width + i % width]);
+}
+
+// out[t, :] = residual[t, :] + Σ_k weights[t*K + k] · y[slot[t*K + k], :] over slots >= 0.
+extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* __restrict__ slot,
+                                        const float* __restrict__ weights, int top_k, int width,
+                                        long long n_tokens, const float* __restrict__ residual,
+                                        float* __restrict__ out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_tokens * width) return;
+    long long t = i / width;
+    int column = (int)(i % width);
+    float sum = 0.f;
+    for (int k = 0; k < top_k; k++) {
+        int s = slot[t * top_k + k];
+        if (s >= 0) sum += weights[t * top_k + k] * y[(long long)s * width + column];
+    }
+    out[i] = (residual ? residual[i] : 0.f) + sum;
+}
+
+// out[t, :] += sigmoid(gate_logit[t]) * y[t, :], or += y[t, :] without a gate.
+extern "C" __global__ void add_gated(float* __restrict__ out, const float* __restrict__ y,
+                                     const float* __restrict__ gate_logit, int width, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float scale = gate_logit ? 1.0f / (1.0f + expf(-gate_logit[i / width])) : 1.0f;
+    out[i] += scale * y[i];
+}
+
+// out = x as f16.
+extern "C" __global__ void to_f16(const float* __restrict__ x, __half* __restrict__ out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2half(x[i]);
+}
+
+// The index of the largest value of each row (ties to the lower index): greedy sampling on the device.
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, int* __restrict__ out) {
+    __shared__ float values[1024];
+    __shared__ int indices[1024];
+    const float* row = x + (long long)blockIdx.x * width;
+    float value = NEG_INF;
+    int index = width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x)
+        if (row[i] > value) { value = row[i]; index = i; }
+    values[threadIdx.x] = value;
+    indices[threadIdx.x] = index;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (threadIdx.x < stride) {
+            float other = values[threadIdx.x + stride];
+            int other_index = indices[threadIdx.x + stride];
+            if (other > values[threadIdx.x] || (other == values[threadIdx.x] && other_index < indices[threadIdx.x])) {
+                values[threadIdx.x] = other;
+                indices[threadIdx.x] = other_index;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = indices[0];
+}
+
+// K or V [S, NKV, D] -> [NH, S, D], each query head getting its KV head's rows (GQA),
+// for the batched products of prefill attention. One thread per float4.
+extern "C" __global__ void expand_kv_heads(const float* __restrict__ cache, int n_positions, int n_kv_heads,
+                                           int n_heads, int head_dim, float* __restrict__ out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int quads = head_dim / 4;
+    if (i >= (long long)n_heads * n_positions * quads) return;
+    int quad = (int)(i % quads);
+    long long s = (i / quads) % n_positions;
+    int head = (int)(i / ((long long)quads * n_positions));
+    int kv_head = head / (n_heads / n_kv_heads);
+    reinterpret_cast<float4*>(out)[i] =
+        reinterpret_cast<const float4*>(cache + (s * n_kv_heads + kv_head) * head_dim)[quad];
+}
+
+// scores [NH, T, S] in place: row (h, t) scaled, cut after position positions[t], softmaxed.
+extern "C" __global__ void causal_softmax(float* __restrict__ scores, const int* __restrict__ positions,
+                                          int n_tokens, int n_positions, float scale) {
+    __shared__ float scratch[1024];
+    int t = blockIdx.x % n_tokens;
+    float* row = scores + (long long)blockIdx.x * n_positions;
+    int last = positions[t];
+    float local_max = NEG_INF;
+    for (int s = threadIdx.x; s <= last; s += blockDim.x) local_max = fmaxf(local_max, row[s] * scale);
+    float best = block_max(local_max, scratch);
+    float local_sum = 0.f;
+    for (int s = threadIdx.x; s < n_positions; s += blockDim.x) {
+        float p = s <= last ? expf(row[s] * scale - best) : 0.f;
+        row[s] = p;
+        local_sum += p;
+    }
+    float inv = 1.0f / block_sum(local_sum, scratch);
+    for (int s = threadIdx.x; s <= last; s += blockDim.x) row[s] *= inv;
+}

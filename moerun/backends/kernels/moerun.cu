@@ -1,0 +1,4 @@
+// Every kernel moerun launches, as one module for CuPy's RawModule and for hipcc.
+#include "gemv.cu"
+#include "dequant.cu"
+#include "layers.cu"

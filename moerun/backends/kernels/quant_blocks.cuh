@@ -1,0 +1,186 @@
+// Dequantization of one "unit" — 32 consecutive weights of a row — for every
+// stored type, following ggml's block layouts. Each function writes out[0..31]
+// for elements [32*unit, 32*unit + 32) of the row that starts at `row`.
+#pragma once
+#include "common.cuh"
+
+#define UNIT 32
+
+__device__ __forceinline__ void dequant_unit_f32(const u8* row, int unit, float* out) {
+    const float4* src = reinterpret_cast<const float4*>(row + unit * 128);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        float4 v = src[i];
+        out[4 * i] = v.x; out[4 * i + 1] = v.y; out[4 * i + 2] = v.z; out[4 * i + 3] = v.w;
+    }
+}
+
+__device__ __forceinline__ void dequant_unit_f16(const u8* row, int unit, float* out) {
+    const uint4* src = reinterpret_cast<const uint4*>(row + unit * 64);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint4 v = src[i];
+        u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            out[8 * i + 2 * j] = half_bits_to_float((u16)(words[j] & 0xffff));
+            out[8 * i + 2 * j + 1] = half_bits_to_float((u16)(words[j] >> 16));
+        }
+    }
+}
+
+__device__ __forceinline__ void dequant_unit_bf16(const u8* row, int unit, float* out) {
+    const uint4* src = reinterpret_cast<const uint4*>(row + unit * 64);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint4 v = src[i];
+        u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            out[8 * i + 2 * j] = bf16_bits_to_float((u16)(words[j] & 0xffff));
+            out[8 * i + 2 * j + 1] = bf16_bits_to_float((u16)(words[j] >> 16));
+        }
+    }
+}
+
+// Q8_0: f16 d, int8 q[32]; w = d*q. 34 bytes.
+__device__ __forceinline__ void dequant_unit_q8_0(const u8* row, int unit, float* out) {
+    const u8* block = row + unit * 34;
+    float d = load_half(block);
+    const i8* q = reinterpret_cast<const i8*>(block + 2);
+#pragma unroll
+    for (int i = 0; i < 32; i++) out[i] = d * (float)q[i];
+}
+
+// Q4_0: f16 d, 16 bytes of nibbles (low = elements 0..15, high = 16..31); w = d*(q-8). 18 bytes.
+__device__ __forceinline__ void dequant_unit_q4_0(const u8* row, int unit, float* out) {
+    const u8* block = row + unit * 18;
+    float d = load_half(block);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        u8 byte = block[2 + i];
+        out[i] = d * (float)((int)(byte & 0xF) - 8);
+        out[i + 16] = d * (float)((int)(byte >> 4) - 8);
+    }
+}
+
+// Q4_1: f16 d, f16 m, 16 bytes of nibbles; w = d*q + m. 20 bytes.
+__device__ __forceinline__ void dequant_unit_q4_1(const u8* row, int unit, float* out) {
+    const u8* block = row + unit * 20;
+    float d = load_half(block), m = load_half(block + 2);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        u8 byte = block[4 + i];
+        out[i] = d * (float)(byte & 0xF) + m;
+        out[i + 16] = d * (float)(byte >> 4) + m;
+    }
+}
+
+__device__ __forceinline__ u32 load_u32(const u8* p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+
+// Q5_0: f16 d, u32 high bits, 16 bytes of nibbles; w = d*(q-16). 22 bytes.
+__device__ __forceinline__ void dequant_unit_q5_0(const u8* row, int unit, float* out) {
+    const u8* block = row + unit * 22;
+    float d = load_half(block);
+    u32 high = load_u32(block + 2);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        u8 byte = block[6 + i];
+        int lo = (byte & 0xF) | (((high >> i) & 1) << 4);
+        int hi = (byte >> 4) | (((high >> (i + 16)) & 1) << 4);
+        out[i] = d * (float)(lo - 16);
+        out[i + 16] = d * (float)(hi - 16);
+    }
+}
+
+// Q5_1: f16 d, f16 m, u32 high bits, 16 bytes of nibbles; w = d*q + m. 24 bytes.
+__device__ __forceinline__ void dequant_unit_q5_1(const u8* row, int unit, float* out) {
+    const u8* block = row + unit * 24;
+    float d = load_half(block), m = load_half(block + 2);
+    u32 high = load_u32(block + 4);
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        u8 byte = block[8 + i];
+        int lo = (byte & 0xF) | (((high >> i) & 1) << 4);
+        int hi = (byte >> 4) | (((high >> (i + 16)) & 1) << 4);
+        out[i] = d * (float)lo + m;
+        out[i + 16] = d * (float)hi + m;
+    }
+}
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block.
+__device__ __forceinline__ void k_scale_min(const u8* scales, int j, float* scale, float* min) {
+    if (j < 4) {
+        *scale = (float)(scales[j] & 63);
+        *min = (float)(scales[j + 4] & 63);
+    } else {
+        *scale = (float)((scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4));
+        *min = (float)((scales[j + 4] >> 4) | ((scales[j] >> 6) << 4));
+    }
+}
+
+// Q4_K: super-blocks of 256 = 8 sub-blocks of 32. f16 d, f16 dmin, 12 bytes of
+// scales/mins, 128 bytes of nibbles: sub-blocks 2j and 2j+1 share bytes 32j..32j+31,
+// low nibbles first. w = d*scale*q - dmin*min. 144 bytes.
+__device__ __forceinline__ void dequant_unit_q4_k(const u8* row, int unit, float* out) {
+    const u8* block = row + (unit >> 3) * 144;
+    int sub = unit & 7;
+    float scale, min;
+    k_scale_min(block + 4, sub, &scale, &min);
+    float d = load_half(block) * scale, m = load_half(block + 2) * min;
+    const uint4* qs = reinterpret_cast<const uint4*>(block + 16 + (sub >> 1) * 32);
+    int shift = (sub & 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        uint4 v = qs[i];
+        u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int w = 0; w < 4; w++)
+#pragma unroll
+            for (int b = 0; b < 4; b++)
+                out[16 * i + 4 * w + b] = d * (float)((words[w] >> (8 * b + shift)) & 0xF) - m;
+    }
+}
+
+// Q5_K: f16 d, f16 dmin, 12 bytes of scales/mins, 32 bytes of high bits (bit j of
+// byte l belongs to sub-block j), 128 bytes of nibbles laid out as Q4_K. 176 bytes.
+__device__ __forceinline__ void dequant_unit_q5_k(const u8* row, int unit, float* out) {
+    const u8* block = row + (unit >> 3) * 176;
+    int sub = unit & 7;
+    float scale, min;
+    k_scale_min(block + 4, sub, &scale, &min);
+    float d = load_half(block) * scale, m = load_half(block + 2) * min;
+    const u8* high = block + 16;
+    const u8* qs = block + 48 + (sub >> 1) * 32;
+    int shift = (sub & 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        int q = ((qs[i] >> shift) & 0xF) | (((high[i] >> sub) & 1) << 4);
+        out[i] = d * (float)q - m;
+    }
+}
+
+// Q6_K: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d.
+// 256 weights in two halves of 128; within a half, quarter r (32 weights) takes low
+// nibbles (r < 2) or high nibbles (r >= 2) of bytes (r%2)*32.., high bits 2r..2r+1,
+// and scales 2r, 2r+1 (one per 16 weights). w = d*scale*(q-32). 210 bytes.
+__device__ __forceinline__ void dequant_unit_q6_k(const u8* row, int unit, float* out) {
+    const u8* block = row + (unit >> 3) * 210;
+    int half_index = (unit >> 2) & 1, quarter = unit & 3;
+    const u8* low = block + half_index * 64 + (quarter & 1) * 32;
+    const u8* high = block + 128 + half_index * 32;
+    const i8* scales = reinterpret_cast<const i8*>(block + 192) + half_index * 8 + quarter * 2;
+    float d = load_half(block + 208);
+    int low_shift = (quarter >> 1) * 4, high_shift = 2 * quarter;
+    float d0 = d * (float)scales[0], d1 = d * (float)scales[1];
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        int q = ((low[i] >> low_shift) & 0xF) | (((high[i] >> high_shift) & 3) << 4);
+        out[i] = (i < 16 ? d0 : d1) * (float)(q - 32);
+    }
+}
+
+// One line per stored type: X(name) expands a kernel family for every type.
+#define FOR_EACH_TYPE(X) X(f32) X(f16) X(bf16) X(q8_0) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q4_k) X(q5_k) X(q6_k)

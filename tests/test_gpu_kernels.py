@@ -73,3 +73,25 @@ def test_dequantize_f16_and_gather_rows(backend, stored):
     ids = np.random.default_rng().integers(0, ROWS, 5)
     got = backend.embed(matrix, backend.upload_ids(ids)).get()
     assert np.allclose(got, reference[ids], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("skew", [0.05, 1.0, 50.0])
+def test_expert_tile_layout(backend, skew):
+    """Every routed pair gets its own row among its expert's tiles, holding its token."""
+    from moerun.backends.gpu_moe import TILE_ROWS, TileLayout
+    rng = np.random.default_rng()
+    n_tokens, top_k, n_experts = 300, 4, 16
+    p = rng.dirichlet(np.full(n_experts, skew))
+    ids = np.stack([rng.choice(n_experts, top_k, replace=False, p=p) for _ in range(n_tokens)]).astype(np.int32)
+    layout = TileLayout(backend, backend.cupy.asarray(ids), n_experts)
+    pair_rows, token_rows = layout.pair_rows.get(), layout.token_rows.get()
+    tile_expert, tile_row = layout.tile_expert.get(), layout.tile_row.get()
+    assert np.array_equal(layout.counts.get(), np.bincount(ids.reshape(-1), minlength=n_experts))
+    assert len(set(pair_rows.tolist())) == ids.size
+    assert np.array_equal(token_rows[pair_rows], np.arange(ids.size) // top_k)
+    assert (token_rows >= 0).sum() == ids.size
+    owner = np.full(layout.max_rows, -1)
+    for expert, first in zip(tile_expert, tile_row):
+        if expert >= 0:
+            owner[first:first + TILE_ROWS] = expert
+    assert np.array_equal(owner[pair_rows], ids.reshape(-1))

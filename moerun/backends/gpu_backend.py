@@ -20,8 +20,8 @@ from moerun.backends.devices import Device, gpu_module
 from moerun.backends.gpu_blas import Blas
 from moerun.backends.gpu_kernels import BLOCK, MAX_GEMV_TOKENS, Kernels
 from moerun.backends.gpu_moe import GpuExperts
-from moerun.backends.progress import UploadProgress
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
+from moerun.backends.progress import UploadProgress
 from moerun.engine.kv_cache import ContextFull
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
@@ -232,7 +232,7 @@ class GpuBackend:
         n_tokens = logits.shape[0]
         ids = cupy.empty((n_tokens, k), cupy.int32)
         weights = cupy.empty((n_tokens, k), cupy.float32)
-        self.kernels["route_top_k"]((n_tokens,), (128,), (logits, i32(logits.shape[1]), i32(k),
+        self.kernels["route_top_k"]((n_tokens,), (32,), (logits, i32(logits.shape[1]), i32(k),
                                                          i32(self.spec.rule.renormalize_topk), ids, weights))
         return ids, weights
 
@@ -242,8 +242,9 @@ class GpuBackend:
         return out
 
     def add(self, x: Any, y: Any, gate_logit: Any | None = None) -> Any:
-        out = x.copy()
-        self.kernels.elementwise("add_gated", out.size, (out, y, pointer(gate_logit), i32(out.shape[-1]), i64(out.size)))
+        """x + y, or x + sigmoid(gate_logit [T, 1]) · y"""
+        out = self.cupy.empty_like(x)
+        self.kernels.elementwise("add_gated", out.size, (x, y, pointer(gate_logit), i32(x.shape[-1]), i64(x.size), out))
         return out
 
     # -- prefill helpers
@@ -252,16 +253,16 @@ class GpuBackend:
         self.kernels.elementwise("to_f16", x.size, (x, out, i64(x.size)))
         return out
 
-    def dequantize_f16(self, weight: DeviceMatrix, experts: Any | None = None) -> Any:
-        """weight [N, K] -> f16 [N, K]; with `experts` (int32 [U]) the stack's experts -> [U, N, K]."""
-        count = 1 if experts is None else experts.size
+    def dequantize_f16(self, weight: DeviceMatrix, active: Any | None = None) -> Any:
+        """weight [N, K] -> f16 [N, K]; an expert stack -> f16 [E, N, K], leaving out the
+        experts whose entry in `active` (int32 [E]) is 0."""
         units = weight.cols // UNIT
-        n_rows = count * weight.rows
-        out = self.cupy.empty((count, weight.rows, weight.cols), self.cupy.float16)
+        n_rows = weight.experts * weight.rows
+        out = self.cupy.empty((weight.experts, weight.rows, weight.cols), self.cupy.float16)
         self.kernels.elementwise(f"dequant_f16_{weight.kind}", n_rows * units,
-                                 (weight.data, i64(weight.row_bytes), i32(units), i64(n_rows), pointer(experts),
-                                  i32(weight.rows), out))
-        return out if experts is not None else out[0]
+                                 (weight.data, i64(weight.row_bytes), i32(units), i64(n_rows), i32(weight.rows),
+                                  pointer(active), out))
+        return out if weight.experts > 1 else out[0]
 
 
 class GraphCache:

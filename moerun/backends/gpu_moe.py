@@ -2,12 +2,13 @@
 
 A few tokens (decode): two launches per layer for all selected experts — gate and
 up with SwiGLU per (token, expert) pair, then down with the weighted sum over the
-token's experts. Many tokens (prefill): pairs grouped by expert on the host, the
-experts in use dequantized to f16 and multiplied as one batched product per
-matrix, the results gathered back with their weights.
+token's experts. Many tokens (prefill): the pairs laid out by expert in tiles of
+rows on the device, the experts with tokens dequantized to f16, one batched product
+per matrix over the tiles, the results gathered back with their weights — no host
+round trip, however skewed the routing.
 
 Shape legend: T tokens, H hidden, F expert FFN width, E experts, K experts per
-token, P = T*K routed pairs, U experts in use, M padded tokens per expert.
+token, P = T*K routed pairs, R rows of the tiles.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from moerun.models.spec import ModelSpec
 from moerun.moe.dispatch import MoEStats
 from moerun.moe.experts import expert_tensor_names
 
-PAD_TOKENS = 16               # rows per expert in the batched products are a multiple of this
+TILE_ROWS = 32                # rows per tile of an expert's tokens in the batched products
 
 
 @dataclass
@@ -86,34 +87,31 @@ class GpuExperts:
         return out
 
     def _grouped(self, experts: LayerExperts, x: Any, ids: Any, weights: Any) -> Any:
+        """Pairs laid out expert by expert in tiles on the device (no host round trip), the
+        experts that have tokens dequantized to f16, one batched product per matrix over
+        the tiles, then the weighted sum back per token."""
         backend, spec = self.backend, self.spec
         cupy, kernels = backend.cupy, backend.kernels
         n_tokens, top_k = ids.shape
-        groups = group_by_expert(backend.to_host(ids), top_k)
-        used = cupy.asarray(groups.experts)                                           # [U]
-        rows = cupy.asarray(groups.token_rows)                                        # [U*M]
-        xg = cupy.empty((groups.token_rows.size, spec.hidden), cupy.float16)          # [U*M, H]
-        kernels.elementwise("gather_rows_f16", xg.size, (x, rows, np.int32(spec.hidden), np.int64(rows.size), xg))
-        xg = xg.reshape(used.size, groups.padded_tokens, spec.hidden)                 # [U, M, H]
-        gate = backend.blas.matmul(xg, self._dequantize_gate_up(experts, used, up=False))   # [U, M, F]
-        up = backend.blas.matmul(xg, self._dequantize_gate_up(experts, used, up=True))
-        act = cupy.empty(gate.shape, cupy.float16)
+        hidden, ffn = spec.hidden, spec.expert_ff
+        layout = TileLayout(backend, ids, spec.n_experts)
+        xg = cupy.empty((layout.max_rows, hidden), cupy.float16)                     # [R, H]
+        kernels.elementwise("gather_rows_f16", xg.size, (x, layout.token_rows, np.int32(hidden),
+                                                         np.int64(layout.max_rows), xg))
+        gate_up = backend.dequantize_f16(experts.gate_up, layout.counts)               # [E, F or 2F, H]
+        up_stack = gate_up if self.spec.fused_gate_up else backend.dequantize_f16(experts.up_stack, layout.counts)
+        up_offset = ffn * hidden if self.spec.fused_gate_up else 0                     # elements into each expert
+        gate, up = (cupy.empty((layout.max_rows, ffn), cupy.float32) for _ in range(2))   # [R, F]
+        layout.multiply(xg, gate_up, 0, gate)
+        layout.multiply(xg, up_stack, up_offset, up)
+        act = cupy.empty((layout.max_rows, ffn), cupy.float16)
         kernels.elementwise("silu_mul_f16", act.size, (gate, up, act, np.int64(act.size)))
-        down = backend.blas.matmul(act, backend.dequantize_f16(experts.down, used))          # [U, M, H]
-        out = cupy.empty((n_tokens, spec.hidden), cupy.float32)
-        slots = cupy.asarray(groups.pair_slots)                                       # [P]
-        kernels.elementwise("combine_rows", out.size, (down, slots, weights, np.int32(top_k), np.int32(spec.hidden),
-                                                       np.int64(n_tokens), np.uint64(0), out))
+        down = cupy.empty((layout.max_rows, hidden), cupy.float32)                    # [R, H]
+        layout.multiply(act, backend.dequantize_f16(experts.down, layout.counts), 0, down)
+        out = cupy.empty((n_tokens, hidden), cupy.float32)
+        kernels.elementwise("combine_rows", out.size, (down, layout.pair_rows, weights, np.int32(top_k),
+                                                       np.int32(hidden), np.int64(n_tokens), np.uint64(0), out))
         return out
-
-    def _dequantize_gate_up(self, experts: LayerExperts, used: Any, up: bool) -> Any:
-        """f16 [U, F, H] of the experts in use."""
-        backend, ffn = self.backend, self.spec.expert_ff
-        if not self.spec.fused_gate_up:
-            return backend.dequantize_f16(experts.up_stack if up else experts.gate_up, used)
-        both = backend.dequantize_f16(experts.gate_up, used)                           # [U, 2F, H]
-        return backend.cupy.ascontiguousarray(both[:, ffn:] if up else both[:, :ffn])
-
 
 @dataclass
 class PendingExperts:
@@ -123,24 +121,45 @@ class PendingExperts:
         return self.out
 
 
-@dataclass
-class ExpertGroups:
-    experts: np.ndarray        # int32 [U] experts in use, ascending
-    padded_tokens: int         # M
-    token_rows: np.ndarray     # int32 [U*M]: row of x for each slot, -1 for padding
-    pair_slots: np.ndarray     # int32 [P]: slot u*M + m holding each (token, k) pair
+class TileLayout:
+    """The routed pairs ids [T, K] laid out on the device: expert e owns whole tiles of
+    TILE_ROWS rows from row_start[e]; row r holds token token_rows[r] (-1: padding);
+    pair p sits in row pair_rows[p]. At most max_tiles tiles: one per TILE_ROWS pairs,
+    plus one partial tile per expert."""
 
+    def __init__(self, backend, ids: Any, n_experts: int):
+        cupy, kernels = backend.cupy, backend.kernels
+        self.backend = backend
+        n_pairs = ids.size
+        self.max_tiles = -(-n_pairs // TILE_ROWS) + n_experts
+        self.max_rows = self.max_tiles * TILE_ROWS
+        self.counts = cupy.zeros(n_experts, cupy.int32)                               # [E]
+        kernels.elementwise("count_pairs", n_pairs, (ids, np.int32(n_pairs), self.counts))
+        row_start, cursor = cupy.empty(n_experts, cupy.int32), cupy.empty(n_experts, cupy.int32)
+        self.tile_expert = cupy.empty(self.max_tiles, cupy.int32)
+        self.tile_row = cupy.empty(self.max_tiles, cupy.int32)
+        kernels["plan_tiles"]((1,), (1,), (self.counts, np.int32(n_experts), np.int32(TILE_ROWS),
+                                           np.int32(self.max_tiles), row_start, cursor, self.tile_expert,
+                                           self.tile_row))
+        self.token_rows = cupy.full(self.max_rows, -1, cupy.int32)                    # [R]
+        self.pair_rows = cupy.empty(n_pairs, cupy.int32)                              # [P]
+        kernels.elementwise("place_pairs", n_pairs, (ids, np.int32(n_pairs), np.int32(ids.shape[1]), row_start,
+                                                     cursor, self.token_rows, self.pair_rows))
 
-def group_by_expert(ids: np.ndarray, top_k: int) -> ExpertGroups:
-    """Lay the routed pairs ids [T, K] out expert by expert, M slots per expert."""
-    flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
-    padded = -(-int(counts.max()) // PAD_TOKENS) * PAD_TOKENS
-    group = np.repeat(np.arange(experts.size), counts)                 # group of each sorted pair
-    slot_of_sorted = group * padded + (np.arange(flat.size) - starts[group])
-    token_rows = np.full(experts.size * padded, -1, np.int32)
-    token_rows[slot_of_sorted] = order // top_k
-    pair_slots = np.empty(flat.size, np.int32)
-    pair_slots[order] = slot_of_sorted
-    return ExpertGroups(experts.astype(np.int32), padded, token_rows, pair_slots)
+    def multiply(self, rows: Any, stack: Any, offset: int, out: Any) -> None:
+        """out[r] = rows[r] · W_e[offset...]ᵀ for every tile's rows r, e the tile's expert:
+        rows f16 [R, K], stack f16 [E, N', K] holding W_e ([N, K]) from element `offset`
+        of each expert, out f32 [R, N]."""
+        cupy, backend = self.backend.cupy, self.backend
+        n, k = out.shape[1], rows.shape[1]
+        scratch_rows = cupy.zeros((TILE_ROWS, k), cupy.float16)
+        scratch_w = cupy.zeros((n, k), cupy.float16)
+        scratch_out = cupy.empty((TILE_ROWS, n), cupy.float32)
+        pointers = [cupy.empty(self.max_tiles, cupy.uint64) for _ in range(3)]
+        backend.kernels.elementwise("tile_pointers", self.max_tiles, (
+            self.tile_expert, self.tile_row, np.int32(self.max_tiles), rows, np.int64(k * 2),
+            stack[:, offset // k:], np.int64(stack[0].nbytes), out, np.int64(n * 4),
+            scratch_rows, scratch_w, scratch_out, *pointers))
+        a_ptrs, w_ptrs, c_ptrs = pointers
+        backend.blas.gemm_tiles(n=n, k=k, rows=TILE_ROWS, w_ptrs=w_ptrs, a_ptrs=a_ptrs, c_ptrs=c_ptrs,
+                                batch=self.max_tiles)

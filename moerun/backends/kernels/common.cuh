@@ -51,27 +51,29 @@ __device__ __forceinline__ float group_max(float value, int width) {
     return value;
 }
 
-// Sum over the whole block through shared memory; `scratch` holds blockDim.x floats.
+// Sum (max) over the whole block: shuffles within groups of 32 threads, then one pass
+// over the group results in shared memory. blockDim.x a multiple of 32 (or below 32);
+// `scratch` holds at least blockDim.x / 32 + 1 floats.
 __device__ float block_sum(float value, float* scratch) {
-    scratch[threadIdx.x] = value;
+    int width = blockDim.x < 32 ? blockDim.x : 32;
+    value = group_sum(value, width);
+    int groups = blockDim.x / width;
+    if (threadIdx.x % width == 0) scratch[threadIdx.x / width] = value;
     __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-        if (threadIdx.x < stride) scratch[threadIdx.x] += scratch[threadIdx.x + stride];
-        __syncthreads();
-    }
-    float total = scratch[0];
+    float total = 0.f;
+    for (int g = 0; g < groups; g++) total += scratch[g];
     __syncthreads();
     return total;
 }
 
 __device__ float block_max(float value, float* scratch) {
-    scratch[threadIdx.x] = value;
+    int width = blockDim.x < 32 ? blockDim.x : 32;
+    value = group_max(value, width);
+    int groups = blockDim.x / width;
+    if (threadIdx.x % width == 0) scratch[threadIdx.x / width] = value;
     __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-        if (threadIdx.x < stride) scratch[threadIdx.x] = fmaxf(scratch[threadIdx.x], scratch[threadIdx.x + stride]);
-        __syncthreads();
-    }
     float best = scratch[0];
+    for (int g = 1; g < groups; g++) best = fmaxf(best, scratch[g]);
     __syncthreads();
     return best;
 }

@@ -1,7 +1,6 @@
 // Dequantization to f16 for the prefill path, whose products run on the matrix
-// units: out[r, :] = row src(r) of W, for r in [0, n_rows).  With `experts` set,
-// out holds n_experts * rows_per_expert rows: row r comes from expert
-// experts[r / rows_per_expert], row r % rows_per_expert; otherwise src(r) = r.
+// units: out[r, :] = row r of W for r < n_rows. For an expert stack, rows of expert
+// r / rows_per_expert are skipped where `active` says that expert has no tokens.
 // One thread per 32-weight unit.
 #include "quant_blocks.cuh"
 
@@ -17,18 +16,15 @@ __device__ __forceinline__ uint4 pack_halves(const float* v) {
 
 #define DEFINE_DEQUANT_F16(TYPE)                                                                           \
     extern "C" __global__ void dequant_f16_##TYPE(const u8* __restrict__ weight, long long row_bytes,      \
-                                                  int units_per_row, long long n_rows,                     \
-                                                  const int* __restrict__ experts, int rows_per_expert,    \
-                                                  __half* __restrict__ out) {                              \
+                                                  int units_per_row, long long n_rows, int rows_per_expert, \
+                                                  const int* __restrict__ active, __half* __restrict__ out) { \
         long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                \
         if (index >= n_rows * units_per_row) return;                                                       \
         long long row = index / units_per_row;                                                             \
+        if (active && active[row / rows_per_expert] == 0) return;                                          \
         int unit = (int)(index % units_per_row);                                                           \
-        long long source = experts ? (long long)experts[row / rows_per_expert] * rows_per_expert           \
-                                         + row % rows_per_expert                                           \
-                                   : row;                                                                  \
         float v[UNIT];                                                                                     \
-        dequant_unit_##TYPE(weight + source * row_bytes, unit, v);                                         \
+        dequant_unit_##TYPE(weight + row * row_bytes, unit, v);                                            \
         uint4* dst = reinterpret_cast<uint4*>(out + row * (long long)units_per_row * UNIT + unit * UNIT);  \
         for (int i = 0; i < UNIT / 8; i++) dst[i] = pack_halves(v + 8 * i);                               \
     }

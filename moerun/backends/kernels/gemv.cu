@@ -10,13 +10,15 @@
                                            const float* __restrict__ x, int in_features,                  \
                                            float* __restrict__ y, int out_features, int n_tokens,         \
                                            const float* __restrict__ residual, int group) {               \
+        __shared__ float stage[STAGE_FLOATS];                                                              \
+        Activations xs = stage_activations(x, n_tokens, in_features, stage);                               \
         int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
         int lane = threadIdx.x % group;                                                                    \
         float acc[MAX_TOKENS];                                                                             \
         for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;                                                 \
         if (row < out_features)                                                                            \
-            accumulate_row<dequant_unit_##TYPE>(weight + row * row_bytes, in_features / UNIT, x,          \
-                                                in_features, n_tokens, lane, group, acc);                 \
+            accumulate_row<dequant_unit_##TYPE>(weight + row * row_bytes, in_features / UNIT, xs, 0,      \
+                                                n_tokens, lane, group, acc);                              \
         for (int t = 0; t < MAX_TOKENS; t++) {                                                             \
             if (t >= n_tokens) break;                                                                      \
             float total = group_sum(acc[t], group);                                                        \
@@ -34,12 +36,13 @@
                                                   const float* __restrict__ x, int hidden,                  \
                                                   const int* __restrict__ ids, int top_k,                   \
                                                   float* __restrict__ act, int ffn, int group) {            \
+        __shared__ float stage[STAGE_FLOATS];                                                              \
         int pair = blockIdx.y;                                                                             \
         int expert = ids[pair];                                                                            \
         if (expert < 0) return;                                                                            \
+        Activations xt = stage_activations(x + (long long)(pair / top_k) * hidden, 1, hidden, stage);      \
         int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
         int lane = threadIdx.x % group;                                                                    \
-        const float* xt = x + (long long)(pair / top_k) * hidden;                                          \
         float g[MAX_TOKENS] = {0.f}, u[MAX_TOKENS] = {0.f};                                                \
         if (row < ffn) {                                                                                   \
             long long offset = expert * expert_bytes + row * row_bytes;                                    \
@@ -61,7 +64,9 @@
                                                const float* __restrict__ weights, int top_k,                \
                                                float* __restrict__ out, int hidden,                         \
                                                const float* __restrict__ residual, int group) {             \
+        __shared__ float stage[STAGE_FLOATS];                                                              \
         int token = blockIdx.y;                                                                            \
+        Activations acts = stage_activations(act + (long long)token * top_k * ffn, top_k, ffn, stage);     \
         int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
         int lane = threadIdx.x % group;                                                                    \
         float acc = 0.f;                                                                                   \
@@ -72,8 +77,7 @@
                 if (expert < 0) continue;                                                                  \
                 float part[MAX_TOKENS] = {0.f};                                                            \
                 accumulate_row<dequant_unit_##TYPE>(down + expert * expert_bytes + row * row_bytes,       \
-                                                    ffn / UNIT, act + (long long)pair * ffn, 0, 1, lane,   \
-                                                    group, part);                                          \
+                                                    ffn / UNIT, acts, k, 1, lane, group, part);            \
                 acc += weights[pair] * part[0];                                                            \
             }                                                                                              \
         }                                                                                                  \

@@ -130,58 +130,47 @@ extern "C" __global__ void attention_combine(const float* __restrict__ acc, cons
 }
 
 // Router: softmax over E logits, the K most probable (ties to the lower id), their
-// probabilities, renormalised to sum 1 when asked.  One block per token.
+// probabilities, renormalised to sum 1 when asked.  One block of 32 threads per token.
 extern "C" __global__ void route_top_k(const float* __restrict__ logits, int n_experts, int top_k, int renormalize,
                                        int* __restrict__ ids, float* __restrict__ weights) {
     __shared__ float probs[1024];
-    __shared__ float best_value[1024];
-    __shared__ int best_index[1024];
-    __shared__ float scratch[1024];
-    int t = blockIdx.x;
+    int t = blockIdx.x, lane = threadIdx.x;
     const float* row = logits + (long long)t * n_experts;
-    float local_max = NEG_INF;
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) local_max = fmaxf(local_max, row[e]);
-    float top = block_max(local_max, scratch);
-    float local_sum = 0.f;
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+    float top = NEG_INF;
+    for (int e = lane; e < n_experts; e += 32) top = fmaxf(top, row[e]);
+    top = group_max(top, 32);
+    float sum = 0.f;
+    for (int e = lane; e < n_experts; e += 32) {
         probs[e] = expf(row[e] - top);
-        local_sum += probs[e];
+        sum += probs[e];
     }
-    float total = block_sum(local_sum, scratch);
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) probs[e] /= total;
+    sum = group_sum(sum, 32);
+    for (int e = lane; e < n_experts; e += 32) probs[e] /= sum;
     __syncthreads();
+    float chosen[32];
+    int chosen_ids[32];
     float chosen_sum = 0.f;
     for (int k = 0; k < top_k; k++) {
         float value = -1.f;
         int index = n_experts;
-        for (int e = threadIdx.x; e < n_experts; e += blockDim.x)
+        for (int e = lane; e < n_experts; e += 32)
             if (probs[e] > value) { value = probs[e]; index = e; }
-        best_value[threadIdx.x] = value;
-        best_index[threadIdx.x] = index;
-        __syncthreads();
-        for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-            if (threadIdx.x < stride) {
-                float other = best_value[threadIdx.x + stride];
-                int other_index = best_index[threadIdx.x + stride];
-                if (other > best_value[threadIdx.x] ||
-                    (other == best_value[threadIdx.x] && other_index < best_index[threadIdx.x])) {
-                    best_value[threadIdx.x] = other;
-                    best_index[threadIdx.x] = other_index;
-                }
-            }
-            __syncthreads();
+        for (int offset = 16; offset > 0; offset /= 2) {
+            float other = SHFL_XOR(value, offset, 32);
+            int other_index = SHFL_XOR(index, offset, 32);
+            if (other > value || (other == value && other_index < index)) { value = other; index = other_index; }
         }
-        int winner = best_index[0];
-        float winner_prob = best_value[0];
-        chosen_sum += winner_prob;
-        if (threadIdx.x == 0) {
-            ids[t * top_k + k] = winner;
-            weights[t * top_k + k] = winner_prob;
-            probs[winner] = -2.f;
-        }
+        chosen[k] = value;
+        chosen_ids[k] = index;
+        chosen_sum += value;
+        if (lane == 0) probs[index] = -2.f;
         __syncthreads();
     }
-    if (renormalize && threadIdx.x < top_k) weights[t * top_k + threadIdx.x] /= chosen_sum;
+    if (lane == 0)
+        for (int k = 0; k < top_k; k++) {
+            ids[t * top_k + k] = chosen_ids[k];
+            weights[t * top_k + k] = renormalize ? chosen[k] / chosen_sum : chosen[k];
+        }
 }
 
 // out[i] = silu(gate[i]) * up[i] over n values.
@@ -224,13 +213,14 @@ extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* 
     out[i] = (residual ? residual[i] : 0.f) + sum;
 }
 
-// out[t, :] += sigmoid(gate_logit[t]) * y[t, :], or += y[t, :] without a gate.
-extern "C" __global__ void add_gated(float* __restrict__ out, const float* __restrict__ y,
-                                     const float* __restrict__ gate_logit, int width, long long n) {
+// out[t, :] = x[t, :] + sigmoid(gate_logit[t]) * y[t, :], or x + y without a gate.
+extern "C" __global__ void add_gated(const float* __restrict__ x, const float* __restrict__ y,
+                                     const float* __restrict__ gate_logit, int width, long long n,
+                                     float* __restrict__ out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float scale = gate_logit ? 1.0f / (1.0f + expf(-gate_logit[i / width])) : 1.0f;
-    out[i] += scale * y[i];
+    out[i] = x[i] + scale * y[i];
 }
 
 // out = x as f16.

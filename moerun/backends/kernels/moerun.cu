@@ -2,3 +2,4 @@
 #include "gemv.cu"
 #include "dequant.cu"
 #include "layers.cu"
+#include "moe_prefill.cu"

@@ -1,0 +1,64 @@
+// Prefill expert layout on the device, with no host round trip: count the pairs per
+// expert, give each expert whole tiles of TILE rows, place every pair in a row of its
+// expert, and point one batched product per matrix at the tiles.
+// Shape legend: P routed pairs, E experts, R rows (each expert's pairs, padded to tiles).
+#include "common.cuh"
+
+// counts[e] += pairs routed to e (counts zeroed first). One thread per pair.
+extern "C" __global__ void count_pairs(const int* __restrict__ ids, int n_pairs, int* __restrict__ counts) {
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p < n_pairs) atomicAdd(&counts[ids[p]], 1);
+}
+
+// One thread: expert e owns rows [row_start[e], row_start[e] + its tiles * tile); tile t
+// belongs to tile_expert[t] from row tile_row[t]; tiles past the last are -1.
+extern "C" __global__ void plan_tiles(const int* __restrict__ counts, int n_experts, int tile, int max_tiles,
+                                      int* __restrict__ row_start, int* __restrict__ cursor,
+                                      int* __restrict__ tile_expert, int* __restrict__ tile_row) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    int row = 0, t = 0;
+    for (int e = 0; e < n_experts; e++) {
+        row_start[e] = row;
+        cursor[e] = 0;
+        for (int first = 0; first < counts[e]; first += tile) {
+            tile_expert[t] = e;
+            tile_row[t] = row + first;
+            t++;
+        }
+        row += (counts[e] + tile - 1) / tile * tile;
+    }
+    for (; t < max_tiles; t++) { tile_expert[t] = -1; tile_row[t] = 0; }
+}
+
+// Pair p (token p / top_k) takes the next row of its expert: token_rows[row] = token,
+// pair_rows[p] = row. Rows within an expert come in arrival order; each row's product
+// is independent of the others, so the results do not depend on it.
+extern "C" __global__ void place_pairs(const int* __restrict__ ids, int n_pairs, int top_k,
+                                       const int* __restrict__ row_start, int* __restrict__ cursor,
+                                       int* __restrict__ token_rows, int* __restrict__ pair_rows) {
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n_pairs) return;
+    int expert = ids[p];
+    int row = row_start[expert] + atomicAdd(&cursor[expert], 1);
+    token_rows[row] = p / top_k;
+    pair_rows[p] = row;
+}
+
+// Operand addresses of tile t for c = a · w[e]ᵀ: a rows and c rows from tile_row[t], w
+// expert tile_expert[t]; tiles past the last point at scratch buffers.
+extern "C" __global__ void tile_pointers(const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
+                                         int max_tiles, const char* a, long long a_row_bytes,
+                                         const char* w, long long w_expert_bytes, char* c, long long c_row_bytes,
+                                         const char* scratch_a, const char* scratch_w, char* scratch_c,
+                                         const char** a_ptrs, const char** w_ptrs, char** c_ptrs) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= max_tiles) return;
+    int expert = tile_expert[t];
+    if (expert < 0) {
+        a_ptrs[t] = scratch_a; w_ptrs[t] = scratch_w; c_ptrs[t] = scratch_c;
+        return;
+    }
+    a_ptrs[t] = a + tile_row[t] * a_row_bytes;
+    w_ptrs[t] = w + expert * w_expert_bytes;
+    c_ptrs[t] = c + tile_row[t] * c_row_bytes;
+}

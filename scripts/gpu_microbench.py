@@ -1,0 +1,95 @@
+"""Each decode-step operation of a model on its own, timed at full speed: every
+operation is captured 50 times over into a CUDA graph and the replays timed with
+device events, so launch gaps stay out of the figures.
+
+    python scripts/gpu_microbench.py -m model.gguf [--device cuda:0] [--position 512]
+
+Prints microseconds per call and per layer (calls per layer × time), their sum
+over the layers plus the head, and the captured decode step for comparison.
+Shape legend: H hidden, E experts, K experts per token.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from moerun.config import RigConfig
+from moerun.engine.generator import Runtime
+
+REPEATS = 50
+
+
+def graph_time_us(cupy, stream, operation) -> float:
+    """Mean device time of one call, from a graph of REPEATS calls replayed 5 times."""
+    pool = cupy.cuda.MemoryPool()
+    with stream, cupy.cuda.using_allocator(pool.malloc):
+        operation()                                       # load kernels before capture
+        stream.begin_capture()
+        for _ in range(REPEATS):
+            operation()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(5):
+            graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) * 1e3 / (5 * REPEATS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", required=True)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--position", type=int, default=512, help="cache positions before the timed step")
+    args = parser.parse_args()
+    ctx = args.position + 64
+    with Runtime(args.model, ctx=ctx, rig=RigConfig(device=args.device)) as runtime:
+        backend, model, spec = runtime.backend, runtime.model, runtime.spec
+        cupy, stream = backend.cupy, backend.stream
+        cache = backend.new_cache(ctx)
+        model.forward(np.arange(args.position) % 1000, cache, all_logits=False)
+        layer = model.layers[0]
+        rng = np.random.default_rng(0)
+
+        def activation(width: int):
+            return cupy.asarray(rng.normal(size=(1, width)).astype(np.float32))
+
+        x, h = activation(spec.hidden), activation(spec.hidden)
+        q = activation(spec.n_heads * spec.head_dim_k)
+        k, v = activation(spec.n_kv_heads * spec.head_dim_k), activation(spec.n_kv_heads * spec.head_dim_v)
+        positions = cupy.asarray(np.array([args.position], np.int32))
+        ids, weights = backend.route(backend.linear(h, layer.ffn_gate_inp))
+        attended = activation(spec.n_heads * spec.head_dim_v)
+        operations = [  # name, calls per layer, operation
+            ("rms_norm", 2, lambda: backend.rms_norm(x, layer.attn_norm)),
+            ("attn_q", 1, lambda: backend.linear(h, layer.attn_q)),
+            ("attn_k", 1, lambda: backend.linear(h, layer.attn_k)),
+            ("attn_v", 1, lambda: backend.linear(h, layer.attn_v)),
+            ("rope_append", 1, lambda: backend.rope_append(q, k, v, layer.attn_q_norm, layer.attn_k_norm,
+                                                          cache, 0, positions)),
+            ("attention", 1, lambda: backend.attention(q, cache, 0, positions)),
+            ("attn_output", 1, lambda: backend.linear(attended, layer.attn_output, residual=x)),
+            ("router", 1, lambda: backend.linear(h, layer.ffn_gate_inp)),
+            ("route_top_k", 1, lambda: backend.route(backend.linear(h, layer.ffn_gate_inp))),
+            ("experts", 1, lambda: model.moe.begin(0, h, ids, weights).finish()),
+            ("add", 1, lambda: backend.add(x, h)),
+        ]
+        per_layer = {}
+        for name, calls, operation in operations:
+            per_layer[name] = (calls, graph_time_us(cupy, stream, operation))
+        per_layer["route_top_k"] = (1, per_layer["route_top_k"][1] - per_layer["router"][1])
+        head = graph_time_us(cupy, stream, lambda: backend.linear(x, model.output))
+        layer_us = sum(calls * us for calls, us in per_layer.values())
+        print(f"| operation | µs per call | calls per layer | µs per layer | share |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for name, (calls, us) in sorted(per_layer.items(), key=lambda item: -item[1][0] * item[1][1]):
+            print(f"| {name} | {us:.1f} | {calls} | {calls * us:.1f} | {100 * calls * us / layer_us:.1f}% |")
+        print(f"\nper layer {layer_us:.1f} µs × {spec.n_layers} layers + head {head:.1f} µs = "
+              f"{(layer_us * spec.n_layers + head) / 1e3:.3f} ms per token")
+
+
+if __name__ == "__main__":
+    main()

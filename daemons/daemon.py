@@ -8,12 +8,12 @@ Shape legend: T tokens, H hidden, P routed pairs (token, expert), F expert FFN w
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
+from moerun.ipc.curve import server_keys_for
 from moerun.ipc.server import Server
 
 from moerun.gguf.reader import GGUFFile
@@ -102,13 +102,14 @@ class ExpertDaemon:
                 "compute_seconds": self.compute_seconds, "experts_loaded": len(self.weights)}
 
 
-def serve(model_path: str, device: str, listen: str, parent_pid: int | None) -> None:
-    """Run a daemon until SHUTDOWN, SIGTERM/SIGINT, or the death of `parent_pid`."""
+def serve(model_path: str, device: str, listen: str, parent_pid: int | None,
+          curve_secret_key: str | None = None, curve_authorized_keys: str | None = None) -> None:
+    """Run a daemon until SHUTDOWN, SIGTERM/SIGINT, or the death of `parent_pid`. On a tcp://
+    address other hosts can reach it needs its CURVE secret key file and the public key file
+    (or directory of them) of the parents it serves; elsewhere they are optional."""
+    curve = server_keys_for(listen, curve_secret_key, curve_authorized_keys)
     daemon = ExpertDaemon(model_path, device)
-    if _exposed(listen):
-        print(f"moerun daemon: warning: {listen} accepts unauthenticated connections from other hosts; "
-              f"listen on ipc:// or a loopback address unless the network is trusted", file=sys.stderr, flush=True)
-    server = Server(listen, daemon)
+    server = Server(listen, daemon, curve=curve)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())
     if parent_pid is not None:
@@ -117,14 +118,6 @@ def serve(model_path: str, device: str, listen: str, parent_pid: int | None) -> 
         server.serve_forever()
     finally:
         daemon.gguf.close()
-
-
-def _exposed(endpoint: str) -> bool:
-    """A tcp:// endpoint other hosts can reach."""
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    return host not in ("localhost", "::1") and not host.startswith("127.")
 
 
 def _stop_when_gone(pid: int, server: Server) -> None:

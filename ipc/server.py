@@ -4,7 +4,8 @@ the slots of the shared arena that parent attached, if any.
 The loop never dies on a bad request: every message and every slot gets a reply, an error
 reply when it cannot be served. The session owner is the peer that completed HELLO; another
 peer's HELLO gets `busy` until the owner has been silent for `lease_s` (or, on this host, its
-pid is gone). Shape legend: T tokens, H hidden size, P routed pairs.
+pid is gone). With CURVE keys only the authorized parents get as far as sending a message.
+Shape legend: T tokens, H hidden size, P routed pairs.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import numpy as np
 import zmq
 from moerun.ipc import protocol as p
 from moerun.ipc import slot_headers
+from moerun.ipc.curve import CurveServerKeys
+from moerun.ipc.curve_guard import CurveGuard
 from moerun.ipc.doorbell import fence
 from moerun.ipc.protocol import ProtocolError
 from moerun.ipc.shm import STATE_ATTACHED, Arena, ArenaLayout, Slot
@@ -35,8 +38,10 @@ SOCKET_CHECK_S = 0.01         # while busy on slots, look at the socket this oft
 
 
 def print_to_stderr(message: str) -> None:
+    """One whole line per call, also when the CURVE guard's thread logs at the same time."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"{stamp} moerun-daemon[{os.getpid()}] {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"{stamp} moerun-daemon[{os.getpid()}] {message}\n")
+    sys.stderr.flush()
 
 
 class Handler(Protocol):
@@ -79,13 +84,20 @@ class Session:
 class Server:
     def __init__(self, endpoint: str, handler: Handler, *, batch_capacity_max: int = 4096,
                  lease_s: float = 30.0, log: Callable[[str], None] = print_to_stderr,
-                 spin_s: float = DAEMON_SPIN_S):
+                 spin_s: float = DAEMON_SPIN_S, curve: CurveServerKeys | None = None):
         self.endpoint, self.handler, self.log = endpoint, handler, log
         self.batch_capacity_max, self.lease_s, self.spin_s = batch_capacity_max, lease_s, spin_s
+        self.curve = curve
         self.info = dict(handler.info())
         self.hidden = int(self.info["hidden"])
         self._context = zmq.Context()
-        self._socket = bind_router(self._context, endpoint, batch_capacity_max * self.hidden * 4)
+        guard = CurveGuard(curve, log) if curve is not None else None
+        try:
+            self._socket = bind_router(self._context, endpoint,
+                                       batch_capacity_max * self.hidden * 4, guard)
+        except BaseException:
+            self._context.term()   # also ends the guard's thread
+            raise
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._session: Session | None = None
@@ -103,7 +115,9 @@ class Server:
         self._stopping = True
 
     def serve_forever(self) -> None:
-        self.log(f"serving {self.endpoint}: model {self.info.get('model')}, device "
+        access = (f"CURVE, {len(self.curve.authorized)} authorized parent keys" if self.curve
+                  else "without CURVE")
+        self.log(f"serving {self.endpoint} ({access}): model {self.info.get('model')}, device "
                  f"{self.info.get('device')}, protocol v{p.PROTOCOL_VERSION}")
         try:
             while not self._stopping:

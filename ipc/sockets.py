@@ -1,7 +1,9 @@
 """ZeroMQ sockets of the stream transport: the daemon's ROUTER and the parent's DEALER.
 
 Endpoints are `ipc://PATH` or `tcp://HOST:PORT`. Every socket closes with LINGER 0 and has
-bounded queues; the daemon refuses frames larger than its batch capacity allows.
+bounded queues; the daemon refuses frames larger than its batch capacity allows. A ROUTER on a
+tcp:// address other hosts can reach must have CURVE keys (moerun.ipc.curve); an ipc://
+socket file is private to its owner.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import socket
 import stat
 
 import zmq
+from moerun.ipc.curve import CurveClientKeys, require_keys_if_exposed, set_client_keys
+from moerun.ipc.curve_guard import CurveGuard
 
 QUEUE_MESSAGES = 1000          # per-peer high-water mark, both ways
 SEND_TIMEOUT_MS = 10_000       # a DEALER send blocks at most this long (queue full)
@@ -26,8 +30,11 @@ def ipc_path(endpoint: str) -> str | None:
     return None if path.startswith("@") else path
 
 
-def bind_router(context: zmq.Context, endpoint: str, max_frame_bytes: int) -> zmq.Socket:
-    """The daemon's ROUTER, bound; an ipc:// socket file is private to this user."""
+def bind_router(context: zmq.Context, endpoint: str, max_frame_bytes: int,
+                guard: CurveGuard | None = None) -> zmq.Socket:
+    """The daemon's ROUTER, bound, behind the CURVE guard if one is given; an ipc:// socket
+    file is private to this user (0600, in a directory made 0700 if it did not exist)."""
+    require_keys_if_exposed(endpoint, guard is not None)
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.setsockopt(zmq.RCVHWM, QUEUE_MESSAGES)
@@ -36,12 +43,15 @@ def bind_router(context: zmq.Context, endpoint: str, max_frame_bytes: int) -> zm
     router.setsockopt(zmq.TCP_KEEPALIVE, 1)
     path = ipc_path(endpoint)
     try:
+        if guard is not None:
+            guard.protect(context, router)
         if path is None:
             router.bind(endpoint)
         else:
             _remove_stale_socket_file(path)
             old_umask = os.umask(0o077)
             try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 router.bind(endpoint)
             finally:
                 os.umask(old_umask)
@@ -52,8 +62,10 @@ def bind_router(context: zmq.Context, endpoint: str, max_frame_bytes: int) -> zm
     return router
 
 
-def connect_dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
-    """The parent's DEALER; it connects (and reconnects) in the background."""
+def connect_dealer(context: zmq.Context, endpoint: str,
+                   curve: CurveClientKeys | None = None) -> zmq.Socket:
+    """The parent's DEALER, a CURVE client when keys are given; it connects (and reconnects)
+    in the background."""
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.RCVHWM, QUEUE_MESSAGES)
@@ -62,6 +74,8 @@ def connect_dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
     dealer.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
     dealer.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
     dealer.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    if curve is not None:
+        set_client_keys(dealer, curve)
     dealer.connect(endpoint)
     return dealer
 

@@ -1,6 +1,7 @@
 """The `moerun` command line."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -10,20 +11,28 @@ from pathlib import Path
 import click
 import numpy as np
 
+from moerun.bench import bench
 from moerun.cli_options import (
     DEMO_DAEMONS,
+    config_option,
+    fill_from_file,
     friendly_errors,
+    given_on_command_line,
     open_runtime,
     runtime_options,
 )
 from moerun.config import (
     REMOTE_ENDPOINT,
+    ConfigError,
 )
+from moerun.config_file import load_config_file
 from moerun.engine.generator import DEFAULT_UBATCH, RunStats, Runtime
 from moerun.engine.report import stats_document, stats_table
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.chat import render_messages
 from moerun.gguf.reader import GGUFFile
+from moerun.keys import keys
+from moerun.launch import launch
 from moerun.models import load_spec
 from moerun.moe.hotness import RoutingCounter, read_hotness, write_hotness
 from moerun.moe.planner import (
@@ -35,6 +44,7 @@ from moerun.moe.planner import (
 )
 from moerun.moe.planner import plan as make_plan
 from moerun.server.command import serve
+from moerun.systemd import systemd
 from moerun.units import parse_bytes
 
 DEFAULT_PROMPT = "The experts"
@@ -140,7 +150,8 @@ def _report(document: dict, show: bool, json_path: str | None) -> None:
 
 
 @main.command()
-@click.option("-m", "--model", type=click.Path(dir_okay=False), required=True, help="GGUF model file.")
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
+              help="GGUF model file (required here or in --config).")
 @click.option("--ids", required=True, help="Comma-separated token ids, e.g. 1,2,3.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .npy file.")
 @runtime_options
@@ -149,6 +160,7 @@ def _report(document: dict, show: bool, json_path: str | None) -> None:
 @friendly_errors
 def logits(model, ids, output, stats, stats_json, **runtime_flags):
     """Write float32 logits [T, vocab] for every position of a token sequence."""
+    require(model, "-m/--model", "model")
     try:
         token_ids = [int(part) for part in ids.split(",") if part.strip()]
     except ValueError:
@@ -162,14 +174,48 @@ def logits(model, ids, output, stats, stats_json, **runtime_flags):
         _report(stats_document(runtime, run_stats), stats, stats_json)
 
 
+def require(value, flag: str, key: str) -> None:
+    if value is None:
+        raise click.UsageError(f"Missing option {flag} (or `{key}` in the --config file).")
+
+
+def plan_config(command):
+    """--config for `plan`: model, device and memory, the daemons' specs and memory, ctx, kv_pool."""
+    @functools.wraps(command)
+    @friendly_errors
+    def with_config_file(*args, config_file, **params):
+        if config_file:
+            fill_from_file(params, _plan_values(config_file))
+        return command(*args, **params)
+    return config_option(with_config_file)
+
+
+def _plan_values(config_file: str) -> dict:
+    values = load_config_file(config_file)
+    plan_values = {name: values[name] for name in ("model", "ctx", "kv_pool") if name in values}
+    if "memory" in values:
+        plan_values["parent_device"] = f"{values.get('device', 'cpu')}={values['memory']}"
+    entries = values.get("daemon_entries", ())
+    if entries and not given_on_command_line("daemons"):
+        missing = [entry.name for entry in entries if entry.memory is None]
+        if missing:
+            raise ConfigError(f"{config_file}: moerun plan needs `memory` in every [[daemon]] "
+                              f"(missing in {', '.join(missing)}), or --daemon SPEC=SIZE flags")
+        plan_values["daemons"] = tuple(f"{entry.spec}={entry.memory}" for entry in entries)
+    return plan_values
+
+
 @main.command()
-@click.option("-m", "--model", type=click.Path(dir_okay=False), required=True, help="GGUF model file.")
-@click.option("--device", "parent_device", required=True, metavar="DEVICE=SIZE",
-              help="The parent's device and memory, e.g. cuda:0=24GiB or cpu=64GiB.")
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
+              help="GGUF model file (required here or in --config).")
+@click.option("--device", "parent_device", default=None, metavar="DEVICE=SIZE",
+              help="The parent's device and memory, e.g. cuda:0=24GiB or cpu=64GiB "
+                   "(required here or as device and memory in --config).")
 @click.option("--daemon", "daemons", multiple=True, metavar="SPEC=SIZE",
               help="An expert daemon and its memory, e.g. cuda:1=16GiB or tcp://host:7070=48GiB. Repeatable.")
 @click.option("--cpu", "cpu_size", default=None, metavar="SIZE", help="Add a CPU expert daemon with this much RAM.")
-@click.option("--ctx", type=click.IntRange(min=1), required=True, help="Context length to reserve KV for.")
+@click.option("--ctx", type=click.IntRange(min=1), default=None,
+              help="Context length to reserve KV for (required here or in --config).")
 @click.option("--kv-pool", type=click.IntRange(min=1), default=None, help="Bounded KV pool in tokens.")
 @click.option("--kv-dtype", type=click.Choice(sorted(KV_BYTES_PER_ELEMENT)), default="f16", show_default=True)
 @click.option("--hotness", type=click.Path(dir_okay=False, exists=True), default=None,
@@ -177,9 +223,13 @@ def logits(model, ids, output, stats, stats_json, **runtime_flags):
 @click.option("--safety", default="512MiB", show_default=True, help="Memory kept free on every device.")
 @click.option("--workspace", default="256MiB", show_default=True, help="Scratch memory per device.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Placement JSON to write.")
+@plan_config
 @friendly_errors
 def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotness, safety, workspace, output):
     """Place every routed expert on the parent or a daemon within the devices' memory."""
+    require(model, "-m/--model", "model")
+    require(parent_device, "--device DEVICE=SIZE", "memory")
+    require(ctx, "--ctx", "ctx")
     parent_name, parent_bytes = _device_budget(parent_device, "--device")
     budgets = [_device_budget(spec, "--daemon") for spec in daemons]
     if cpu_size is not None:
@@ -236,14 +286,19 @@ def profile(model, prompts_file, output, n_predict, chat, ctx, ubatch):
 @click.option("-m", "--model", type=click.Path(dir_okay=False), required=True, help="GGUF model file.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or hip:N.")
 @click.option("--listen", required=True, metavar="ENDPOINT", help="ipc://PATH or tcp://HOST:PORT.")
+@click.option("--curve-secret-key", type=click.Path(dir_okay=False), default=None,
+              help="This daemon's CURVE secret key file (`moerun keys`); needed on a tcp:// address "
+                   "other hosts can reach.")
+@click.option("--curve-authorized-keys", type=click.Path(), default=None, metavar="FILE|DIR",
+              help="Public key file, or directory of them, of the parents it serves.")
 @click.option("--parent-pid", type=int, default=None, hidden=True)
 @friendly_errors
-def daemon(model, device, listen, parent_pid):
+def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, parent_pid):
     """Serve experts of MODEL to one parent at a time; starts with none, the parent assigns them."""
     from moerun.daemons.daemon import serve
     if not REMOTE_ENDPOINT.match(listen):
         raise click.BadParameter(f"expected ipc://PATH or tcp://HOST:PORT, got {listen!r}", param_hint="--listen")
-    serve(model, device, listen, parent_pid)
+    serve(model, device, listen, parent_pid, curve_secret_key, curve_authorized_keys)
 
 
 @main.command()
@@ -278,3 +333,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 main.add_command(serve)
+main.add_command(launch)
+main.add_command(systemd)
+main.add_command(keys)
+main.add_command(bench)

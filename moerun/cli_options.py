@@ -1,11 +1,12 @@
-"""Pieces every model-loading command shares: the rig flags, opening a Runtime from them,
-and turning expected failures into one `Error:` line."""
+"""Pieces every model-loading command shares: the rig flags and --config, opening a Runtime
+from them, and turning expected failures into one `Error:` line."""
 from __future__ import annotations
 
 import functools
 import sys
 
 import click
+from click.core import ParameterSource
 
 from moerun.config import (
     MAX_BATCH_CAPACITY,
@@ -15,6 +16,7 @@ from moerun.config import (
     TRANSPORTS,
     RigConfig,
 )
+from moerun.config_file import load_config_file
 from moerun.daemons.daemon import DeviceUnavailable
 from moerun.engine.generator import DEFAULT_UBATCH, RequestError, Runtime
 from moerun.gguf.reader import GGUFError
@@ -42,9 +44,48 @@ def friendly_errors(command):
     return wrapper
 
 
+def config_option(command):
+    """--config FILE: the file's values fill every parameter the command line leaves out."""
+    return click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
+                        help="Rig config file (TOML, docs/config.md); flags given here override it.")(command)
+
+
+def given_on_command_line(name: str) -> bool:
+    return click.get_current_context().get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+def fill_from_file(params: dict, values: dict) -> None:
+    """Give every parameter the command line left out the file's value, if it has one. A flag
+    given on the command line also overrides the file's alternative to it (--hot, --placement)."""
+    for flag, alternative in (("hot", "placement"), ("placement", "hot")):
+        if given_on_command_line(flag):
+            values = {name: value for name, value in values.items() if name != alternative}
+    for name, value in values.items():
+        if name in params and not given_on_command_line(name):
+            params[name] = value
+
+
 def runtime_options(command):
-    """Flags shared by every command that loads a model: context, prefill chunking, the rig."""
+    """Flags shared by every command that loads a model: context, prefill chunking, the rig,
+    and --config. The command receives them all, plus `daemon_entries` and
+    `client_secret_key` from the file, to hand to open_runtime(model, **runtime_flags)."""
+    @functools.wraps(command)
+    @friendly_errors
+    def with_config_file(*args, config_file, **params):
+        values = load_config_file(config_file) if config_file else {}
+        daemons_from_file = "daemons" in values and not given_on_command_line("daemons")
+        fill_from_file(params, values)
+        params["daemon_entries"] = values["daemon_entries"] if daemons_from_file else ()
+        params["client_secret_key"] = values.get("client_secret_key")
+        return command(*args, **params)
+
+    decorated = with_config_file
     for option in reversed([
+        config_option,
+        click.option("--device", default="cpu", show_default=True, metavar="DEVICE",
+                     help="The parent's device: cpu, cuda:N or hip:N."),
+        click.option("--graph/--no-graph", "graphs", default=True, show_default=True,
+                     help="Run GPU decode steps as CUDA graphs (--no-graph: eagerly)."),
         click.option("--ctx", type=click.IntRange(min=1), default=None,
                      help="Context length in tokens [default: the model's, at most 4096]."),
         click.option("--kv-pool", type=click.IntRange(min=1), default=None,
@@ -73,13 +114,15 @@ def runtime_options(command):
         click.option("--require-daemons", is_flag=True,
                      help="Stop with an error instead of computing a failed daemon's experts on the parent."),
     ]):
-        command = option(command)
-    return command
+        decorated = option(decorated)
+    return decorated
 
 
-def open_runtime(model, ctx, kv_pool, ubatch, daemons, hot, placement, transport, mode, batch_capacity, payload_dtype,
-                 daemon_timeout, require_daemons) -> Runtime:
+def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, daemons, hot, placement, transport, mode,
+                 batch_capacity, payload_dtype, daemon_timeout, require_daemons, daemon_entries,
+                 client_secret_key) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
-                    require_daemons=require_daemons)
+                    require_daemons=require_daemons, device=device, graphs=graphs, daemon_entries=daemon_entries,
+                    client_secret_key=client_secret_key)
     return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig)

@@ -16,6 +16,8 @@ import numpy as np
 from moerun.ipc.curve import server_keys_for
 from moerun.ipc.server import Server
 
+from moerun.backends.devices import BackendUnavailable, gpu_module, parse_device
+from moerun.backends.gpu_expert_set import GpuExpertSet
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.moe.experts import ExpertWeights, grouped_ffn, load_expert
@@ -24,16 +26,19 @@ from moerun.units import available_host_bytes
 
 
 class DeviceUnavailable(RuntimeError):
-    """The requested device has no backend in this installation."""
+    """The requested device cannot be used here; the message says what is missing."""
 
 
 def check_device(device: str) -> str:
-    """The backend name for a device string, or DeviceUnavailable saying what is missing."""
-    if device == "cpu":
-        return "numpy"
-    kind = device.split(":")[0]
-    raise DeviceUnavailable(f"--device {device}: GPU expert daemons need moerun's {kind} backend, which this "
-                            f"version does not include yet; use --device cpu")
+    """The backend name for a device string (numpy, cuda or hip), or DeviceUnavailable
+    saying what is missing."""
+    try:
+        parsed = parse_device(device)
+        if parsed.platform != "cpu":
+            gpu_module(parsed)
+    except (ValueError, BackendUnavailable) as err:
+        raise DeviceUnavailable(str(err)) from None
+    return "numpy" if parsed.platform == "cpu" else parsed.platform
 
 
 class ExpertDaemon:
@@ -46,7 +51,8 @@ class ExpertDaemon:
         self.spec = load_spec(self.gguf)
         self._fingerprint = self.gguf.fingerprint()
         self.assigned: dict[int, np.ndarray] = {}                  # layer -> global ids, index = local id
-        self.weights: dict[tuple[int, int], ExpertWeights] = {}
+        self.weights: dict[tuple[int, int], ExpertWeights] = {}    # on the CPU
+        self.gpu = None if device == "cpu" else GpuExpertSet(device, self.gguf, self.spec)
         self.calls = self.tokens = self.pairs = 0
         self.compute_seconds = 0.0
 
@@ -60,6 +66,10 @@ class ExpertDaemon:
         """Load exactly these experts (global ids per layer) from this daemon's own mmap."""
         self._check_assignment(experts)
         self.release()
+        if self.gpu is not None:
+            self.gpu.load(experts, progress)
+            self.assigned = {layer: np.asarray(ids, np.int64) for layer, ids in experts.items()}
+            return
         total = sum(len(ids) for ids in experts.values())
         done = 0
         for layer, ids in sorted(experts.items()):
@@ -85,8 +95,11 @@ class ExpertDaemon:
         experts = self.assigned[layer]
         if local_ids.size and (local_ids.min() < 0 or local_ids.max() >= len(experts)):
             raise IndexError(f"layer {layer}: local expert ids must be in 0..{len(experts) - 1}")
-        rows = np.repeat(np.arange(len(counts)), counts)                              # [P]
-        out = grouped_ffn(x, rows, experts[local_ids], weights, lambda e: self.weights[(layer, e)])
+        if self.gpu is not None:
+            out = self.gpu.compute(layer, x, counts, local_ids, weights)
+        else:
+            rows = np.repeat(np.arange(len(counts)), counts)                          # [P]
+            out = grouped_ffn(x, rows, experts[local_ids], weights, lambda e: self.weights[(layer, e)])
         self.calls += 1
         self.tokens += len(counts)
         self.pairs += len(local_ids)
@@ -96,10 +109,13 @@ class ExpertDaemon:
     def release(self) -> None:
         self.assigned.clear()
         self.weights.clear()
+        if self.gpu is not None:
+            self.gpu.release()
 
     def stats(self) -> dict:
         return {"calls": self.calls, "tokens": self.tokens, "pairs": self.pairs,
-                "compute_seconds": self.compute_seconds, "experts_loaded": len(self.weights)}
+                "compute_seconds": self.compute_seconds,
+                "experts_loaded": sum(len(ids) for ids in self.assigned.values())}
 
 
 def serve(model_path: str, device: str, listen: str, parent_pid: int | None,

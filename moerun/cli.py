@@ -85,13 +85,13 @@ def run(model, prompt, chat, n_predict, temp, top_k, top_p, min_p, repeat_penalt
         stats, stats_json, **runtime_flags):
     """Generate text, streaming it to stdout.
 
-    Without -m, runs the built-in demo model with two CPU expert daemons over shared
-    memory and prints the stats table."""
+    Without -m, runs the built-in demo model — on the CPU with two CPU expert daemons
+    over shared memory, printing the stats table, or on the --device given."""
     if model is None:
         from moerun.models.default import DESCRIPTION, default_model_path
         click.echo(DESCRIPTION, err=True)
         model = default_model_path()
-        if not runtime_flags["daemons"]:
+        if not runtime_flags["daemons"] and runtime_flags["device"] == "cpu":
             runtime_flags["daemons"] = DEMO_DAEMONS
             stats = True
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")

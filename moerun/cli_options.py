@@ -8,6 +8,7 @@ import sys
 import click
 from click.core import ParameterSource
 
+from moerun.backends import BackendUnavailable
 from moerun.config import (
     MAX_BATCH_CAPACITY,
     MODES,
@@ -34,7 +35,8 @@ def friendly_errors(command):
         try:
             return command(*args, **kwargs)
         # ValueError covers ConfigError, PlacementError, PlanError, HotnessError and bad sizes
-        except (GGUFError, TokenizerError, RequestError, RigError, DaemonError, DeviceUnavailable, ValueError) as err:
+        except (GGUFError, TokenizerError, RequestError, RigError, DaemonError, DeviceUnavailable, BackendUnavailable,
+                ValueError) as err:
             raise click.ClickException(str(err)) from None
         except OSError as err:
             raise click.ClickException(f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")) from None

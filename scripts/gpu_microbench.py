@@ -14,6 +14,7 @@ import argparse
 
 import numpy as np
 
+from moerun.backends import gpu_kernels
 from moerun.config import RigConfig
 from moerun.engine.generator import Runtime
 
@@ -44,7 +45,10 @@ def main() -> None:
     parser.add_argument("-m", "--model", required=True)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--position", type=int, default=512, help="cache positions before the timed step")
+    parser.add_argument("--row-group", type=int, default=gpu_kernels.ROW_GROUP,
+                        help="threads per output row in the GEMVs (8, 16 or 32)")
     args = parser.parse_args()
+    gpu_kernels.ROW_GROUP = args.row_group
     ctx = args.position + 64
     with Runtime(args.model, ctx=ctx, rig=RigConfig(device=args.device)) as runtime:
         backend, model, spec = runtime.backend, runtime.model, runtime.spec
@@ -83,7 +87,7 @@ def main() -> None:
         per_layer["route_top_k"] = (1, per_layer["route_top_k"][1] - per_layer["router"][1])
         head = graph_time_us(cupy, stream, lambda: backend.linear(x, model.output))
         layer_us = sum(calls * us for calls, us in per_layer.values())
-        print(f"| operation | µs per call | calls per layer | µs per layer | share |")
+        print("| operation | µs per call | calls per layer | µs per layer | share |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for name, (calls, us) in sorted(per_layer.items(), key=lambda item: -item[1][0] * item[1][1]):
             print(f"| {name} | {us:.1f} | {calls} | {calls * us:.1f} | {100 * calls * us / layer_us:.1f}% |")

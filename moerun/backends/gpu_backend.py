@@ -19,7 +19,7 @@ import numpy as np
 from moerun.backends.devices import Device, gpu_module
 from moerun.backends.gpu_blas import Blas
 from moerun.backends.gpu_kernels import BLOCK, MAX_GEMV_TOKENS, Kernels
-from moerun.backends.gpu_moe import GpuExperts
+from moerun.backends.gpu_moe import GpuExperts, load_experts
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.backends.progress import UploadProgress
 from moerun.engine.kv_cache import ContextFull
@@ -101,7 +101,9 @@ class GpuBackend:
         return self.cupy.asarray(np.ascontiguousarray(values, dtype=np.float32))
 
     def local_moe(self, gguf: GGUFFile, expert_cache_bytes: int) -> GpuExperts:
-        return GpuExperts(self, self._uploader, self.spec)
+        layers = {layer: load_experts(self._uploader, self.spec, layer)
+                  for layer, is_moe in enumerate(self.spec.moe_layers) if is_moe}
+        return GpuExperts(self, self.spec, layers)
 
     # -- buffers
     def upload_ids(self, ids: np.ndarray) -> Any:

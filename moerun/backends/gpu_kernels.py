@@ -8,6 +8,7 @@ from typing import Any
 KERNEL_DIR = Path(__file__).parent / "kernels"
 BLOCK = 256                     # threads per block of the row-parallel kernels
 MAX_GEMV_TOKENS = 8             # MAX_TOKENS in common.cuh
+ROW_GROUP = 32                  # most threads sharing one output row (a power of two, <= 32)
 
 
 class Kernels:
@@ -25,8 +26,8 @@ class Kernels:
 
     def rows(self, name: str, n_rows: int, units_per_row: int, grid_y: int, args: tuple) -> None:
         """Launch a row-parallel kernel: one group of threads per output row, the group
-        as wide as the row has units (a power of two, at most 32), as its last argument."""
-        group = min(32, 1 << (max(units_per_row, 1).bit_length() - 1))
+        as wide as the row has units (a power of two, at most ROW_GROUP), as its last argument."""
+        group = min(ROW_GROUP, 1 << (max(units_per_row, 1).bit_length() - 1))
         rows_per_block = BLOCK // group
         grid = ((n_rows + rows_per_block - 1) // rows_per_block, grid_y)
         self[name](grid, (BLOCK,), (*args, self.cupy.int32(group)))

@@ -36,27 +36,14 @@ class LayerExperts:
 
 
 class GpuExperts:
-    def __init__(self, backend, uploader: Uploader, spec: ModelSpec):
+    """Routed experts on the device, by layer: the parent's hold every expert, a GPU
+    daemon's only those assigned to it (then ids are the daemon's local ids)."""
+
+    def __init__(self, backend, spec: ModelSpec, layers: dict[int, LayerExperts]):
         self.backend = backend
         self.spec = spec
         self.stats = MoEStats()
-        self.layers: dict[int, LayerExperts] = {}
-        for layer, is_moe in enumerate(spec.moe_layers):
-            if is_moe:
-                self.layers[layer] = self._load(uploader, layer)
-
-    def _load(self, uploader: Uploader, layer: int) -> LayerExperts:
-        names = expert_tensor_names(self.spec, layer)
-        mats = [uploader.matrix(name) for name in names]
-        if self.spec.fused_gate_up:
-            gate_up, down = mats
-            up_offset = self.spec.expert_ff * gate_up.row_bytes
-            return LayerExperts(gate_up.data, gate_up.data[up_offset:], gate_up, gate_up, down)
-        gate, up, down = mats
-        if gate.kind != up.kind:
-            raise ValueError(f"layer {layer}: expert gate ({gate.kind}) and up ({up.kind}) tensors of different "
-                             "types are not supported on the GPU")
-        return LayerExperts(gate.data, up.data, gate, up, down)
+        self.layers = layers
 
     def begin(self, layer: int, x: Any, ids: Any, weights: Any) -> "PendingExperts":
         """x [T, H], ids/weights [T, K] on the device; the work is queued on the stream now."""
@@ -94,7 +81,7 @@ class GpuExperts:
         cupy, kernels = backend.cupy, backend.kernels
         n_tokens, top_k = ids.shape
         hidden, ffn = spec.hidden, spec.expert_ff
-        layout = TileLayout(backend, ids, spec.n_experts)
+        layout = TileLayout(backend, ids, experts.down.experts)
         xg = cupy.empty((layout.max_rows, hidden), cupy.float16)                     # [R, H]
         kernels.elementwise("gather_rows_f16", xg.size, (x, layout.token_rows, np.int32(hidden),
                                                          np.int64(layout.max_rows), xg))
@@ -112,6 +99,20 @@ class GpuExperts:
         kernels.elementwise("combine_rows", out.size, (down, layout.pair_rows, weights, np.int32(top_k),
                                                        np.int32(hidden), np.int64(n_tokens), np.uint64(0), out))
         return out
+
+def load_experts(uploader: Uploader, spec: ModelSpec, layer: int, experts: list[int] | None = None) -> LayerExperts:
+    """One layer's expert stacks: every expert, or only `experts` (stacked in that order)."""
+    mats = [uploader.matrix(name, experts) for name in expert_tensor_names(spec, layer)]
+    if spec.fused_gate_up:
+        gate_up, down = mats
+        up_offset = spec.expert_ff * gate_up.row_bytes
+        return LayerExperts(gate_up.data, gate_up.data[up_offset:], gate_up, gate_up, down)
+    gate, up, down = mats
+    if gate.kind != up.kind:
+        raise ValueError(f"layer {layer}: expert gate ({gate.kind}) and up ({up.kind}) tensors of different "
+                         "types are not supported on the GPU")
+    return LayerExperts(gate.data, up.data, gate, up, down)
+
 
 @dataclass
 class PendingExperts:

@@ -59,20 +59,26 @@ class Uploader:
         self._turn = 0
         self.converted: set[str] = set()
 
-    def matrix(self, name: str) -> DeviceMatrix:
-        """The tensor as a DeviceMatrix: 1-D tensors become one row; 3-D ones an expert stack."""
+    def matrix(self, name: str, experts: list[int] | None = None) -> DeviceMatrix:
+        """The tensor as a DeviceMatrix: 1-D tensors become one row; 3-D ones an expert
+        stack, of every expert or of `experts` only, in that order."""
         info = self.gguf.tensor(name)
         shape = (1, *info.shape) if len(info.shape) == 1 else info.shape
-        experts, rows, cols = (1, *shape) if len(shape) == 2 else shape
+        n_experts, rows, cols = (1, *shape) if len(shape) == 2 else shape
         if cols % UNIT:
             raise ValueError(f"tensor '{name}' has rows of {cols} weights; the GPU kernels need a multiple of {UNIT}")
         kind = KERNEL_TYPES.get(info.ggml_type)
         if kind is None:
             self.converted.add(info.ggml_type.name)
-            data = self.bytes(self.gguf.dequantize(name).astype(np.float16).view(np.uint8).reshape(-1))
-            return DeviceMatrix(data, "f16", rows, cols, experts)
-        assert info.nbytes == experts * rows * row_nbytes(info.ggml_type, cols)
-        return DeviceMatrix(self.bytes(self.gguf.raw(name).reshape(-1).view(np.uint8)), kind, rows, cols, experts)
+            kind = "f16"
+            values = self.gguf.dequantize(name).reshape(n_experts, rows, cols)
+            stored = values.astype(np.float16).view(np.uint8)
+        else:
+            assert info.nbytes == n_experts * rows * row_nbytes(info.ggml_type, cols)
+            stored = self.gguf.raw(name).reshape(n_experts, rows, -1).view(np.uint8)
+        if experts is not None:
+            stored, n_experts = stored[np.asarray(experts)], len(experts)      # copies those experts only
+        return DeviceMatrix(self.bytes(stored.reshape(-1)), kind, rows, cols, n_experts)
 
     def bytes(self, source: np.ndarray) -> Any:
         """A device copy of the uint8 array `source`."""

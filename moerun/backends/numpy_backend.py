@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from moerun.backends.numpy_ops import apply_rope, causal_attention, rms_norm, rope_tables, sigmoid, silu
+from moerun.backends.numpy_ops import (
+    apply_rope,
+    causal_attention,
+    rms_norm,
+    rope_tables,
+    sigmoid,
+    silu,
+)
 from moerun.engine.kv_cache import KVCache
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec

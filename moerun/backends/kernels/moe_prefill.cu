@@ -4,10 +4,11 @@
 // Shape legend: P routed pairs, E experts, R rows (each expert's pairs, padded to tiles).
 #include "common.cuh"
 
-// counts[e] += pairs routed to e (counts zeroed first). One thread per pair.
+// counts[e] += pairs routed to e (counts zeroed first); ids < 0 are empty slots.
+// One thread per pair.
 extern "C" __global__ void count_pairs(const int* __restrict__ ids, int n_pairs, int* __restrict__ counts) {
     int p = blockIdx.x * blockDim.x + threadIdx.x;
-    if (p < n_pairs) atomicAdd(&counts[ids[p]], 1);
+    if (p < n_pairs && ids[p] >= 0) atomicAdd(&counts[ids[p]], 1);
 }
 
 // One thread: expert e owns rows [row_start[e], row_start[e] + its tiles * tile); tile t
@@ -31,14 +32,18 @@ extern "C" __global__ void plan_tiles(const int* __restrict__ counts, int n_expe
 }
 
 // Pair p (token p / top_k) takes the next row of its expert: token_rows[row] = token,
-// pair_rows[p] = row. Rows within an expert come in arrival order; each row's product
-// is independent of the others, so the results do not depend on it.
+// pair_rows[p] = row (-1 for an empty slot). Rows within an expert come in arrival
+// order; each row's product is independent of the others, so results do not depend on it.
 extern "C" __global__ void place_pairs(const int* __restrict__ ids, int n_pairs, int top_k,
                                        const int* __restrict__ row_start, int* __restrict__ cursor,
                                        int* __restrict__ token_rows, int* __restrict__ pair_rows) {
     int p = blockIdx.x * blockDim.x + threadIdx.x;
     if (p >= n_pairs) return;
     int expert = ids[p];
+    if (expert < 0) {
+        pair_rows[p] = -1;
+        return;
+    }
     int row = row_start[expert] + atomicAdd(&cursor[expert], 1);
     token_rows[row] = p / top_k;
     pair_rows[p] = row;

@@ -6,6 +6,12 @@
 
 #define UNIT 32
 
+// The float of an integer 0 <= q < 2^23 minus `bias`, without the slow conversion
+// unit: 2^23 + q has q in its mantissa bits, so one OR and one subtraction suffice.
+__device__ __forceinline__ float biased_float(u32 q, float bias) {
+    return __int_as_float(0x4B000000u | q) - (8388608.0f + bias);
+}
+
 __device__ __forceinline__ void dequant_unit_f32(const u8* row, int unit, float* out) {
     const float4* src = reinterpret_cast<const float4*>(row + unit * 128);
 #pragma unroll
@@ -43,24 +49,31 @@ __device__ __forceinline__ void dequant_unit_bf16(const u8* row, int unit, float
     }
 }
 
-// Q8_0: f16 d, int8 q[32]; w = d*q. 34 bytes.
+// Q8_0: f16 d, int8 q[32]; w = d*q. 34 bytes (2-byte aligned: read in u16 pairs).
 __device__ __forceinline__ void dequant_unit_q8_0(const u8* row, int unit, float* out) {
     const u8* block = row + unit * 34;
     float d = load_half(block);
-    const i8* q = reinterpret_cast<const i8*>(block + 2);
+    const u16* q = reinterpret_cast<const u16*>(block + 2);
 #pragma unroll
-    for (int i = 0; i < 32; i++) out[i] = d * (float)q[i];
+    for (int i = 0; i < 16; i++) {
+        u32 pair = q[i] ^ 0x8080u;                       // int8 + 128, both bytes
+        out[2 * i] = d * biased_float(pair & 0xFF, 128.f);
+        out[2 * i + 1] = d * biased_float(pair >> 8, 128.f);
+    }
 }
 
 // Q4_0: f16 d, 16 bytes of nibbles (low = elements 0..15, high = 16..31); w = d*(q-8). 18 bytes.
 __device__ __forceinline__ void dequant_unit_q4_0(const u8* row, int unit, float* out) {
     const u8* block = row + unit * 18;
     float d = load_half(block);
+    const u16* q = reinterpret_cast<const u16*>(block + 2);
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        u8 byte = block[2 + i];
-        out[i] = d * (float)((int)(byte & 0xF) - 8);
-        out[i + 16] = d * (float)((int)(byte >> 4) - 8);
+    for (int i = 0; i < 8; i++) {
+        u32 pair = q[i];
+        out[2 * i] = d * biased_float(pair & 0xF, 8.f);
+        out[2 * i + 1] = d * biased_float((pair >> 8) & 0xF, 8.f);
+        out[2 * i + 16] = d * biased_float((pair >> 4) & 0xF, 8.f);
+        out[2 * i + 17] = d * biased_float(pair >> 12, 8.f);
     }
 }
 
@@ -140,7 +153,7 @@ __device__ __forceinline__ void dequant_unit_q4_k(const u8* row, int unit, float
         for (int w = 0; w < 4; w++)
 #pragma unroll
             for (int b = 0; b < 4; b++)
-                out[16 * i + 4 * w + b] = d * (float)((words[w] >> (8 * b + shift)) & 0xF) - m;
+                out[16 * i + 4 * w + b] = d * biased_float((words[w] >> (8 * b + shift)) & 0xF, 0.f) - m;
     }
 }
 
@@ -152,13 +165,20 @@ __device__ __forceinline__ void dequant_unit_q5_k(const u8* row, int unit, float
     float scale, min;
     k_scale_min(block + 4, sub, &scale, &min);
     float d = load_half(block) * scale, m = load_half(block + 2) * min;
-    const u8* high = block + 16;
-    const u8* qs = block + 48 + (sub >> 1) * 32;
+    const uint4* high = reinterpret_cast<const uint4*>(block + 16);
+    const uint4* qs = reinterpret_cast<const uint4*>(block + 48 + (sub >> 1) * 32);
     int shift = (sub & 1) * 4;
 #pragma unroll
-    for (int i = 0; i < 32; i++) {
-        int q = ((qs[i] >> shift) & 0xF) | (((high[i] >> sub) & 1) << 4);
-        out[i] = d * (float)q - m;
+    for (int i = 0; i < 2; i++) {
+        uint4 q = qs[i], h = high[i];
+        u32 q_words[4] = {q.x, q.y, q.z, q.w}, h_words[4] = {h.x, h.y, h.z, h.w};
+#pragma unroll
+        for (int w = 0; w < 4; w++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                u32 value = ((q_words[w] >> (8 * b + shift)) & 0xF) | (((h_words[w] >> (8 * b + sub)) & 1) << 4);
+                out[16 * i + 4 * w + b] = d * biased_float(value, 0.f) - m;
+            }
     }
 }
 
@@ -169,16 +189,20 @@ __device__ __forceinline__ void dequant_unit_q5_k(const u8* row, int unit, float
 __device__ __forceinline__ void dequant_unit_q6_k(const u8* row, int unit, float* out) {
     const u8* block = row + (unit >> 3) * 210;
     int half_index = (unit >> 2) & 1, quarter = unit & 3;
-    const u8* low = block + half_index * 64 + (quarter & 1) * 32;
-    const u8* high = block + 128 + half_index * 32;
+    const u16* low = reinterpret_cast<const u16*>(block + half_index * 64 + (quarter & 1) * 32);
+    const u16* high = reinterpret_cast<const u16*>(block + 128 + half_index * 32);
     const i8* scales = reinterpret_cast<const i8*>(block + 192) + half_index * 8 + quarter * 2;
     float d = load_half(block + 208);
     int low_shift = (quarter >> 1) * 4, high_shift = 2 * quarter;
     float d0 = d * (float)scales[0], d1 = d * (float)scales[1];
 #pragma unroll
-    for (int i = 0; i < 32; i++) {
-        int q = ((low[i] >> low_shift) & 0xF) | (((high[i] >> high_shift) & 3) << 4);
-        out[i] = (i < 16 ? d0 : d1) * (float)(q - 32);
+    for (int i = 0; i < 16; i++) {
+        u32 l = low[i], h = high[i];
+        u32 q0 = ((l >> low_shift) & 0xF) | (((h >> high_shift) & 3) << 4);
+        u32 q1 = ((l >> (8 + low_shift)) & 0xF) | (((h >> (8 + high_shift)) & 3) << 4);
+        float scale = i < 8 ? d0 : d1;
+        out[2 * i] = scale * biased_float(q0, 32.f);
+        out[2 * i + 1] = scale * biased_float(q1, 32.f);
     }
 }
 

@@ -1,0 +1,35 @@
+"""A GPU expert daemon (a real child process computing on the GPU with the parent's
+kernels) against the parent computing every expert itself on the CPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moerun.config import RigConfig
+from moerun.engine.generator import Runtime
+from moerun.models.bench_model import MIXES, PRESETS, write_bench_model
+from tests.gpu_support import gpu_device
+
+pytestmark = pytest.mark.gpu
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_bench_model(tmp_path_factory.mktemp("daemon") / "tiny.gguf", PRESETS["tiny"], MIXES["q4_k_m"], seed=7)
+
+
+@pytest.mark.parametrize("ubatch, bound", [(8, 1e-5), (512, 1e-3)], ids=["gemv", "tiles"])
+def test_gpu_daemon_matches_cpu(model, ubatch, bound):
+    ids = np.random.default_rng(3).integers(0, 800, 40).tolist()
+    with Runtime(model, ubatch=ubatch) as local:
+        want = local.logits(ids)
+    rig = RigConfig(daemons=(gpu_device(),), hot=2, daemon_timeout_s=60, require_daemons=True)
+    with Runtime(model, ubatch=ubatch, rig=rig) as remote:
+        got = remote.logits(ids)
+        stats = remote.model.moe.stats
+    assert stats.remote_pairs > 0 and stats.fallback_pairs == 0
+    assert relative_error(got, want) <= bound

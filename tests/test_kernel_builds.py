@@ -1,0 +1,48 @@
+"""The one kernel source tree compiles for AMD GPUs with hipcc (gfx906 and gfx1030,
+compile only) and for NVIDIA Hopper with nvcc, and defines every kernel the
+backend launches for each stored type."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from moerun.backends.gpu_kernels import KERNEL_DIR
+from moerun.backends.gpu_weights import KERNEL_TYPES
+
+pytestmark = pytest.mark.tools
+PER_TYPE = ("gemv", "moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
+SHARED = ("rms_norm", "qk_norm_rope_append", "attention_partial", "attention_combine", "route_top_k", "silu_mul",
+          "silu_mul_f16", "gather_rows_f16", "combine_rows", "add_gated", "to_f16", "expand_kv_heads",
+          "causal_softmax", "count_pairs", "plan_tiles", "place_pairs", "tile_pointers")
+
+
+def compile_kernels(command: list[str], output: Path, env: dict | None = None) -> bytes:
+    result = subprocess.run([*command, "-c", str(KERNEL_DIR / "moerun.cu"), "-o", str(output)],
+                            capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not [line for line in result.stderr.splitlines() if "warning" in line], result.stderr[-3000:]
+    return output.read_bytes()
+
+
+def assert_defines_every_kernel(binary: bytes) -> None:
+    names = [f"{family}_{kind}" for family in PER_TYPE for kind in KERNEL_TYPES.values()] + list(SHARED)
+    missing = [name for name in names if name.encode() not in binary]
+    assert not missing
+
+
+@pytest.mark.skipif(shutil.which("hipcc") is None, reason="hipcc is not installed (scripts/test.sh installs it)")
+@pytest.mark.parametrize("arch", ["gfx906", "gfx1030"])
+def test_kernels_compile_for_amd(tmp_path, arch):
+    env = {**os.environ, "HIP_PLATFORM": "amd"}
+    binary = compile_kernels(["hipcc", f"--offload-arch={arch}", "--cuda-device-only", "-O3"], tmp_path / "k.o", env)
+    assert_defines_every_kernel(binary)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_kernels_compile_for_hopper(tmp_path):
+    binary = compile_kernels(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin"], tmp_path / "k.cubin")
+    assert_defines_every_kernel(binary)

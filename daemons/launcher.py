@@ -22,16 +22,20 @@ BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THR
 @dataclass
 class LocalDaemon:
     spec: str                    # cpu | cuda:N | hip:N as the user wrote it
-    endpoint: str                # ipc://… socket in the parent's run directory
+    endpoint: str                # where it listens: ipc://… in the parent's run directory, or as configured
     process: subprocess.Popen
-    log_path: Path               # the daemon's stderr
+    log_path: Path               # the daemon's stderr, after what its predecessors wrote there
+    log_start: int = 0           # where this process's output starts in it
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def stderr_tail(self, lines: int = 15) -> str:
+        """The last lines this process wrote to its stderr."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_start)
+                return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
 
@@ -71,31 +75,37 @@ def sweep_stale_run_dirs() -> None:
 
 def spawn_local_daemon(spec: str, model_path: str | Path, run_dir: Path, index: int,
                        cpu_threads: int) -> LocalDaemon:
-    """Start `moerun daemon` on `spec`'s device, seeing only that device; a CPU daemon's
+    """Start `moerun daemon` on `spec`'s device on a socket in `run_dir`; see spawn_daemon."""
+    return spawn_daemon(spec, model_path, f"ipc://{run_dir}/daemon-{index}.sock", run_dir / f"daemon-{index}.log",
+                        cpu_threads)
+
+
+def spawn_daemon(spec: str, model_path: str | Path, listen: str, log_path: Path, cpu_threads: int,
+                 extra_args: tuple[str, ...] = ()) -> LocalDaemon:
+    """Start `moerun daemon` on `spec`'s device, listening on `listen`, seeing only that device,
+    its output in `log_path`, with `extra_args` added to its command line; a CPU daemon's
     BLAS gets `cpu_threads` threads unless the environment already says how many."""
-    endpoint = f"ipc://{run_dir}/daemon-{index}.sock"
-    device, env = _pinned_device(spec)
+    device, pinning = pinned_device(spec)
+    env = {**os.environ, **pinning}
     if device == "cpu":
         for variable in BLAS_THREAD_VARIABLES:
             env.setdefault(variable, str(cpu_threads))
-    log_path = run_dir / f"daemon-{index}.log"
     command = [sys.executable, "-m", "moerun", "daemon", "--model", str(model_path), "--device", device,
-               "--listen", endpoint, "--parent-pid", str(os.getpid())]
-    with log_path.open("wb") as log:
+               "--listen", listen, "--parent-pid", str(os.getpid()), *extra_args]
+    with log_path.open("ab") as log:     # a restarted daemon adds to its predecessor's log
+        log_start = log.tell()
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                    preexec_fn=_die_with_parent)
-    return LocalDaemon(spec, endpoint, process, log_path)
+    return LocalDaemon(spec, listen, process, log_path, log_start)
 
 
-def _pinned_device(spec: str) -> tuple[str, dict[str, str]]:
-    """The device as the child sees it, and an environment that hides every other GPU."""
-    env = dict(os.environ)
+def pinned_device(spec: str) -> tuple[str, dict[str, str]]:
+    """The device as a process pinned to `spec` sees it, and the environment variables that
+    hide every other GPU from it."""
     kind, _, number = spec.partition(":")
-    if kind == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = number
-    elif kind == "hip":
-        env["HIP_VISIBLE_DEVICES"] = env["ROCR_VISIBLE_DEVICES"] = number
-    return (f"{kind}:0" if number else kind), env
+    variables = {"cuda": {"CUDA_VISIBLE_DEVICES": number},
+                 "hip": {"HIP_VISIBLE_DEVICES": number, "ROCR_VISIBLE_DEVICES": number}}.get(kind, {})
+    return (f"{kind}:0" if number else kind), variables
 
 
 def _die_with_parent() -> None:

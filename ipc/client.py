@@ -3,6 +3,9 @@ COMPUTE requests that can be in flight while the parent does other work.
 
 Control ops always travel over ZeroMQ; COMPUTE goes through the arena once attach_shared()
 succeeded (transport "shared"), else inside ZeroMQ frames (transport "stream").
+One thread at a time may use a client (a ZeroMQ socket is not thread-safe): the parent's rig
+holds a lock per daemon around every use. Reading `last_heard` or `counters` from another
+thread is fine.
 Shape legend: T tokens, H hidden size, K experts per token, P routed pairs.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ import msgpack
 import numpy as np
 import zmq
 from moerun.ipc import protocol as p
+from moerun.ipc.curve import CurveClientKeys
 from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout, ProtocolError
 from moerun.ipc.shared_channel import PARENT_SPIN_S, SharedChannel
 from moerun.ipc.shm import Arena, ArenaLayout
@@ -43,8 +47,10 @@ class Counters:
 
 class DaemonClient:
     def __init__(self, endpoint: str, *, context: zmq.Context | None = None,
-                 connect_timeout_s: float = 30.0, spin_s: float = PARENT_SPIN_S):
+                 connect_timeout_s: float = 30.0, spin_s: float = PARENT_SPIN_S,
+                 curve: CurveClientKeys | None = None):
         self.endpoint = endpoint
+        self.curve = curve                    # this parent's CURVE keys and the daemon's public key
         self.connect_timeout_s = connect_timeout_s
         self.spin_s = spin_s
         self.info: dict = {}
@@ -52,18 +58,20 @@ class DaemonClient:
         self.counters = Counters()
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
-        self._socket = connect_dealer(self._context, endpoint)
-        self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
+        self._connect()                       # self._socket, self._poller
         self._last_id = 0
+        self.last_heard = time.monotonic()    # when the daemon's last message or slot reply came
         self._stream_pending: dict[int, tuple[int, int]] = {}   # request id -> (T, H)
         self._stream_done: dict[int, np.ndarray | DaemonError] = {}
         self._shared: SharedChannel | None = None
 
     # -- session ----------------------------------------------------------------------------
 
-    def hello(self, fingerprint: str) -> dict:
-        """Handshake; retries until connect_timeout_s while the daemon may still be starting."""
+    def hello(self, fingerprint: str, alive: Callable[[], bool] | None = None) -> dict:
+        """Start the session, or start it again: requests of an earlier session are
+        forgotten and its arena dropped. Retries until connect_timeout_s while the daemon may
+        still be starting; raises DaemonDied as soon as alive() says False."""
+        self._forget_session()
         deadline = time.monotonic() + self.connect_timeout_s
         sent: set[int] = set()
         resend_at = 0.0
@@ -75,9 +83,13 @@ class DaemonClient:
             if now >= resend_at:
                 sent.add(self._send(p.HELLO, fingerprint=fingerprint, parent=p.host_identity()))
                 resend_at = now + HELLO_RESEND_S
-            message = self._receive(min(deadline, resend_at) - now)
-            if message is not None and (message[0].get("id") in sent
-                                        or message[0]["op"] == p.ERROR):
+            message = self._receive(min(deadline, resend_at, now + POLL_SLICE_S) - now)
+            if message is None:
+                if alive is not None and not alive():
+                    raise DaemonDied(f"daemon {self.endpoint} died before answering HELLO")
+                continue
+            reply_id = message[0].get("id")
+            if reply_id in sent or (reply_id is None and message[0]["op"] == p.ERROR):
                 header = self._raise_if_error(message[0])
                 break
         if header.get("fingerprint") != fingerprint:
@@ -93,13 +105,13 @@ class DaemonClient:
             me["boot_id"], me["hostname"])
 
     def attach_shared(self, *, batch_capacity: int, hidden: int, max_pairs_per_token: int,
-                      slots: int = 4) -> None:
+                      slots: int = 4, alive: Callable[[], bool] | None = None) -> None:
         """Create an arena, have the daemon map it, then unlink its name at once."""
         if not 1 <= batch_capacity <= MAX_BATCH_CAPACITY:
             raise ValueError(f"batch capacity {batch_capacity} not in [1, {MAX_BATCH_CAPACITY}]")
         arena = Arena.create(ArenaLayout(slots, batch_capacity, hidden, max_pairs_per_token))
         try:
-            self._request(p.ATTACH, self.connect_timeout_s, name=arena.name,
+            self._request(p.ATTACH, self.connect_timeout_s, alive, name=arena.name,
                           **arena.layout.fields())
         except BaseException:
             arena.close()
@@ -112,13 +124,13 @@ class DaemonClient:
 
     def assign(self, experts: dict[int, list[int]],
                progress: Callable[[int, int], None] | None = None,
-               timeout_s: float = 600.0) -> None:
+               timeout_s: float = 600.0, alive: Callable[[], bool] | None = None) -> None:
         """Give the daemon its experts: {layer: [global ids]}, whose order defines local ids."""
         wire = {str(int(layer)): [int(e) for e in ids] for layer, ids in experts.items()}
         request_id = self._send(p.ASSIGN, experts=wire)
         deadline = time.monotonic() + timeout_s
         while True:
-            header = self._raise_if_error(self._await(request_id, deadline, None, "assign")[0])
+            header = self._raise_if_error(self._await(request_id, deadline, alive, "assign")[0])
             if header["op"] == p.READY:
                 return
             if header["op"] == p.PROGRESS and progress is not None:
@@ -128,10 +140,10 @@ class DaemonClient:
         header = self._request(p.STATS, timeout_s)
         return {k: v for k, v in header.items() if k not in ("v", "op", "id")}
 
-    def ping(self, timeout_s: float = 5.0) -> float:
+    def ping(self, timeout_s: float = 5.0, alive: Callable[[], bool] | None = None) -> float:
         """Round-trip time of a PING, in seconds."""
         start = time.perf_counter()
-        self._request(p.PING, timeout_s)
+        self._request(p.PING, timeout_s, alive)
         return time.perf_counter() - start
 
     def bye(self, timeout_s: float = 10.0) -> None:
@@ -147,6 +159,12 @@ class DaemonClient:
             self._request(p.SHUTDOWN, timeout_s)
         finally:
             self._drop_shared()
+
+    def reconnect(self) -> None:
+        """A new socket to the endpoint, for a daemon process that replaced the one there:
+        nothing queued for the old process is delivered to the new one. hello() comes next."""
+        self._socket.close(linger=0)
+        self._connect()
 
     def close(self) -> None:
         """Unmap the arena and close the socket; never blocks."""
@@ -204,7 +222,9 @@ class DaemonClient:
         try:
             if self._shared is not None and (request_id in self._shared.in_flight
                                              or request_id in self._shared.done):
-                return self._shared.wait(request_id, deadline, alive)
+                result = self._shared.wait(request_id, deadline, alive)
+                self.last_heard = time.monotonic()
+                return result
             result = self._stream_done.pop(request_id, None)
             if result is None:
                 if request_id not in self._stream_pending:
@@ -223,6 +243,11 @@ class DaemonClient:
 
     # -- messages ---------------------------------------------------------------------------
 
+    def _connect(self) -> None:
+        self._socket = connect_dealer(self._context, self.endpoint, self.curve)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+
     def _next_id(self) -> int:
         self._last_id += 1
         return self._last_id
@@ -239,9 +264,10 @@ class DaemonClient:
             self._shared.arena.announce_control_message()
         return request_id
 
-    def _request(self, op: str, timeout_s: float, **fields) -> dict:
+    def _request(self, op: str, timeout_s: float, alive: Callable[[], bool] | None = None,
+                 **fields) -> dict:
         request_id = self._send(op, **fields)
-        return self._raise_if_error(self._await(request_id, time.monotonic() + timeout_s, None,
+        return self._raise_if_error(self._await(request_id, time.monotonic() + timeout_s, alive,
                                                 op)[0])
 
     def _receive(self, timeout_s: float, spin_s: float = 0.0) -> tuple[dict, list] | None:
@@ -255,6 +281,7 @@ class DaemonClient:
                 break
             os.sched_yield()
         parts = receive(self._socket, 1)
+        self.last_heard = time.monotonic()
         self.counters.bytes_received += sum(len(part) for part in parts)
         try:
             header = p.unpack_header(parts[0], "daemon", "parent")
@@ -301,6 +328,11 @@ class DaemonClient:
         if header["op"] == p.ERROR:
             raise self._error(header)
         return header
+
+    def _forget_session(self) -> None:
+        self._drop_shared()
+        self._stream_pending.clear()
+        self._stream_done.clear()
 
     def _drop_shared(self) -> None:
         if self._shared is not None:

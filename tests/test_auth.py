@@ -216,3 +216,26 @@ def test_peers_are_named_by_address_or_local_process():
     assert describe_peer("fe80::1", 5001) == "[fe80::1]:5001"
     assert describe_peer("10.0.0.7") == "10.0.0.7"
     assert describe_peer("localhost:1000:1000:4242") == "local process 4242 (uid 1000)"
+
+
+def rig_with_keys(endpoint: str, key_dir: Path, parent: str, folder: str):
+    from moerun.config import DaemonEntry, RigConfig
+    entry = DaemonEntry(name="remote", endpoint=endpoint, curve_public_key=str(key_dir / "daemon" / "daemon.key"))
+    return RigConfig(daemons=(endpoint,), daemon_entries=(entry,), hot=0, daemon_timeout_s=3, require_daemons=True,
+                     client_secret_key=str(key_dir / folder / f"{parent}.key_secret"))
+
+
+def test_parent_connects_with_the_keys_its_config_names(model, key_dir, daemon):
+    """The rig reads the [auth] and [[daemon]] key files: an authorized parent computes
+    through the daemon, one with a stranger's key is refused and told so."""
+    from moerun.engine.generator import Runtime
+    from moerun.moe.rig import RigError
+    ids = list(range(1, 20))
+    with Runtime(model) as local:
+        want = local.logits(ids)
+    with Runtime(model, rig=rig_with_keys(daemon.endpoint, key_dir, "parent", "parents")) as remote:
+        got = remote.logits(ids)
+        assert remote.model.moe.stats.remote_pairs > 0
+    assert abs(got - want).max() <= 1e-5 * abs(want).max()
+    with pytest.raises(RigError, match="remote|" + daemon.endpoint):
+        Runtime(model, rig=rig_with_keys(daemon.endpoint, key_dir, "stranger", "strangers"))

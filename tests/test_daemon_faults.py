@@ -53,7 +53,7 @@ def test_kill_9_of_a_daemon_mid_generation(model, local_tokens, transport):
     started = time.monotonic()
     tokens, link, stats = generate_with_fault(model, lambda link: os.kill(link.local.process.pid, signal.SIGKILL), rig)
     assert tokens == local_tokens
-    assert link.down_reason == "died" and link.fallback_calls > 0 and stats.fallback_pairs > 0
+    assert link.times_down == 1 and link.fallback_calls > 0 and stats.fallback_pairs > 0
     assert time.monotonic() - started < 15, "a dead daemon must be noticed well before the deadline"
     assert not shm_segments()
 
@@ -65,7 +65,7 @@ def test_sigstop_of_a_daemon_mid_generation(model, local_tokens, transport):
     started = time.monotonic()
     tokens, link, stats = generate_with_fault(model, lambda link: os.kill(link.local.process.pid, signal.SIGSTOP), rig)
     assert tokens == local_tokens
-    assert "within 1 s" in link.down_reason and stats.fallback_pairs > 0
+    assert link.times_down == 1 and stats.fallback_pairs > 0
     assert time.monotonic() - started < 10 * timeout
     assert not shm_segments()
 

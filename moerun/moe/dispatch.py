@@ -4,7 +4,9 @@
 computes the shared expert; `finish` computes the hot experts on the parent, gathers
 each daemon's reply and scatter-adds it. A layer whose routed experts are all on the
 parent never touches IPC. A daemon that dies, misses its deadline or answers an error is
-marked down and its work computed here from the parent's own mmap.
+marked down and its work computed here from the parent's own mmap until it rejoins. Every
+request to a daemon is made holding its link's lock, after checking that the link is up and
+(for a reply) still in the session the request went out in.
 
 Shape legend: T tokens, H hidden, K experts per token, E experts, P routed pairs.
 """
@@ -14,12 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout
 from moerun.moe.experts import ExpertStore, moe_ffn
 from moerun.moe.placement import PARENT
-from moerun.moe.rig import DaemonLink, Rig
-
-DAEMON_FAILURES = (DaemonTimeout, DaemonDied, DaemonError, OSError)
+from moerun.moe.rig import DAEMON_FAILURES, DaemonLink, Rig, failure_reason
 
 
 @dataclass
@@ -60,6 +59,7 @@ class RemoteWork:
     mask: np.ndarray                                    # [T, K] pairs this daemon computes
     rows: np.ndarray                                    # [T_d] token rows it was sent
     calls: list[tuple[int, int, int]] = field(default_factory=list)   # (request id, first row, end row)
+    session: int | None = None                          # the link's session the calls went out in
 
 
 class Dispatcher:
@@ -70,10 +70,8 @@ class Dispatcher:
         self.local_ids = {layer: _local_ids(homes) for layer, homes in rig.placement.homes.items()}
 
     def begin(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> "PendingLayer":
+        self.rig.check()
         homes = self.rig.placement.homes[layer][ids]                         # [T, K]
-        for link in self.rig.links:
-            if not link.up:
-                homes = np.where(homes == link.index, PARENT, homes)
         hot = homes == PARENT
         self.stats.moe_layer_calls += 1
         self.stats.routed_pairs += ids.size
@@ -94,33 +92,43 @@ class Dispatcher:
         pair_starts = np.concatenate([[0], np.cumsum(counts)])
         work = RemoteWork(link, mask, rows)
         step = self.rig.config.tokens_per_call
-        try:
-            for start in range(0, len(rows), step):
-                end = min(start + step, len(rows))
-                p0, p1 = pair_starts[start], pair_starts[end]
-                request = link.client.submit(layer, x[rows[start:end]], counts[start:end], local[p0:p1],
-                                             pair_weights[p0:p1], self.rig.config.payload_dtype)
-                work.calls.append((request, start, end))
-        except DAEMON_FAILURES as err:
-            self.rig.mark_down(link, _failure(err, self.rig.config.daemon_timeout_s))
+        with link.lock:
+            if not link.up:              # gather() computes its pairs here
+                return work
+            work.session = link.session
+            try:
+                for start in range(0, len(rows), step):
+                    end = min(start + step, len(rows))
+                    p0, p1 = pair_starts[start], pair_starts[end]
+                    request = link.client.submit(layer, x[rows[start:end]], counts[start:end], local[p0:p1],
+                                                 pair_weights[p0:p1], self.rig.config.payload_dtype)
+                    work.calls.append((request, start, end))
+            except DAEMON_FAILURES as err:
+                self._fail(link, err)
         return work
 
     def gather(self, work: RemoteWork, out: np.ndarray, layer: int, x: np.ndarray, ids: np.ndarray,
                weights: np.ndarray) -> None:
-        """Add the daemon's replies into out [T, H]; compute its pairs here if it failed."""
-        if work.link.up:
-            try:
-                parts = [(start, end, work.link.client.wait(request, self.rig.config.daemon_timeout_s,
-                                                            work.link.alive))
-                         for request, start, end in work.calls]
-                for start, end, part in parts:
-                    out[work.rows[start:end]] += part
-                return
-            except DAEMON_FAILURES as err:
-                self.rig.mark_down(work.link, _failure(err, self.rig.config.daemon_timeout_s))
-        work.link.fallback_calls += 1
+        """Add the daemon's replies into out [T, H]; compute its pairs here if it is down or failed."""
+        link = work.link
+        with link.lock:
+            if link.up and link.session == work.session:
+                try:
+                    parts = [(start, end, link.client.wait(request, self.rig.config.daemon_timeout_s, link.alive))
+                             for request, start, end in work.calls]
+                    for start, end, part in parts:
+                        out[work.rows[start:end]] += part
+                    return
+                except DAEMON_FAILURES as err:
+                    self._fail(link, err)
+        link.fallback_calls += 1
         self.stats.fallback_pairs += int(work.mask.sum())
         out += moe_ffn(x, ids, weights, self.store, layer, mask=work.mask)
+
+    def _fail(self, link: DaemonLink, err: Exception) -> None:
+        """Mark a daemon down (the caller holds its lock); with --require-daemons, stop."""
+        self.rig.mark_down(link, failure_reason(err, self.rig.config.daemon_timeout_s))
+        self.rig.check()
 
 
 @dataclass
@@ -150,10 +158,3 @@ def _local_ids(homes: np.ndarray) -> np.ndarray:
         local[members] = np.arange(len(members))
     return local
 
-
-def _failure(err: Exception, timeout_s: float) -> str:
-    if isinstance(err, DaemonTimeout):
-        return f"did not answer within {timeout_s:g} s"
-    if isinstance(err, DaemonDied):
-        return "died"
-    return f"failed: {err}"

@@ -1,12 +1,19 @@
-"""The parent's expert daemons: spawned or connected, handshaken, assigned their
-experts, watched, and marked down when they fail (their experts then run on the parent)."""
+"""The parent's expert daemons: spawned or connected, handshaken and assigned their experts;
+marked down when they fail (their experts then run on the parent); watched and brought back.
+
+Threads: the generation thread talks to a daemon only while it holds the link's lock and
+sees the link up. Each link has a watcher thread that takes the same lock for a heartbeat
+and to switch a rejoined daemon back in. While a link is down its client belongs to the
+watcher alone, so a restart never blocks or slows generation.
+"""
 from __future__ import annotations
 
 import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -22,7 +29,10 @@ from moerun.daemons.launcher import (
 )
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.client import DaemonClient
+from moerun.ipc.curve import CurveClientKeys
+from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout
 from moerun.ipc.shm import sweep_stale_segments
+from moerun.ipc.sockets import remove_socket_file
 from moerun.models.spec import ModelSpec
 from moerun.moe.placement import Placement, hot_placement, load_placement
 from moerun.moe.planner import (
@@ -38,6 +48,10 @@ from moerun.units import available_host_bytes
 SPAWN_TIMEOUT_S = 60.0
 GOODBYE_TIMEOUT_S = 2.0
 PROGRESS_EVERY_S = 1.0
+HEARTBEAT_S = 1.0            # a daemon not heard from for this long gets a PING
+BACKOFF_FIRST_S = 0.5        # wait before the first try to bring a daemon back,
+BACKOFF_MAX_S = 30.0         # twice as long after each failed try, up to this
+DAEMON_FAILURES = (DaemonTimeout, DaemonDied, DaemonError, OSError)
 
 
 class RigError(RuntimeError):
@@ -45,7 +59,8 @@ class RigError(RuntimeError):
 
 
 def log(message: str) -> None:
-    print(f"moerun: {message}", file=sys.stderr, flush=True)
+    """One line on stderr, with the date and time."""
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} moerun: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -54,8 +69,16 @@ class DaemonLink:
     spec: str
     client: DaemonClient
     local: LocalDaemon | None
+    transport: str = "stream"               # chosen at the handshake
+    lock: threading.Lock = field(default_factory=threading.Lock)    # one thread talks to the daemon at a time
+    wake: threading.Event = field(default_factory=threading.Event)  # rouses the watcher early
     down_reason: str | None = None
-    fallback_calls: int = 0                 # requests the parent computed itself instead
+    down_since: float = 0.0
+    session: int = 0                        # bumped by every rejoin: requests of an older session are void
+    times_down: int = 0
+    restarts: int = 0                       # processes started to replace this one (spawned daemons)
+    rejoins: int = 0
+    fallback_calls: int = 0                 # layer calls whose work for it the parent computed instead
 
     @property
     def name(self) -> str:
@@ -74,9 +97,13 @@ class Rig:
         self.config = config
         self.spec = spec
         self.kv_tokens = kv_tokens
+        self.model_path = gguf.path
         self.fingerprint = gguf.fingerprint()
         self.placement = None if config.placement == AUTO else _placement(config, spec, self.fingerprint)
         self.links: list[DaemonLink] = []
+        self.closing = threading.Event()
+        self._watchers: list[threading.Thread] = []
+        self._cpu_threads = 1
         self._blas_limit = None
         self.context = zmq.Context()
         sweep_stale_segments()
@@ -84,30 +111,42 @@ class Rig:
         self.run_dir = make_run_dir()
         try:
             self._start(gguf)
+            for link in self.links:
+                watcher = threading.Thread(target=self._watch, args=(link,), name=f"moerun-watch-d{link.index}",
+                                           daemon=True)
+                watcher.start()
+                self._watchers.append(watcher)
         except BaseException:
             self.close()
             raise
 
     def _start(self, gguf: GGUFFile) -> None:
         cpu_daemons = sum(spec == "cpu" for spec in self.config.daemons)
-        cpu_threads = max(1, (os.cpu_count() or 1) // (cpu_daemons + 1))
+        self._cpu_threads = max(1, (os.cpu_count() or 1) // (cpu_daemons + 1))
         if cpu_daemons:   # the parent's BLAS threads spin while it waits: share the cores, don't fight
-            self._blas_limit = ThreadpoolController().limit(limits=cpu_threads, user_api="blas")
-        locals_ = {i: spawn_local_daemon(spec, gguf.path, self.run_dir, i, cpu_threads)
-                   for i, spec in enumerate(self.config.daemons) if LOCAL_DEVICE.match(spec)}
+            self._blas_limit = ThreadpoolController().limit(limits=self._cpu_threads, user_api="blas")
+        locals_ = {i: self._spawn(i, spec) for i, spec in enumerate(self.config.daemons) if LOCAL_DEVICE.match(spec)}
         for i, spec in enumerate(self.config.daemons):
             local = locals_.get(i)
             endpoint = local.endpoint if local else spec
             if local:
-                _wait_for_socket(local)
+                self._wait_for_socket(local)
             connect_timeout = SPAWN_TIMEOUT_S if local else self.config.daemon_timeout_s
-            client = DaemonClient(endpoint, context=self.context, connect_timeout_s=connect_timeout)
+            client = DaemonClient(endpoint, context=self.context, connect_timeout_s=connect_timeout,
+                                  curve=self._curve_keys(i))
             link = DaemonLink(i, spec, client, local)
             self.links.append(link)
             self._handshake(link)
         if self.placement is None:
             self.placement = self._auto_placement(gguf)
         self._assign_all()
+
+    def _curve_keys(self, index: int) -> CurveClientKeys | None:
+        """The CURVE keys for daemon `index`, when its config entry names its public key."""
+        entries = self.config.daemon_entries
+        if len(entries) != len(self.config.daemons) or entries[index].curve_public_key is None:
+            return None
+        return CurveClientKeys.from_files(self.config.client_secret_key, entries[index].curve_public_key)
 
     def _auto_placement(self, gguf: GGUFFile) -> Placement:
         """--placement auto: plan from the memory each process can have now. The parent and
@@ -126,9 +165,29 @@ class Rig:
         log(f"--placement auto:\n{explain(result)}")
         return result.placement
 
+    def _spawn(self, index: int, spec: str) -> LocalDaemon:
+        return spawn_local_daemon(spec, self.model_path, self.run_dir, index, self._cpu_threads)
+
+    def _wait_for_socket(self, local: LocalDaemon) -> None:
+        """Until the spawned daemon listens: its socket file appears, or it dies, or time runs
+        out, or the rig closes."""
+        path = Path(local.endpoint.removeprefix("ipc://"))
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        while not path.exists() and not self.closing.wait(0.02):
+            if not local.alive():
+                raise RigError(f"daemon {local.spec} exited while starting (status {local.process.returncode}):\n"
+                               f"{local.stderr_tail()}")
+            if time.monotonic() > deadline:
+                raise RigError(f"daemon {local.spec} did not start listening within {SPAWN_TIMEOUT_S:.0f} s:\n"
+                               f"{local.stderr_tail()}")
+
+    def _alive(self, link: DaemonLink) -> Callable[[], bool]:
+        """For the client's waits: False once the daemon's process is gone or the rig closes."""
+        return lambda: link.alive() and not self.closing.is_set()
+
     def _handshake(self, link: DaemonLink) -> None:
         try:
-            link.client.hello(self.fingerprint)
+            link.client.hello(self.fingerprint, self._alive(link))
         except Exception as err:
             raise RigError(_startup_failure(link, err)) from None
         transport = self.config.transport
@@ -138,7 +197,8 @@ class Rig:
             if not link.client.same_host():
                 raise RigError(f"daemon {link.name} runs on another host: --transport shared needs it on this one")
             link.client.attach_shared(batch_capacity=self.config.tokens_per_call, hidden=self.spec.hidden,
-                                      max_pairs_per_token=self.spec.n_experts_used)
+                                      max_pairs_per_token=self.spec.n_experts_used, alive=self._alive(link))
+        link.transport = transport
 
     def _assign_all(self) -> None:
         """Every daemon loads its experts at once; progress goes to stderr."""
@@ -159,7 +219,8 @@ class Rig:
 
         def assign(link: DaemonLink) -> None:
             try:
-                link.client.assign(assignments[link.index], lambda count, _total: progress(link.index, count))
+                link.client.assign(assignments[link.index], lambda count, _total: progress(link.index, count),
+                                   alive=self._alive(link))
             except Exception as err:
                 failures.append(_startup_failure(link, err))
 
@@ -173,24 +234,108 @@ class Rig:
         log(f"{len(self.links)} daemon(s) ready with {total} experts in {time.monotonic() - started:.1f} s")
 
     def mark_down(self, link: DaemonLink, reason: str) -> None:
-        """Stop using a daemon; say so once. With --require-daemons, stop the run instead."""
+        """Stop sending work to a daemon, say so once, and rouse its watcher. The caller holds
+        link.lock: no other request to the daemon is under way."""
+        if not link.up:
+            return
+        link.down_reason, link.down_since = reason, time.monotonic()
+        link.times_down += 1
+        then = "--require-daemons is set" if self.config.require_daemons else \
+            "the parent computes its experts until it rejoins"
+        log(f"daemon {link.name} {reason}; {then}")
+        link.wake.set()
+
+    def check(self) -> None:
+        """With --require-daemons: a RigError once any daemon is down."""
         if self.config.require_daemons:
-            raise RigError(f"daemon {link.name} {reason} (--require-daemons is set)")
-        if link.up:
-            link.down_reason = reason
-            log(f"daemon {link.name} {reason}; the parent computes its experts from now on")
-            if link.local:
-                link.local.kill()          # hung or broken: it must not hold memory or answer late
+            for link in self.links:
+                if not link.up:
+                    raise RigError(f"daemon {link.name} {link.down_reason} (--require-daemons is set)")
+
+    def rejoin(self, link: DaemonLink) -> None:
+        """Bring back a daemon that is down. A spawned one is killed (it may only hang) and
+        started again on a new socket; a connected one gets HELLO again on the same socket,
+        so a daemon that was hung still knows its owner. Then the handshake and the experts it
+        had, and the link is switched back in. Runs on the link's watcher thread, which lives
+        as long as the rig: PR_SET_PDEATHSIG ties a spawned daemon to the thread that started it."""
+        if link.local:
+            link.local.kill()
+            remove_socket_file(link.local.endpoint)
+            link.local = self._spawn(link.index, link.spec)
+            link.restarts += 1
+            self._wait_for_socket(link.local)
+            link.client.reconnect()
+        self._handshake(link)
+        link.client.assign(self.placement.experts_of(link.index), alive=self._alive(link))
+        with link.lock:
+            link.down_reason = None
+            link.session += 1
+            link.rejoins += 1
+        process = f" as pid {link.local.process.pid}" if link.local else ""
+        log(f"daemon {link.name} rejoined{process} after {time.monotonic() - link.down_since:.1f} s down; "
+            f"its experts run there again")
+
+    # -- the watchers: one thread per link -----------------------------------------------------
+
+    def _watch(self, link: DaemonLink) -> None:
+        """Heartbeats while the link is up; while it is down, tries to bring it back (not with
+        --require-daemons: that run stops). Ends when the rig closes."""
+        while not self.closing.is_set():
+            if link.up:
+                link.wake.clear()
+                self._heartbeat(link)
+                link.wake.wait(HEARTBEAT_S)
+            elif self.config.require_daemons:
+                self.closing.wait()
+            else:
+                self._bring_back(link)
+
+    def _heartbeat(self, link: DaemonLink) -> None:
+        """PING a daemon not heard from for HEARTBEAT_S, unless the generation thread is talking
+        to it right now; mark it down when its process is gone or the PING fails."""
+        if not link.lock.acquire(blocking=False):
+            return
+        try:
+            if not link.up:
+                return
+            if not link.alive():
+                self.mark_down(link, "died")
+            elif time.monotonic() - link.client.last_heard >= HEARTBEAT_S:
+                try:
+                    link.client.ping(self.config.daemon_timeout_s, self._alive(link))
+                except DAEMON_FAILURES as err:
+                    if not self.closing.is_set():
+                        self.mark_down(link, failure_reason(err, self.config.daemon_timeout_s))
+        finally:
+            link.lock.release()
+
+    def _bring_back(self, link: DaemonLink) -> None:
+        """Rejoin tries until one works or the rig closes: the first after BACKOFF_FIRST_S, each
+        next one twice as late, at most BACKOFF_MAX_S."""
+        delay = BACKOFF_FIRST_S
+        while not self.closing.wait(delay):
+            try:
+                self.rejoin(link)
+                return
+            except Exception as err:  # noqa: BLE001 - whatever failed, the next try may work
+                if self.closing.is_set():
+                    return
+                delay = min(2 * delay, BACKOFF_MAX_S)
+                log(f"daemon {link.name} did not rejoin (next try in {delay:g} s): {err}")
 
     def close(self) -> None:
-        """Say goodbye to every daemon, stop the spawned ones, remove the run directory."""
+        """Stop the watchers, end the session with every connected daemon, stop the spawned
+        ones (SIGTERM: a daemon a watcher started already got it from PR_SET_PDEATHSIG when
+        that thread ended), remove the run directory."""
+        self.closing.set()
+        for link in self.links:
+            link.wake.set()
+        for watcher in self._watchers:
+            watcher.join()
         for link in self.links:
             try:
-                if link.client.info and link.up and link.alive():     # handshaken and answering
-                    if link.local:
-                        link.client.shutdown(timeout_s=GOODBYE_TIMEOUT_S)
-                    else:
-                        link.client.bye(timeout_s=GOODBYE_TIMEOUT_S)
+                if not link.local and link.client.info and link.up:     # handshaken and answering
+                    link.client.bye(timeout_s=GOODBYE_TIMEOUT_S)
             except Exception:
                 pass  # it is going away either way
             link.client.close()
@@ -211,18 +356,13 @@ def _placement(config: RigConfig, spec: ModelSpec, fingerprint: str) -> Placemen
     return hot_placement(spec, hot, specs)
 
 
-def _wait_for_socket(local: LocalDaemon) -> None:
-    """Until the spawned daemon listens: its socket file appears, or it dies, or time runs out."""
-    path = Path(local.endpoint.removeprefix("ipc://"))
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not path.exists():
-        if not local.alive():
-            raise RigError(f"daemon {local.spec} exited while starting (status {local.process.returncode}):\n"
-                           f"{local.stderr_tail()}")
-        if time.monotonic() > deadline:
-            raise RigError(f"daemon {local.spec} did not start listening within {SPAWN_TIMEOUT_S:.0f} s:\n"
-                           f"{local.stderr_tail()}")
-        time.sleep(0.02)
+def failure_reason(err: Exception, timeout_s: float) -> str:
+    """How a daemon failed, for the log and the stats: "died", "did not answer within 30 s"..."""
+    if isinstance(err, DaemonTimeout):
+        return f"did not answer within {timeout_s:g} s"
+    if isinstance(err, DaemonDied):
+        return "died"
+    return f"failed: {err}"
 
 
 def _startup_failure(link: DaemonLink, err: Exception) -> str:

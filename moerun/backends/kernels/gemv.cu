@@ -53,7 +53,7 @@
         if (lane == 0 && row < ffn) act[(long long)pair * ffn + row] = silu(gate_sum) * up_sum;            \
     }
 
-// out[t, r] = (residual[t, r]) + Σ_k weights[p] · down_e[r, :] · act[p, :] over the
+// out[t, r] = Σ_k weights[p] · down_e[r, :] · act[p, :] over the
 // token's pairs p = t*top_k + k with ids[p] >= 0, summed in k order (deterministic).
 // down: E experts of expert_bytes, H rows of row_bytes; act [P, F]; out [T, H].
 // Grid: (H rows / groups, T).
@@ -62,8 +62,7 @@
                                                long long row_bytes, const float* __restrict__ act, int ffn, \
                                                const int* __restrict__ ids,                                 \
                                                const float* __restrict__ weights, int top_k,                \
-                                               float* __restrict__ out, int hidden,                         \
-                                               const float* __restrict__ residual, int group) {             \
+                                               float* __restrict__ out, int hidden, int group) {            \
         __shared__ float stage[STAGE_FLOATS];                                                              \
         int token = blockIdx.y;                                                                            \
         Activations acts = stage_activations(act + (long long)token * top_k * ffn, top_k, ffn, stage);     \
@@ -82,10 +81,7 @@
             }                                                                                              \
         }                                                                                                  \
         float total = group_sum(acc, group);                                                               \
-        if (lane == 0 && row < hidden) {                                                                   \
-            long long at = (long long)token * hidden + row;                                                \
-            out[at] = total + (residual ? residual[at] : 0.f);                                             \
-        }                                                                                                  \
+        if (lane == 0 && row < hidden) out[(long long)token * hidden + row] = total;                       \
     }
 
 FOR_EACH_TYPE(DEFINE_GEMV)

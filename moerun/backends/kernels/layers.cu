@@ -79,17 +79,18 @@ extern "C" __global__ void attention_partial(
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
         q_shared[d] = q[((long long)t * n_heads + head) * head_dim + d];
     __syncthreads();
-    // Scores: each group of 32 threads takes one key at a time, 4 dims per thread.
-    int lane = threadIdx.x % 32, groups = blockDim.x / 32;
+    // Scores: each group of 8 threads takes one key at a time, 4 dims per load, so a
+    // block has 16 keys' loads in flight per pass.
+    int lane = threadIdx.x % 8, groups = blockDim.x / 8;
     float local_max = NEG_INF;
-    for (int s = begin + threadIdx.x / 32; s < end; s += groups) {
+    for (int s = begin + threadIdx.x / 8; s < end; s += groups) {
         const float* key = k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim;
         float dot = 0.f;
-        for (int d = 4 * lane; d < head_dim; d += 128) {
+        for (int d = 4 * lane; d < head_dim; d += 32) {
             float4 kv = *reinterpret_cast<const float4*>(key + d);
             dot += q_shared[d] * kv.x + q_shared[d + 1] * kv.y + q_shared[d + 2] * kv.z + q_shared[d + 3] * kv.w;
         }
-        dot = group_sum(dot, 32) * scale;
+        dot = group_sum(dot, 8) * scale;
         if (lane == 0) probs[s - begin] = dot;
         local_max = fmaxf(local_max, dot);
     }
@@ -196,11 +197,10 @@ extern "C" __global__ void gather_rows_f16(const float* __restrict__ x, const in
     out[i] = __float2half(source < 0 ? 0.f : x[(long long)source * width + i % width]);
 }
 
-// out[t, :] = residual[t, :] + Σ_k weights[t*K + k] · y[slot[t*K + k], :] over slots >= 0.
+// out[t, :] = Σ_k weights[t*K + k] · y[slot[t*K + k], :] over slots >= 0.
 extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* __restrict__ slot,
                                         const float* __restrict__ weights, int top_k, int width,
-                                        long long n_tokens, const float* __restrict__ residual,
-                                        float* __restrict__ out) {
+                                        long long n_tokens, float* __restrict__ out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_tokens * width) return;
     long long t = i / width;
@@ -210,7 +210,7 @@ extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* 
         int s = slot[t * top_k + k];
         if (s >= 0) sum += weights[t * top_k + k] * y[(long long)s * width + column];
     }
-    out[i] = (residual ? residual[i] : 0.f) + sum;
+    out[i] = sum;
 }
 
 // out[t, :] = x[t, :] + sigmoid(gate_logit[t]) * y[t, :], or x + y without a gate.
@@ -227,32 +227,6 @@ extern "C" __global__ void add_gated(const float* __restrict__ x, const float* _
 extern "C" __global__ void to_f16(const float* __restrict__ x, __half* __restrict__ out, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = __float2half(x[i]);
-}
-
-// The index of the largest value of each row (ties to the lower index): greedy sampling on the device.
-extern "C" __global__ void argmax_rows(const float* __restrict__ x, int width, int* __restrict__ out) {
-    __shared__ float values[1024];
-    __shared__ int indices[1024];
-    const float* row = x + (long long)blockIdx.x * width;
-    float value = NEG_INF;
-    int index = width;
-    for (int i = threadIdx.x; i < width; i += blockDim.x)
-        if (row[i] > value) { value = row[i]; index = i; }
-    values[threadIdx.x] = value;
-    indices[threadIdx.x] = index;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-        if (threadIdx.x < stride) {
-            float other = values[threadIdx.x + stride];
-            int other_index = indices[threadIdx.x + stride];
-            if (other > values[threadIdx.x] || (other == values[threadIdx.x] && other_index < indices[threadIdx.x])) {
-                values[threadIdx.x] = other;
-                indices[threadIdx.x] = other_index;
-            }
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) out[blockIdx.x] = indices[0];
 }
 
 // K or V [S, NKV, D] -> [NH, S, D], each query head getting its KV head's rows (GQA),

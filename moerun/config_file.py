@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import difflib
 import re
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from moerun.config import (
     AUTO,

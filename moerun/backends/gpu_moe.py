@@ -70,7 +70,7 @@ class GpuExperts:
         out = cupy.empty((n_tokens, hidden), cupy.float32)                            # [T, H]
         kernels.rows(f"moe_down_{down.kind}", hidden, ffn // UNIT, n_tokens,
                      (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), act, np.int32(ffn),
-                      ids, weights, np.int32(top_k), out, np.int32(hidden), np.uint64(0)))
+                      ids, weights, np.int32(top_k), out, np.int32(hidden)))
         return out
 
     def _grouped(self, experts: LayerExperts, x: Any, ids: Any, weights: Any) -> Any:
@@ -97,7 +97,7 @@ class GpuExperts:
         layout.multiply(act, backend.dequantize_f16(experts.down, layout.counts), 0, down)
         out = cupy.empty((n_tokens, hidden), cupy.float32)
         kernels.elementwise("combine_rows", out.size, (down, layout.pair_rows, weights, np.int32(top_k),
-                                                       np.int32(hidden), np.int64(n_tokens), np.uint64(0), out))
+                                                       np.int32(hidden), np.int64(n_tokens), out))
         return out
 
 def load_experts(uploader: Uploader, spec: ModelSpec, layer: int, experts: list[int] | None = None) -> LayerExperts:

@@ -80,19 +80,25 @@ extern "C" __global__ void attention_partial(
         q_shared[d] = q[((long long)t * n_heads + head) * head_dim + d];
     __syncthreads();
     // Scores: each group of 8 threads takes one key at a time, 4 dims per load, so a
-    // block has 16 keys' loads in flight per pass.
+    // block has 16 keys' loads in flight per pass. Every thread runs every pass (the
+    // shuffles need the whole warp); groups past the end add nothing.
     int lane = threadIdx.x % 8, groups = blockDim.x / 8;
     float local_max = NEG_INF;
-    for (int s = begin + threadIdx.x / 8; s < end; s += groups) {
-        const float* key = k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim;
+    for (int pass = begin; pass < end; pass += groups) {
+        int s = pass + threadIdx.x / 8;
         float dot = 0.f;
-        for (int d = 4 * lane; d < head_dim; d += 32) {
-            float4 kv = *reinterpret_cast<const float4*>(key + d);
-            dot += q_shared[d] * kv.x + q_shared[d + 1] * kv.y + q_shared[d + 2] * kv.z + q_shared[d + 3] * kv.w;
+        if (s < end) {
+            const float* key = k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim;
+            for (int d = 4 * lane; d < head_dim; d += 32) {
+                float4 kv = *reinterpret_cast<const float4*>(key + d);
+                dot += q_shared[d] * kv.x + q_shared[d + 1] * kv.y + q_shared[d + 2] * kv.z + q_shared[d + 3] * kv.w;
+            }
         }
         dot = group_sum(dot, 8) * scale;
-        if (lane == 0) probs[s - begin] = dot;
-        local_max = fmaxf(local_max, dot);
+        if (s < end) {
+            if (lane == 0) probs[s - begin] = dot;
+            local_max = fmaxf(local_max, dot);
+        }
     }
     __syncthreads();
     float best = block_max(local_max, scratch);

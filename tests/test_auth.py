@@ -225,7 +225,7 @@ def rig_with_keys(endpoint: str, key_dir: Path, parent: str, folder: str):
                      client_secret_key=str(key_dir / folder / f"{parent}.key_secret"))
 
 
-def test_parent_connects_with_the_keys_its_config_names(model, key_dir, daemon):
+def test_parent_connects_with_the_keys_its_config_names(model, key_dir, tmp_path):
     """The rig reads the [auth] and [[daemon]] key files: an authorized parent computes
     through the daemon, one with a stranger's key is refused and told so."""
     from moerun.engine.generator import Runtime
@@ -233,9 +233,11 @@ def test_parent_connects_with_the_keys_its_config_names(model, key_dir, daemon):
     ids = list(range(1, 20))
     with Runtime(model) as local:
         want = local.logits(ids)
-    with Runtime(model, rig=rig_with_keys(daemon.endpoint, key_dir, "parent", "parents")) as remote:
-        got = remote.logits(ids)
-        assert remote.model.moe.stats.remote_pairs > 0
-    assert abs(got - want).max() <= 1e-5 * abs(want).max()
-    with pytest.raises(RigError, match="remote|" + daemon.endpoint):
-        Runtime(model, rig=rig_with_keys(daemon.endpoint, key_dir, "stranger", "strangers"))
+    with curve_daemon(model, tcp_endpoint(), key_dir, tmp_path / "daemon.log") as daemon:
+        with Runtime(model, rig=rig_with_keys(daemon.endpoint, key_dir, "parent", "parents")) as remote:
+            got = remote.logits(ids)
+            assert remote.model.moe.stats.remote_pairs > 0
+        assert abs(got - want).max() <= 1e-5 * abs(want).max()
+        with pytest.raises(RigError, match=daemon.endpoint):
+            Runtime(model, rig=rig_with_keys(daemon.endpoint, key_dir, "stranger", "strangers"))
+        daemon.wait_for_log("is not among the authorized keys")

@@ -78,12 +78,12 @@ def test_dequantize_f16_and_gather_rows(backend, stored):
 @pytest.mark.parametrize("skew", [0.05, 1.0, 50.0])
 def test_expert_tile_layout(backend, skew):
     """Every routed pair gets its own row among its expert's tiles, holding its token."""
-    from moerun.backends.gpu_moe import TILE_ROWS, TileLayout
+    from moerun.backends.gpu_moe import TILE_ROWS, TileLayout, TileScratch
     rng = np.random.default_rng()
     n_tokens, top_k, n_experts = 300, 4, 16
     p = rng.dirichlet(np.full(n_experts, skew))
     ids = np.stack([rng.choice(n_experts, top_k, replace=False, p=p) for _ in range(n_tokens)]).astype(np.int32)
-    layout = TileLayout(backend, backend.cupy.asarray(ids), n_experts)
+    layout = TileLayout(backend, backend.cupy.asarray(ids), n_experts, TileScratch(backend.cupy, 64, 64))
     pair_rows, token_rows = layout.pair_rows.get(), layout.token_rows.get()
     tile_expert, tile_row = layout.tile_expert.get(), layout.tile_row.get()
     assert np.array_equal(layout.counts.get(), np.bincount(ids.reshape(-1), minlength=n_experts))

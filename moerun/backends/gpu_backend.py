@@ -75,6 +75,7 @@ class GpuBackend:
         self._graphs = GraphCache(self)
         self._kv_buffers: dict[int, tuple[list, list]] = {}
         self._uploader: Uploader | None = None
+        self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)
         half = spec.head_dim_k // 2
         inv_freq = spec.rope_base ** (-np.arange(0, spec.head_dim_k, 2, dtype=np.float64) / spec.head_dim_k)
         self.inv_freq = cupy.asarray(inv_freq[:half])
@@ -160,7 +161,7 @@ class GpuBackend:
         elif weight.kind == "f32":          # kept in f32 (routers): exact products
             y = self.blas.matmul(x[None], weight.data.view(self.cupy.float32).reshape(1, *weight.shape), residual)[0]
         else:
-            y = self.blas.matmul(self.to_f16(x)[None], self.dequantize_f16(weight)[None], residual)[0]
+            y = self.blas.matmul(self._f16_of(x)[None], self.dequantize_f16(weight)[None], residual)[0]
         if bias is not None:
             y += bias
         return y
@@ -250,6 +251,12 @@ class GpuBackend:
         return out
 
     # -- prefill helpers
+    def _f16_of(self, x: Any) -> Any:
+        """x as f16, converted once when the same activations feed several products (q, k, v)."""
+        if self._last_f16[0] is not x:
+            self._last_f16 = (x, self.to_f16(x))
+        return self._last_f16[1]
+
     def to_f16(self, x: Any) -> Any:
         out = self.cupy.empty(x.shape, self.cupy.float16)
         self.kernels.elementwise("to_f16", x.size, (x, out, i64(x.size)))

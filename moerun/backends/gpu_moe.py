@@ -24,6 +24,7 @@ from moerun.moe.dispatch import MoEStats
 from moerun.moe.experts import expert_tensor_names
 
 TILE_ROWS = 32                # rows per tile of an expert's tokens in the batched products
+MAX_EXPERTS = 1024            # MAX_EXPERTS in moe_prefill.cu
 
 
 @dataclass
@@ -44,6 +45,7 @@ class GpuExperts:
         self.spec = spec
         self.stats = MoEStats()
         self.layers = layers
+        self._scratch: TileScratch | None = None
 
     def begin(self, layer: int, x: Any, ids: Any, weights: Any) -> "PendingExperts":
         """x [T, H], ids/weights [T, K] on the device; the work is queued on the stream now."""
@@ -81,7 +83,9 @@ class GpuExperts:
         cupy, kernels = backend.cupy, backend.kernels
         n_tokens, top_k = ids.shape
         hidden, ffn = spec.hidden, spec.expert_ff
-        layout = TileLayout(backend, ids, experts.down.experts)
+        if self._scratch is None:
+            self._scratch = TileScratch(cupy, hidden, ffn)
+        layout = TileLayout(backend, ids, experts.down.experts, self._scratch)
         xg = cupy.empty((layout.max_rows, hidden), cupy.float16)                     # [R, H]
         kernels.elementwise("gather_rows_f16", xg.size, (x, layout.token_rows, np.int32(hidden),
                                                          np.int64(layout.max_rows), xg))
@@ -124,43 +128,50 @@ class PendingExperts:
 
 class TileLayout:
     """The routed pairs ids [T, K] laid out on the device: expert e owns whole tiles of
-    TILE_ROWS rows from row_start[e]; row r holds token token_rows[r] (-1: padding);
-    pair p sits in row pair_rows[p]. At most max_tiles tiles: one per TILE_ROWS pairs,
-    plus one partial tile per expert."""
+    TILE_ROWS rows; row r holds token token_rows[r] (-1: padding); pair p sits in row
+    pair_rows[p]. At most max_tiles tiles: one per TILE_ROWS pairs, plus one partial tile
+    per expert; tiles past the last compute on the scratch buffers."""
 
-    def __init__(self, backend, ids: Any, n_experts: int):
-        cupy, kernels = backend.cupy, backend.kernels
+    def __init__(self, backend, ids: Any, n_experts: int, scratch: "TileScratch"):
+        cupy = backend.cupy
+        if n_experts > MAX_EXPERTS:
+            raise ValueError(f"the GPU prefill lays out at most {MAX_EXPERTS} experts per layer (got {n_experts})")
         self.backend = backend
+        self.scratch = scratch
         n_pairs = ids.size
         self.max_tiles = -(-n_pairs // TILE_ROWS) + n_experts
         self.max_rows = self.max_tiles * TILE_ROWS
-        self.counts = cupy.zeros(n_experts, cupy.int32)                               # [E]
-        kernels.elementwise("count_pairs", n_pairs, (ids, np.int32(n_pairs), self.counts))
-        row_start, cursor = cupy.empty(n_experts, cupy.int32), cupy.empty(n_experts, cupy.int32)
+        self.counts = cupy.empty(n_experts, cupy.int32)                               # [E]
         self.tile_expert = cupy.empty(self.max_tiles, cupy.int32)
         self.tile_row = cupy.empty(self.max_tiles, cupy.int32)
-        kernels["plan_tiles"]((1,), (1,), (self.counts, np.int32(n_experts), np.int32(TILE_ROWS),
-                                           np.int32(self.max_tiles), row_start, cursor, self.tile_expert,
-                                           self.tile_row))
-        self.token_rows = cupy.full(self.max_rows, -1, cupy.int32)                    # [R]
+        self.token_rows = cupy.empty(self.max_rows, cupy.int32)                       # [R]
         self.pair_rows = cupy.empty(n_pairs, cupy.int32)                              # [P]
-        kernels.elementwise("place_pairs", n_pairs, (ids, np.int32(n_pairs), np.int32(ids.shape[1]), row_start,
-                                                     cursor, self.token_rows, self.pair_rows))
+        backend.kernels["layout_pairs"]((1,), (1024,), (
+            ids, np.int32(n_pairs), np.int32(ids.shape[1]), np.int32(n_experts), np.int32(TILE_ROWS),
+            np.int32(self.max_tiles), np.int32(self.max_rows), self.counts, self.tile_expert, self.tile_row,
+            self.token_rows, self.pair_rows))
 
     def multiply(self, rows: Any, stack: Any, offset: int, out: Any) -> None:
         """out[r] = rows[r] · W_e[offset...]ᵀ for every tile's rows r, e the tile's expert:
         rows f16 [R, K], stack f16 [E, N', K] holding W_e ([N, K]) from element `offset`
         of each expert, out f32 [R, N]."""
-        cupy, backend = self.backend.cupy, self.backend
+        cupy, backend, scratch = self.backend.cupy, self.backend, self.scratch
         n, k = out.shape[1], rows.shape[1]
-        scratch_rows = cupy.zeros((TILE_ROWS, k), cupy.float16)
-        scratch_w = cupy.zeros((n, k), cupy.float16)
-        scratch_out = cupy.empty((TILE_ROWS, n), cupy.float32)
-        pointers = [cupy.empty(self.max_tiles, cupy.uint64) for _ in range(3)]
+        pointers = cupy.empty((3, self.max_tiles), cupy.uint64)                      # a, w, c per tile
         backend.kernels.elementwise("tile_pointers", self.max_tiles, (
             self.tile_expert, self.tile_row, np.int32(self.max_tiles), rows, np.int64(k * 2),
             stack[:, offset // k:], np.int64(stack[0].nbytes), out, np.int64(n * 4),
-            scratch_rows, scratch_w, scratch_out, *pointers))
-        a_ptrs, w_ptrs, c_ptrs = pointers
-        backend.blas.gemm_tiles(n=n, k=k, rows=TILE_ROWS, w_ptrs=w_ptrs, a_ptrs=a_ptrs, c_ptrs=c_ptrs,
-                                batch=self.max_tiles)
+            scratch.rows, scratch.weights, scratch.out, pointers[0], pointers[1], pointers[2]))
+        backend.blas.gemm_tiles(n=n, k=k, rows=TILE_ROWS, w_ptrs=pointers[1], a_ptrs=pointers[0],
+                                c_ptrs=pointers[2], batch=self.max_tiles)
+
+
+class TileScratch:
+    """Operands for the tiles past the last (their results are never read), sized for
+    the largest of the three expert products; allocated once."""
+
+    def __init__(self, cupy, hidden: int, ffn: int):
+        wide = max(hidden, ffn)
+        self.rows = cupy.empty(TILE_ROWS * wide, cupy.float16)
+        self.weights = cupy.empty(hidden * ffn, cupy.float16)
+        self.out = cupy.empty(TILE_ROWS * wide, cupy.float32)

@@ -54,28 +54,20 @@ __device__ __forceinline__ float group_max(float value, int width) {
 // Sum (max) over the whole block: shuffles within groups of 32 threads, then one pass
 // over the group results in shared memory. blockDim.x a multiple of 32 (or below 32);
 // `scratch` holds at least blockDim.x / 32 + 1 floats.
-__device__ float block_sum(float value, float* scratch) {
+template <bool Max>
+__device__ float block_reduce(float value, float* scratch) {
     int width = blockDim.x < 32 ? blockDim.x : 32;
-    value = group_sum(value, width);
+    value = Max ? group_max(value, width) : group_sum(value, width);
     int groups = blockDim.x / width;
     if (threadIdx.x % width == 0) scratch[threadIdx.x / width] = value;
     __syncthreads();
-    float total = 0.f;
-    for (int g = 0; g < groups; g++) total += scratch[g];
+    float result = scratch[0];
+    for (int g = 1; g < groups; g++) result = Max ? fmaxf(result, scratch[g]) : result + scratch[g];
     __syncthreads();
-    return total;
+    return result;
 }
 
-__device__ float block_max(float value, float* scratch) {
-    int width = blockDim.x < 32 ? blockDim.x : 32;
-    value = group_max(value, width);
-    int groups = blockDim.x / width;
-    if (threadIdx.x % width == 0) scratch[threadIdx.x / width] = value;
-    __syncthreads();
-    float best = scratch[0];
-    for (int g = 1; g < groups; g++) best = fmaxf(best, scratch[g]);
-    __syncthreads();
-    return best;
-}
+__device__ __forceinline__ float block_sum(float value, float* scratch) { return block_reduce<false>(value, scratch); }
+__device__ __forceinline__ float block_max(float value, float* scratch) { return block_reduce<true>(value, scratch); }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }

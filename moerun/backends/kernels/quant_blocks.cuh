@@ -21,7 +21,9 @@ __device__ __forceinline__ void dequant_unit_f32(const u8* row, int unit, float*
     }
 }
 
-__device__ __forceinline__ void dequant_unit_f16(const u8* row, int unit, float* out) {
+// F16 and BF16: 32 stored 16-bit values, read 16 bytes at a time.
+template <float (*Convert)(u16)>
+__device__ __forceinline__ void dequant_unit_16bit(const u8* row, int unit, float* out) {
     const uint4* src = reinterpret_cast<const uint4*>(row + unit * 64);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -29,24 +31,18 @@ __device__ __forceinline__ void dequant_unit_f16(const u8* row, int unit, float*
         u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            out[8 * i + 2 * j] = half_bits_to_float((u16)(words[j] & 0xffff));
-            out[8 * i + 2 * j + 1] = half_bits_to_float((u16)(words[j] >> 16));
+            out[8 * i + 2 * j] = Convert((u16)(words[j] & 0xffff));
+            out[8 * i + 2 * j + 1] = Convert((u16)(words[j] >> 16));
         }
     }
 }
 
+__device__ __forceinline__ void dequant_unit_f16(const u8* row, int unit, float* out) {
+    dequant_unit_16bit<half_bits_to_float>(row, unit, out);
+}
+
 __device__ __forceinline__ void dequant_unit_bf16(const u8* row, int unit, float* out) {
-    const uint4* src = reinterpret_cast<const uint4*>(row + unit * 64);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        uint4 v = src[i];
-        u32 words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            out[8 * i + 2 * j] = bf16_bits_to_float((u16)(words[j] & 0xffff));
-            out[8 * i + 2 * j + 1] = bf16_bits_to_float((u16)(words[j] >> 16));
-        }
-    }
+    dequant_unit_16bit<bf16_bits_to_float>(row, unit, out);
 }
 
 // Q8_0: f16 d, int8 q[32]; w = d*q. 34 bytes (2-byte aligned: read in u16 pairs).

@@ -239,6 +239,8 @@ def test_metrics_counters_move(server, client):
         assert moved("moerun_daemon_sent_bytes_total", daemon=daemon, spec="cpu") > 0
         assert moved("moerun_daemon_wait_seconds_total", daemon=daemon, spec="cpu") > 0
         assert metric(after, "moerun_daemon_up", daemon=daemon, spec="cpu") == 1
+        for supervision in ("times_down", "restarts", "rejoins"):
+            assert metric(after, f"moerun_daemon_{supervision}_total", daemon=daemon, spec="cpu") == 0
 
 
 def wait_for_cancelled(server: str, before: float) -> dict:

@@ -70,8 +70,14 @@ class RuntimeCollector:
                                       labels=labels)
         fallback = CounterMetricFamily("moerun_daemon_fallback_calls",
                                        "Calls the parent computed itself because the daemon was down", labels=labels)
-        up = GaugeMetricFamily("moerun_daemon_up", "1 while the daemon is in use, 0 once it is marked down",
+        up = GaugeMetricFamily("moerun_daemon_up", "1 while the daemon is in use, 0 while it is marked down",
                                labels=labels)
+        times_down = CounterMetricFamily("moerun_daemon_times_down", "Times the daemon was marked down",
+                                         labels=labels)
+        restarts = CounterMetricFamily("moerun_daemon_restarts", "Processes started to replace the daemon",
+                                       labels=labels)
+        rejoins = CounterMetricFamily("moerun_daemon_rejoins", "Times the daemon rejoined after being down",
+                                      labels=labels)
         rig = self.runtime.rig
         for link in rig.links if rig else []:
             names, counters = [f"d{link.index}", link.spec], link.client.counters
@@ -82,7 +88,10 @@ class RuntimeCollector:
             compute.add_metric(names, counters.compute_seconds)
             fallback.add_metric(names, link.fallback_calls)
             up.add_metric(names, 1 if link.up else 0)
-        yield from (calls, sent, received, wait, compute, fallback, up)
+            times_down.add_metric(names, link.times_down)
+            restarts.add_metric(names, link.restarts)
+            rejoins.add_metric(names, link.rejoins)
+        yield from (calls, sent, received, wait, compute, fallback, up, times_down, restarts, rejoins)
 
         moe = self.runtime.model.moe.stats
         yield CounterMetricFamily("moerun_moe_routed_pairs", "(token, expert) pairs routed", value=moe.routed_pairs)

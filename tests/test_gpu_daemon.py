@@ -33,3 +33,23 @@ def test_gpu_daemon_matches_cpu(model, ubatch, bound):
         stats = remote.model.moe.stats
     assert stats.remote_pairs > 0 and stats.fallback_pairs == 0
     assert relative_error(got, want) <= bound
+
+
+@pytest.mark.parametrize("ubatch, bound", [(8, 1e-5), (512, 1e-3)], ids=["gemv", "tiles"])
+def test_gpu_parent_with_a_cpu_daemon_matches_all_local_gpu(model, ubatch, bound):
+    """Layers whose experts are all on the parent run on the device alone (decided there);
+    the others send the daemon its share."""
+    from moerun.engine.sampler import SamplingParams
+    ids = np.random.default_rng(4).integers(0, 800, 40).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    with Runtime(model, ubatch=ubatch, rig=RigConfig(device=gpu_device())) as local:
+        want = local.logits(ids)
+        want_tokens = list(local.generate(ids[:8], 24, greedy))
+    rig = RigConfig(device=gpu_device(), daemons=("cpu",), hot=4, daemon_timeout_s=60, require_daemons=True)
+    with Runtime(model, ubatch=ubatch, rig=rig) as remote:
+        got = remote.logits(ids)
+        got_tokens = list(remote.generate(ids[:8], 24, greedy))
+        stats = remote.model.moe.stats
+    assert stats.remote_pairs > 0 and stats.hot_only_layer_calls > 0 and stats.fallback_pairs == 0
+    assert relative_error(got, want) <= bound
+    assert got_tokens == want_tokens

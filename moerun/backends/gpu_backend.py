@@ -18,6 +18,7 @@ import numpy as np
 
 from moerun.backends.devices import Device, gpu_module
 from moerun.backends.gpu_blas import Blas
+from moerun.backends.gpu_dispatch import GpuDispatcher
 from moerun.backends.gpu_kernels import BLOCK, MAX_GEMV_TOKENS, Kernels
 from moerun.backends.gpu_moe import GpuExperts, load_experts
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
@@ -25,7 +26,7 @@ from moerun.backends.progress import UploadProgress
 from moerun.engine.kv_cache import ContextFull
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
-from moerun.moe.dispatch import MoEStats
+from moerun.moe.dispatch import Dispatcher, MoEStats
 
 DECODE_CHUNK = 64              # cache positions per split of decode attention (<= MAX_CHUNK in layers.cu)
 NULL = np.uint64(0)            # a null pointer argument
@@ -100,6 +101,10 @@ class GpuBackend:
 
     def vector(self, values: np.ndarray) -> Any:
         return self.cupy.asarray(np.ascontiguousarray(values, dtype=np.float32))
+
+    def dispatcher(self, dispatcher: Dispatcher) -> GpuDispatcher:
+        """The MoE step with daemons: host-staged, hot-only layers decided on the device."""
+        return GpuDispatcher(self, dispatcher)
 
     def local_moe(self, gguf: GGUFFile, expert_cache_bytes: int) -> GpuExperts:
         layers = {layer: load_experts(self._uploader, self.spec, layer)

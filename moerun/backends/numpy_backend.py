@@ -20,7 +20,7 @@ from moerun.backends.numpy_ops import (
 from moerun.engine.kv_cache import KVCache
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
-from moerun.moe.dispatch import LocalMoE
+from moerun.moe.dispatch import Dispatcher, LocalMoE
 from moerun.moe.experts import ExpertStore
 from moerun.moe.router import route
 
@@ -41,6 +41,10 @@ class NumpyBackend:
 
     def local_moe(self, gguf: GGUFFile, expert_cache_bytes: int) -> LocalMoE:
         return LocalMoE(ExpertStore(gguf, self.spec, expert_cache_bytes))
+
+    def dispatcher(self, dispatcher: Dispatcher) -> Dispatcher:
+        """The MoE step with daemons: the dispatcher works on this backend's arrays as they are."""
+        return dispatcher
 
     def matrix(self, gguf: GGUFFile, name: str) -> np.ndarray:
         """[N, K] float32; a 1-D tensor becomes one row."""

@@ -67,13 +67,10 @@ class Runtime:
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
             self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
             self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs)
-            if rig.daemons and self.backend.name != "cpu":
-                raise RequestError(f"expert daemons need the parent on the CPU for now; drop --daemon "
-                                   f"or run the parent with --device cpu (got --device {rig.device})")
             self.model = MoEModel(self.gguf, self.spec, self.backend, expert_cache_bytes)
             if rig.daemons:
                 self.rig = Rig(rig, self.gguf, self.spec, kv_tokens=self.kv_pool or self.ctx)
-                self.model.moe = Dispatcher(self.model.moe.store, self.rig)
+                self.model.moe = self.backend.dispatcher(Dispatcher(self.model.moe, self.rig))
         except BaseException:
             self.close()
             raise

@@ -13,6 +13,7 @@ Shape legend: T tokens, H hidden, K experts per token, E experts, P routed pairs
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,7 @@ class MoEStats:
 
 
 class LocalMoE:
-    """Every expert on the parent."""
+    """Every expert on the parent (the CPU)."""
 
     def __init__(self, store: ExpertStore):
         self.store = store
@@ -50,7 +51,12 @@ class LocalMoE:
         self.stats.moe_layer_calls += 1
         self.stats.hot_only_layer_calls += 1
         self.stats.routed_pairs += ids.size
-        return PendingLayer(self.store, layer, x, ids, weights, hot=None, remote=[])
+        return PendingLayer(self, layer, x, ids, weights, hot=None, remote=[])
+
+    def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                mask: np.ndarray | None) -> np.ndarray:
+        """The routed pairs `mask` [T, K] selects (all by default), on the host: x [T, H] -> [T, H]"""
+        return moe_ffn(x, ids, weights, self.store, layer, mask=mask)
 
 
 @dataclass
@@ -63,8 +69,11 @@ class RemoteWork:
 
 
 class Dispatcher:
-    def __init__(self, store: ExpertStore, rig: Rig):
-        self.store = store
+    """`local` computes the parent's own pairs from host arrays: LocalMoE on the CPU, the
+    GPU experts (moerun.backends.gpu_moe) on a GPU."""
+
+    def __init__(self, local, rig: Rig):
+        self.local = local
         self.rig = rig
         self.stats = MoEStats()
         self.local_ids = {layer: _local_ids(homes) for layer, homes in rig.placement.homes.items()}
@@ -77,10 +86,10 @@ class Dispatcher:
         self.stats.routed_pairs += ids.size
         if hot.all():
             self.stats.hot_only_layer_calls += 1
-            return PendingLayer(self.store, layer, x, ids, weights, hot=None, remote=[])
+            return PendingLayer(self.local, layer, x, ids, weights, hot=None, remote=[])
         self.stats.remote_pairs += int((~hot).sum())
         remote = [self._send(self.rig.links[d], homes == d, layer, x, ids, weights) for d in np.unique(homes[~hot])]
-        return PendingLayer(self.store, layer, x, ids, weights, hot=hot, remote=remote, dispatcher=self)
+        return PendingLayer(self.local, layer, x, ids, weights, hot=hot, remote=remote, dispatcher=self)
 
     def _send(self, link: DaemonLink, mask: np.ndarray, layer: int, x: np.ndarray, ids: np.ndarray,
               weights: np.ndarray) -> RemoteWork:
@@ -123,7 +132,7 @@ class Dispatcher:
                     self._fail(link, err)
         link.fallback_calls += 1
         self.stats.fallback_pairs += int(work.mask.sum())
-        out += moe_ffn(x, ids, weights, self.store, layer, mask=work.mask)
+        out += self.local.compute(layer, x, ids, weights, work.mask)
 
     def _fail(self, link: DaemonLink, err: Exception) -> None:
         """Mark a daemon down (the caller holds its lock); with --require-daemons, stop."""
@@ -133,7 +142,7 @@ class Dispatcher:
 
 @dataclass
 class PendingLayer:
-    store: ExpertStore
+    local: Any                     # LocalMoE or the GPU experts: computes the parent's pairs
     layer: int
     x: np.ndarray                  # [T, H]
     ids: np.ndarray                # [T, K]
@@ -144,7 +153,7 @@ class PendingLayer:
 
     def finish(self) -> np.ndarray:
         """The routed-expert output [T, H]: hot experts here, then each daemon's reply."""
-        out = moe_ffn(self.x, self.ids, self.weights, self.store, self.layer, mask=self.hot)
+        out = self.local.compute(self.layer, self.x, self.ids, self.weights, self.hot)
         for work in self.remote:
             self.dispatcher.gather(work, out, self.layer, self.x, self.ids, self.weights)
         return out

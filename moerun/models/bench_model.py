@@ -38,6 +38,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from moerun.gguf.quants import tensor_nbytes
 from moerun.gguf.vocab import bpe_metadata, byte_level_bpe
 from moerun.gguf.writing import write_metadata
+from moerun.models.synthetic import write_qwen3moe_hparams
 
 Q = GGMLQuantizationType
 ARCH = "qwen3moe"
@@ -332,13 +333,4 @@ def _write_hparams(writer: gguf.GGUFWriter, s: BenchShape, mix: QuantMix) -> Non
     writer.add_string("general.name", f"{s.name} bench")
     writer.add_uint32("general.file_type", int(mix.file_type))
     writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
-    for key, value in {
-        "block_count": s.n_layers, "context_length": s.context, "embedding_length": s.hidden,
-        "feed_forward_length": s.expert_ff, "expert_feed_forward_length": s.expert_ff,
-        "attention.head_count": s.n_heads, "attention.head_count_kv": s.n_kv_heads,
-        "attention.key_length": s.head_dim, "attention.value_length": s.head_dim,
-        "expert_count": s.n_experts, "expert_used_count": s.n_experts_used,
-    }.items():
-        writer.add_uint32(f"{ARCH}.{key}", value)
-    writer.add_float32(f"{ARCH}.rope.freq_base", s.rope_base)
-    writer.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", s.rms_eps)
+    write_qwen3moe_hparams(writer, s, s.rope_base, s.rms_eps)

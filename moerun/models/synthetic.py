@@ -94,18 +94,23 @@ def _pad_vocab(meta: dict, vocab_size: int) -> dict:
 
 
 def _write_hparams(writer: gguf.GGUFWriter, c: SyntheticConfig) -> None:
-    arch = "qwen3moe"
     writer.add_string("general.name", c.name)
+    write_qwen3moe_hparams(writer, c, rope_base=1_000_000.0, rms_eps=1e-6)
+
+
+def write_qwen3moe_hparams(writer: gguf.GGUFWriter, shape, rope_base: float, rms_eps: float) -> None:
+    """The qwen3moe hyper-parameters of `shape` (any object with n_layers, context, hidden,
+    expert_ff, n_heads, n_kv_heads, head_dim, n_experts, n_experts_used)."""
     for key, value in {
-        "block_count": c.n_layers, "context_length": c.context, "embedding_length": c.hidden,
-        "feed_forward_length": c.expert_ff, "expert_feed_forward_length": c.expert_ff,
-        "attention.head_count": c.n_heads, "attention.head_count_kv": c.n_kv_heads,
-        "attention.key_length": c.head_dim, "attention.value_length": c.head_dim,
-        "expert_count": c.n_experts, "expert_used_count": c.n_experts_used,
+        "block_count": shape.n_layers, "context_length": shape.context, "embedding_length": shape.hidden,
+        "feed_forward_length": shape.expert_ff, "expert_feed_forward_length": shape.expert_ff,
+        "attention.head_count": shape.n_heads, "attention.head_count_kv": shape.n_kv_heads,
+        "attention.key_length": shape.head_dim, "attention.value_length": shape.head_dim,
+        "expert_count": shape.n_experts, "expert_used_count": shape.n_experts_used,
     }.items():
-        writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+        writer.add_uint32(f"qwen3moe.{key}", value)
+    writer.add_float32("qwen3moe.rope.freq_base", rope_base)
+    writer.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", rms_eps)
 
 
 def _random_tensors(c: SyntheticConfig, vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -90,7 +90,8 @@ def spawn_daemon(spec: str, model_path: str | Path, listen: str, log_path: Path,
     if device == "cpu":
         for variable in BLAS_THREAD_VARIABLES:
             env.setdefault(variable, str(cpu_threads))
-    command = [sys.executable, "-m", "moerun", "daemon", "--model", str(model_path), "--device", device,
+    # -P: the installed moerun, never a source tree that happens to be the working directory
+    command = [sys.executable, "-P", "-m", "moerun", "daemon", "--model", str(model_path), "--device", device,
                "--listen", listen, "--parent-pid", str(os.getpid()), *extra_args]
     with log_path.open("ab") as log:     # a restarted daemon adds to its predecessor's log
         log_start = log.tell()

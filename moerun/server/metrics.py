@@ -52,6 +52,31 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# (family, name, help, value of one DaemonLink), one line per per-daemon series
+DAEMON_SERIES = [
+    (CounterMetricFamily, "moerun_daemon_calls", "Compute calls sent to the daemon",
+     lambda link: link.client.counters.calls),
+    (CounterMetricFamily, "moerun_daemon_sent_bytes", "Bytes sent to the daemon",
+     lambda link: link.client.counters.bytes_sent),
+    (CounterMetricFamily, "moerun_daemon_received_bytes", "Bytes received from the daemon",
+     lambda link: link.client.counters.bytes_received),
+    (CounterMetricFamily, "moerun_daemon_wait_seconds", "Time the parent waited for the daemon",
+     lambda link: link.client.counters.wait_seconds),
+    (CounterMetricFamily, "moerun_daemon_compute_seconds", "Time the daemon spent computing",
+     lambda link: link.client.counters.compute_seconds),
+    (CounterMetricFamily, "moerun_daemon_fallback_calls", "Calls the parent computed itself because the daemon was down",
+     lambda link: link.fallback_calls),
+    (GaugeMetricFamily, "moerun_daemon_up", "1 while the daemon is in use, 0 while it is marked down",
+     lambda link: 1 if link.up else 0),
+    (CounterMetricFamily, "moerun_daemon_times_down", "Times the daemon was marked down",
+     lambda link: link.times_down),
+    (CounterMetricFamily, "moerun_daemon_restarts", "Processes started to replace the daemon",
+     lambda link: link.restarts),
+    (CounterMetricFamily, "moerun_daemon_rejoins", "Times the daemon rejoined after being down",
+     lambda link: link.rejoins),
+]
+
+
 class RuntimeCollector:
     """Per-daemon IPC counters and state, and the MoE dispatch counters, as they are at scrape time."""
 
@@ -60,38 +85,13 @@ class RuntimeCollector:
 
     def collect(self):
         labels = ["daemon", "spec"]
-        calls = CounterMetricFamily("moerun_daemon_calls", "Compute calls sent to the daemon", labels=labels)
-        sent = CounterMetricFamily("moerun_daemon_sent_bytes", "Bytes sent to the daemon", labels=labels)
-        received = CounterMetricFamily("moerun_daemon_received_bytes", "Bytes received from the daemon",
-                                       labels=labels)
-        wait = CounterMetricFamily("moerun_daemon_wait_seconds", "Time the parent waited for the daemon",
-                                   labels=labels)
-        compute = CounterMetricFamily("moerun_daemon_compute_seconds", "Time the daemon spent computing",
-                                      labels=labels)
-        fallback = CounterMetricFamily("moerun_daemon_fallback_calls",
-                                       "Calls the parent computed itself because the daemon was down", labels=labels)
-        up = GaugeMetricFamily("moerun_daemon_up", "1 while the daemon is in use, 0 while it is marked down",
-                               labels=labels)
-        times_down = CounterMetricFamily("moerun_daemon_times_down", "Times the daemon was marked down",
-                                         labels=labels)
-        restarts = CounterMetricFamily("moerun_daemon_restarts", "Processes started to replace the daemon",
-                                       labels=labels)
-        rejoins = CounterMetricFamily("moerun_daemon_rejoins", "Times the daemon rejoined after being down",
-                                      labels=labels)
+        families = [(kind(name, text, labels=labels), value) for kind, name, text, value in DAEMON_SERIES]
         rig = self.runtime.rig
         for link in rig.links if rig else []:
-            names, counters = [f"d{link.index}", link.spec], link.client.counters
-            calls.add_metric(names, counters.calls)
-            sent.add_metric(names, counters.bytes_sent)
-            received.add_metric(names, counters.bytes_received)
-            wait.add_metric(names, counters.wait_seconds)
-            compute.add_metric(names, counters.compute_seconds)
-            fallback.add_metric(names, link.fallback_calls)
-            up.add_metric(names, 1 if link.up else 0)
-            times_down.add_metric(names, link.times_down)
-            restarts.add_metric(names, link.restarts)
-            rejoins.add_metric(names, link.rejoins)
-        yield from (calls, sent, received, wait, compute, fallback, up, times_down, restarts, rejoins)
+            names = [f"d{link.index}", link.spec]
+            for family, value in families:
+                family.add_metric(names, value(link))
+        yield from (family for family, _ in families)
 
         moe = self.runtime.model.moe.stats
         yield CounterMetricFamily("moerun_moe_routed_pairs", "(token, expert) pairs routed", value=moe.routed_pairs)

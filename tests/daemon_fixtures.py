@@ -1,4 +1,5 @@
-"""Real `moerun daemon` processes for tests, listening on ipc:// sockets."""
+"""Real `moerun daemon` processes for tests, listening on ipc:// sockets, and the model and
+fault-free greedy tokens the fault and supervision tests compare against."""
 from __future__ import annotations
 
 import subprocess
@@ -6,6 +7,26 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from moerun.engine.generator import Runtime
+from moerun.engine.sampler import SamplingParams
+from tests.oracle.hf_models import tiny_model
+from tests.oracle.to_gguf import write_gguf
+
+PROMPT = [5, 17, 33, 2, 250, 64]
+N_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def tiny_daemon_model(folder: Path) -> Path:
+    """A tiny qwen3moe in F32."""
+    return write_gguf(tiny_model("qwen3moe", seed=4), folder / "m.gguf", "F32")
+
+
+def fault_free_tokens(model: Path) -> list[int]:
+    """Greedy tokens for PROMPT with every expert on the parent."""
+    with Runtime(model) as runtime:
+        return list(runtime.generate(PROMPT, N_TOKENS, GREEDY))
 
 
 @contextmanager

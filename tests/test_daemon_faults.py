@@ -14,25 +14,28 @@ import pytest
 
 from moerun.config import RigConfig
 from moerun.engine.generator import Runtime
-from moerun.engine.sampler import SamplingParams
 from moerun.moe.rig import RigError
-from tests.daemon_fixtures import running_daemons, shm_segments
+from tests.daemon_fixtures import (
+    GREEDY,
+    N_TOKENS,
+    PROMPT,
+    fault_free_tokens,
+    running_daemons,
+    shm_segments,
+    tiny_daemon_model,
+)
 from tests.oracle.hf_models import tiny_model
 from tests.oracle.to_gguf import write_gguf
-
-PROMPT = [5, 17, 33, 2, 250, 64]
-N_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_gguf(tiny_model("qwen3moe", seed=4), tmp_path_factory.mktemp("faults") / "m.gguf", "F32")
+    return tiny_daemon_model(tmp_path_factory.mktemp("faults"))
 
 
 @pytest.fixture(scope="module")
 def local_tokens(model):
-    with Runtime(model) as runtime:
-        return list(runtime.generate(PROMPT, N_TOKENS, SamplingParams(temperature=0.0)))
+    return fault_free_tokens(model)
 
 
 def generate_with_fault(model, fault, rig: RigConfig, after: int = 4):
@@ -40,7 +43,7 @@ def generate_with_fault(model, fault, rig: RigConfig, after: int = 4):
     with Runtime(model, rig=rig) as runtime:
         link = runtime.rig.links[0]
         tokens = []
-        for token in runtime.generate(PROMPT, N_TOKENS, SamplingParams(temperature=0.0)):
+        for token in runtime.generate(PROMPT, N_TOKENS, GREEDY):
             tokens.append(token)
             if len(tokens) == after:
                 fault(link)

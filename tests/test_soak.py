@@ -13,10 +13,10 @@ from pathlib import Path
 
 from moerun.config import RigConfig
 from moerun.engine.generator import Runtime
-from tests.daemon_fixtures import shm_segments
+from tests.daemon_fixtures import GREEDY, shm_segments
 from tests.oracle.hf_models import tiny_model
 from tests.oracle.to_gguf import write_gguf
-from tests.test_supervision import GREEDY, REJOIN_TIMEOUT_S, live_children, wait_until
+from tests.test_supervision import REJOIN_TIMEOUT_S, live_children, wait_until
 
 GENERATIONS = 200
 KILL_EVERY = (2, 6)              # generations between two kills, drawn at random

@@ -20,29 +20,29 @@ from moerun.ipc.client import DaemonClient
 from moerun.config import RigConfig
 from moerun.engine.generator import RunStats, Runtime
 from moerun.engine.report import stats_document, stats_table
-from moerun.engine.sampler import SamplingParams
 from moerun.moe import rig as rig_module
 from moerun.moe.rig import HEARTBEAT_S, RigError
-from tests.daemon_fixtures import wait_for_socket
-from tests.oracle.hf_models import tiny_model
-from tests.oracle.to_gguf import write_gguf
+from tests.daemon_fixtures import (
+    GREEDY,
+    N_TOKENS,
+    PROMPT,
+    fault_free_tokens,
+    tiny_daemon_model,
+    wait_for_socket,
+)
 
-PROMPT = [5, 17, 33, 2, 250, 64]
-N_TOKENS = 16
-GREEDY = SamplingParams(temperature=0.0)
 REJOIN_TIMEOUT_S = 30.0
 STAMPED_LINE = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d moerun: "
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_gguf(tiny_model("qwen3moe", seed=4), tmp_path_factory.mktemp("supervision") / "m.gguf", "F32")
+    return tiny_daemon_model(tmp_path_factory.mktemp("supervision"))
 
 
 @pytest.fixture(scope="module")
 def local_tokens(model):
-    with Runtime(model) as runtime:
-        return list(runtime.generate(PROMPT, N_TOKENS, GREEDY))
+    return fault_free_tokens(model)
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:

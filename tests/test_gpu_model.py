@@ -92,3 +92,15 @@ def test_k_quant_model_logits_match_numpy(tmp_path, mix):
         batched, small = gpu.logits(ids), gpu.logits(ids[:8])
     assert 0 < relative_error(batched, want) <= REAL_SCALE_F16_BOUND
     assert relative_error(small, want[:8]) <= 1e-5
+
+
+def test_fused_gate_up_experts_match_numpy(tmp_path):
+    """Experts stored as one ffn_gate_up_exps tensor (gate rows first), through both GPU paths."""
+    path = write_gguf(tiny_model("qwen3moe", seed=6), tmp_path / "fused.gguf", "Q8_0", fused_gate_up=True)
+    ids = prompt(7)
+    with runtime(path, "cpu") as reference, runtime(path, gpu_device()) as gpu:
+        assert gpu.spec.fused_gate_up
+        want = reference.logits(ids)
+        batched, small = gpu.logits(ids), gpu.logits(ids[:8])
+    assert 0 < relative_error(batched, want) <= ORACLE_F16_BOUND
+    assert relative_error(small, want[:8]) <= 1e-5

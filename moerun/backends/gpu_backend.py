@@ -22,8 +22,9 @@ from moerun.backends.gpu_dispatch import GpuDispatcher
 from moerun.backends.gpu_kernels import BLOCK, MAX_GEMV_TOKENS, Kernels
 from moerun.backends.gpu_moe import GpuExperts, load_experts
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
+from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
-from moerun.engine.kv_cache import ContextFull
+from moerun.engine.kv_cache import check_room
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 from moerun.moe.dispatch import Dispatcher, MoEStats
@@ -54,9 +55,7 @@ class GpuKVCache:
         self.length = 0
 
     def reserve(self, n_tokens: int) -> None:
-        if self.length + n_tokens > self.capacity:
-            raise ContextFull(f"the sequence needs {self.length + n_tokens} positions "
-                              f"but the context holds {self.capacity}")
+        check_room(self.length + n_tokens, self.capacity)
 
     def advance(self, n_tokens: int) -> None:
         self.length += n_tokens
@@ -77,9 +76,7 @@ class GpuBackend:
         self._kv_buffers: dict[int, tuple[list, list]] = {}
         self._uploader: Uploader | None = None
         self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)
-        half = spec.head_dim_k // 2
-        inv_freq = spec.rope_base ** (-np.arange(0, spec.head_dim_k, 2, dtype=np.float64) / spec.head_dim_k)
-        self.inv_freq = cupy.asarray(inv_freq[:half])
+        self.inv_freq = cupy.asarray(rope_frequencies(spec.head_dim_k, spec.rope_base))
 
     # -- loading
     def begin_loading(self, gguf: GGUFFile) -> None:

@@ -29,11 +29,15 @@ MAX_EXPERTS = 1024            # MAX_EXPERTS in moe_prefill.cu
 
 @dataclass
 class LayerExperts:
-    gate: Any                 # device bytes of expert 0's gate rows; expert e at + e * expert_bytes
-    up: Any                   # same for up (inside the gate tensor when fused)
-    gate_up: DeviceMatrix     # the stack holding gate (and up when fused), [E, F or 2F, H]
-    up_stack: DeviceMatrix    # the stack holding up
+    gate_up: DeviceMatrix     # the stack holding gate (and up after it when fused), [E, F or 2F, H]
+    up_stack: DeviceMatrix    # the stack holding up: gate_up itself when fused
+    up_first_row: int         # where up starts in each expert of up_stack: F when fused, else 0
     down: DeviceMatrix        # [E, H, F]
+
+    @property
+    def up(self) -> Any:
+        """Device bytes of expert 0's up rows; expert e at + e * expert_bytes."""
+        return self.up_stack.data[self.up_first_row * self.up_stack.row_bytes:]
 
 
 class GpuExperts:
@@ -78,7 +82,7 @@ class GpuExperts:
         stack = experts.gate_up
         act = cupy.empty((n_tokens * top_k, ffn), cupy.float32)                      # [P, F]
         kernels.rows(f"moe_gate_up_{stack.kind}", ffn, hidden // UNIT, n_tokens * top_k,
-                     (experts.gate, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes),
+                     (stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes),
                       x, np.int32(hidden), ids, np.int32(top_k), act, np.int32(ffn)))
         down = experts.down
         out = cupy.empty((n_tokens, hidden), cupy.float32)                            # [T, H]
@@ -102,11 +106,11 @@ class GpuExperts:
         kernels.elementwise("gather_rows_f16", xg.size, (x, layout.token_rows, np.int32(hidden),
                                                          np.int64(layout.max_rows), xg))
         gate_up = backend.dequantize_f16(experts.gate_up, layout.counts)               # [E, F or 2F, H]
-        up_stack = gate_up if self.spec.fused_gate_up else backend.dequantize_f16(experts.up_stack, layout.counts)
-        up_offset = ffn * hidden if self.spec.fused_gate_up else 0                     # elements into each expert
+        fused = experts.up_stack is experts.gate_up
+        up_stack = gate_up if fused else backend.dequantize_f16(experts.up_stack, layout.counts)
         gate, up = (cupy.empty((layout.max_rows, ffn), cupy.float32) for _ in range(2))   # [R, F]
         layout.multiply(xg, gate_up, 0, gate)
-        layout.multiply(xg, up_stack, up_offset, up)
+        layout.multiply(xg, up_stack, experts.up_first_row * hidden, up)
         act = cupy.empty((layout.max_rows, ffn), cupy.float16)
         kernels.elementwise("silu_mul_f16", act.size, (gate, up, act, np.int64(act.size)))
         down = cupy.empty((layout.max_rows, hidden), cupy.float32)                    # [R, H]
@@ -116,18 +120,18 @@ class GpuExperts:
                                                        np.int32(hidden), np.int64(n_tokens), out))
         return out
 
+
 def load_experts(uploader: Uploader, spec: ModelSpec, layer: int, experts: list[int] | None = None) -> LayerExperts:
     """One layer's expert stacks: every expert, or only `experts` (stacked in that order)."""
     mats = [uploader.matrix(name, experts) for name in expert_tensor_names(spec, layer)]
     if spec.fused_gate_up:
         gate_up, down = mats
-        up_offset = spec.expert_ff * gate_up.row_bytes
-        return LayerExperts(gate_up.data, gate_up.data[up_offset:], gate_up, gate_up, down)
+        return LayerExperts(gate_up, gate_up, spec.expert_ff, down)
     gate, up, down = mats
     if gate.kind != up.kind:
         raise ValueError(f"layer {layer}: expert gate ({gate.kind}) and up ({up.kind}) tensors of different "
                          "types are not supported on the GPU")
-    return LayerExperts(gate.data, up.data, gate, up, down)
+    return LayerExperts(gate, up, 0, down)
 
 
 @dataclass

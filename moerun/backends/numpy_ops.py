@@ -32,10 +32,14 @@ def swiglu_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
     return (silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
+def rope_frequencies(dim: int, base: float) -> np.ndarray:
+    """The rotation rate of each of the dim/2 pairs, float64 [dim/2]."""
+    return base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+
+
 def rope_tables(positions: np.ndarray, dim: int, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
     """positions [T] -> cos, sin [T, dim/2], computed in float64 then rounded once."""
-    inv_freq = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
-    angles = (positions.astype(np.float64) / scale)[:, None] * inv_freq[None, :]
+    angles = (positions.astype(np.float64) / scale)[:, None] * rope_frequencies(dim, base)[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 

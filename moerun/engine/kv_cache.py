@@ -15,6 +15,12 @@ class ContextFull(Exception):
     """The sequence would grow past the context the cache was sized for."""
 
 
+def check_room(needed: int, capacity: int) -> None:
+    """ContextFull unless `needed` positions fit in `capacity`."""
+    if needed > capacity:
+        raise ContextFull(f"the sequence needs {needed} positions but the context holds {capacity}")
+
+
 class KVCache:
     def __init__(self, spec: ModelSpec, capacity: int):
         self.capacity = capacity
@@ -27,8 +33,7 @@ class KVCache:
     def reserve(self, n_tokens: int) -> None:
         """Make room for n_tokens more positions, or raise ContextFull."""
         needed = self.length + n_tokens
-        if needed > self.capacity:
-            raise ContextFull(f"the sequence needs {needed} positions but the context holds {self.capacity}")
+        check_room(needed, self.capacity)
         allocated = self._k[0].shape[0]
         if needed <= allocated:
             return

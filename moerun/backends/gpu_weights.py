@@ -71,13 +71,17 @@ class Uploader:
         if kind is None:
             self.converted.add(info.ggml_type.name)
             kind = "f16"
-            values = self.gguf.dequantize(name).reshape(n_experts, rows, cols)
+            if experts is None:
+                values = self.gguf.dequantize(name).reshape(n_experts, rows, cols)
+            else:                                                              # only those experts' pages
+                values = np.stack([self.gguf.dequantize_expert(name, e) for e in experts])
             stored = values.astype(np.float16).view(np.uint8)
         else:
             assert info.nbytes == n_experts * rows * row_nbytes(info.ggml_type, cols)
             stored = self.gguf.raw(name).reshape(n_experts, rows, -1).view(np.uint8)
-        if experts is not None:
-            stored, n_experts = stored[np.asarray(experts)], len(experts)      # copies those experts only
+            if experts is not None:
+                stored = stored[np.asarray(experts)]                           # copies those experts only
+        n_experts = n_experts if experts is None else len(experts)
         return DeviceMatrix(self.bytes(stored.reshape(-1)), kind, rows, cols, n_experts)
 
     def bytes(self, source: np.ndarray) -> Any:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 from moerun.ipc.curve import server_keys_for
 from moerun.ipc.server import Server
+from moerun.ipc.shm import Arena
 
 from moerun.backends.devices import BackendUnavailable, gpu_module, parse_device
 from moerun.backends.gpu_expert_set import GpuExpertSet
@@ -23,6 +24,8 @@ from moerun.models import load_spec
 from moerun.moe.experts import ExpertWeights, grouped_ffn, load_expert
 from moerun.procs import pid_alive
 from moerun.units import available_host_bytes
+
+IPC_HANDLE_BYTES = 64
 
 
 class DeviceUnavailable(RuntimeError):
@@ -106,6 +109,33 @@ class ExpertDaemon:
         self.compute_seconds += time.perf_counter() - started
         return out
 
+    def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None]:
+        """A parent's arena: a GPU daemon serves padded requests in place (from its device
+        buffers with transport "device", else from the pinned arena); a CPU one gets them
+        from the server as ragged requests."""
+        if self.gpu is None:
+            if transport == "device":
+                raise ValueError("the device transport needs a GPU daemon; this one computes on the CPU "
+                                 "(use --transport shared)")
+            return {}, None
+        incoming = header.get("incoming", [])
+        if transport == "device" and (not isinstance(incoming, list) or len(incoming) != arena.layout.slots
+                                      or not all(isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES
+                                                 for h in incoming)):
+            raise ValueError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event "
+                             f"handles of {IPC_HANDLE_BYTES} bytes")
+        fields = self.gpu.attach(arena, transport, incoming)
+        return fields, self._compute_slot
+
+    def _compute_slot(self, index: int, layer: int, dtype: str, tokens: int) -> None:
+        started = time.perf_counter()
+        if layer not in self.assigned:
+            raise KeyError(f"no experts of layer {layer} are assigned to this daemon")
+        self.gpu.compute_slot(index, layer, dtype, tokens)
+        self.calls += 1
+        self.tokens += tokens
+        self.compute_seconds += time.perf_counter() - started
+
     def release(self) -> None:
         self.assigned.clear()
         self.weights.clear()
@@ -113,8 +143,9 @@ class ExpertDaemon:
             self.gpu.release()
 
     def stats(self) -> dict:
+        compute_seconds = self.gpu.device_seconds() if self.gpu is not None else self.compute_seconds
         return {"calls": self.calls, "tokens": self.tokens, "pairs": self.pairs,
-                "compute_seconds": self.compute_seconds,
+                "compute_seconds": compute_seconds,
                 "experts_loaded": sum(len(ids) for ids in self.assigned.values())}
 
 

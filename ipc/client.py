@@ -55,6 +55,7 @@ class DaemonClient:
         self.spin_s = spin_s
         self.info: dict = {}
         self.transport = "stream"
+        self.attachment: dict = {}            # the daemon's ATTACH reply fields
         self.counters = Counters()
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
@@ -105,14 +106,19 @@ class DaemonClient:
             me["boot_id"], me["hostname"])
 
     def attach_shared(self, *, batch_capacity: int, hidden: int, max_pairs_per_token: int,
-                      slots: int = 4, alive: Callable[[], bool] | None = None) -> None:
-        """Create an arena, have the daemon map it, then unlink its name at once."""
+                      slots: int = 4, transport: str = "shared",
+                      alive: Callable[[], bool] | None = None, **fields) -> dict:
+        """Create an arena, have the daemon map it, then unlink its name at once. With
+        transport "device" (a GPU daemon) the payloads live in the daemon's device buffers,
+        the arena carries headers and doorbells only. Returns the daemon's ATTACH reply
+        fields (for "device": the IPC handles of its buffers and events). `fields` go into
+        the ATTACH request as they are (for "device": the parent's event handles)."""
         if not 1 <= batch_capacity <= MAX_BATCH_CAPACITY:
             raise ValueError(f"batch capacity {batch_capacity} not in [1, {MAX_BATCH_CAPACITY}]")
         arena = Arena.create(ArenaLayout(slots, batch_capacity, hidden, max_pairs_per_token))
         try:
-            self._request(p.ATTACH, self.connect_timeout_s, alive, name=arena.name,
-                          **arena.layout.fields())
+            reply = self._request(p.ATTACH, self.connect_timeout_s, alive, name=arena.name,
+                                  transport=transport, **arena.layout.fields(), **fields)
         except BaseException:
             arena.close()
             raise
@@ -120,7 +126,13 @@ class DaemonClient:
             arena.unlink()
         self._drop_shared()
         self._shared = SharedChannel(arena, self.endpoint, self.counters, self.spin_s)
-        self.transport = "shared"
+        self.transport = transport
+        self.attachment = {k: v for k, v in reply.items() if k not in ("v", "op", "id")}
+        return self.attachment
+
+    @property
+    def arena(self) -> Arena | None:
+        return self._shared.arena if self._shared is not None else None
 
     def assign(self, experts: dict[int, list[int]],
                progress: Callable[[int, int], None] | None = None,
@@ -213,6 +225,23 @@ class DaemonClient:
         self.counters.bytes_sent += (len(header) + payload.nbytes + counts.nbytes
                                      + local_ids.nbytes + weights.nbytes)
         return request_id
+
+    def post(self, slot: int, layer: int, dtype: str, tokens: int) -> int:
+        """A padded request already written into the arena slot or the daemon's device
+        buffers for it (see SharedChannel.post); returns the request id."""
+        request_id = self._next_id()
+        self.counters.calls += 1
+        self._shared.post(slot, request_id, int(layer), dtype, tokens)
+        return request_id
+
+    def collect(self, request_id: int, timeout_s: float,
+                alive: Callable[[], bool] | None = None) -> None:
+        """Wait for a posted request's reply; the result stays in the slot or device buffer."""
+        self._shared.collect(request_id, time.monotonic() + timeout_s, alive)
+        self.last_heard = time.monotonic()
+
+    def slot_idle(self, slot: int) -> bool:
+        return self._shared.idle(slot)
 
     def wait(self, request_id: int, timeout_s: float,
              alive: Callable[[], bool] | None = None) -> np.ndarray:
@@ -339,6 +368,7 @@ class DaemonClient:
             self._shared.close()
             self._shared = None
             self.transport = "stream"
+            self.attachment = {}
 
 
 def _what(request) -> str:

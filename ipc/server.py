@@ -35,6 +35,7 @@ SLEEP_SLICE_S = 0.05          # longest futex sleep; foreign peers are heard at 
 IDLE_POLL_MS = 100            # ZeroMQ poll slice without an arena (bounds the stop() latency)
 CONTROL_WAIT_MS = 5           # wait for a control message the parent announced on the doorbell
 SOCKET_CHECK_S = 0.01         # while busy on slots, look at the socket this often
+ATTACH_TRANSPORTS = ("shared", "device")
 
 
 def print_to_stderr(message: str) -> None:
@@ -59,6 +60,13 @@ class Handler(Protocol):
 
     def stats(self) -> dict: ...
 
+    # The arena a parent attached with transport "shared" or "device" (header: the ATTACH
+    # request, for the parent's IPC event handles): the reply fields for
+    # ATTACH and, for a handler that serves padded requests in place (a GPU daemon), a
+    # callable (slot index, layer, dtype, T) -> compute µs; None: the server hands padded
+    # requests to compute() as ragged ones. Raises ValueError for a transport it cannot serve.
+    def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None]: ...
+
 
 @dataclass
 class Session:
@@ -68,6 +76,7 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     ready: bool = False               # an ASSIGN has succeeded
     arena: Arena | None = None
+    slot_compute: Callable | None = None   # the handler's in-place compute of padded slot requests
 
     def describe(self) -> str:
         return f"parent pid {self.parent['pid']} on {self.parent['hostname']}"
@@ -149,9 +158,9 @@ class Server:
     def _serve_shared(self, arena: Arena) -> None:
         seen = arena.doorbell.value()
         now = time.perf_counter()
-        for slot in arena.slots:
+        for index, slot in enumerate(arena.slots):
             if slot.pending() and not self._stopping:
-                self._serve_slot(slot, arena.layout)
+                self._serve_slot(index, slot, arena.layout)
                 self._last_work = now = time.perf_counter()
         if arena.control_bell != self._control_seen:
             self._control_seen = arena.control_bell
@@ -166,18 +175,24 @@ class Server:
         if not arena.doorbell.wait(seen, spin_s, SLEEP_SLICE_S):
             self._next_socket_check = 0.0
 
-    def _serve_slot(self, slot: Slot, layout: ArenaLayout) -> None:
+    def _serve_slot(self, index: int, slot: Slot, layout: ArenaLayout) -> None:
         sequence = slot.request_seq
         fence()
-        self._session.last_seen = time.monotonic()
+        session = self._session
+        session.last_seen = time.monotonic()
         request_id = slot_headers.request_id(slot.buffer)
         try:
-            layer, dtype, tokens, pairs = slot_headers.read_request(slot.buffer, layout)
+            layer, dtype, tokens, pairs, padded = slot_headers.read_request(slot.buffer, layout)
             self._require_ready()
-            request = p.ComputeRequest(layer, *slot.request_frames(dtype, tokens, pairs))
-            p.check_counts(request.counts, pairs)
-            out, compute_us = self._run_compute(request)
-            slot.write_result(out)
+            if padded and session.slot_compute is not None:
+                compute_us = self._run_in_place(session.slot_compute, index, layer, dtype, tokens)
+            else:
+                request = p.ComputeRequest(layer, *slot.request_frames(dtype, tokens, pairs))
+                if padded:
+                    request = _ragged(request, layout.max_pairs_per_token)
+                p.check_counts(request.counts, len(request.local_ids))
+                out, compute_us = self._run_compute(request)
+                slot.write_result(out)
             slot_headers.write_result(slot.buffer, request_id, layer, tokens, layout.hidden,
                                       compute_us)
         except Exception as e:  # noqa: BLE001 - any failure becomes an error reply
@@ -308,15 +323,28 @@ class Server:
         session = self._owned_session(peer)
         layout = ArenaLayout.from_fields(header, hidden=self.hidden,
                                          batch_capacity_max=self.batch_capacity_max)
+        transport = header.get("transport", "shared")
+        if transport not in ATTACH_TRANSPORTS:
+            raise ProtocolError(p.BAD_REQUEST, f"attach: transport must be one of "
+                                               f"{', '.join(ATTACH_TRANSPORTS)}, got {transport!r}")
         arena = Arena.attach(header.get("name"), layout)
+        try:
+            fields, slot_compute = self.handler.attach(arena, transport, header)
+        except ValueError as e:
+            arena.close()
+            raise ProtocolError(p.BAD_REQUEST, f"attach: {e}") from None
+        except BaseException:
+            arena.close()
+            raise
         if session.arena is not None:
             session.arena.detach()
         arena.state = STATE_ATTACHED
-        session.arena = arena
+        session.arena, session.slot_compute = arena, slot_compute
         self._control_seen = arena.control_bell
-        self.log(f"attached shared arena {arena.name}: {layout.slots} slots of "
+        self.log(f"attached shared arena {arena.name} ({transport}): {layout.slots} slots of "
                  f"{layout.slot_bytes / 2**20:.1f} MiB for {session.describe()}")
-        self._send(peer, p.pack_header(p.ATTACH, id=header["id"], name=arena.name))
+        self._send(peer, p.pack_header(p.ATTACH, id=header["id"], name=arena.name,
+                                       **_fields(fields)))
 
     def _compute(self, peer: bytes, header: dict, frames: list) -> None:
         self._owned_session(peer)
@@ -347,6 +375,16 @@ class Server:
                                             f"x of shape {request.x.shape}")
         return out, compute_us
 
+    def _run_in_place(self, slot_compute: Callable, index: int, layer: int, dtype: str,
+                      tokens: int) -> float:
+        """A padded request the handler serves from and into its own buffers; its time in µs."""
+        start = time.perf_counter()
+        try:
+            slot_compute(index, layer, dtype, tokens)
+        except (ValueError, KeyError, IndexError) as e:
+            raise ProtocolError(p.BAD_REQUEST, f"compute: {type(e).__name__}: {e}") from None
+        return (time.perf_counter() - start) * 1e6
+
     def _stats(self, peer: bytes, header: dict, frames: list) -> None:
         session = self._session
         server = dict(self.counts, parent=session.parent if session else None,
@@ -368,6 +406,14 @@ class Server:
         self.log("shutdown requested")
         self._send(peer, p.pack_header(p.BYE, id=header["id"]))
         self.stop()
+
+
+def _ragged(request: p.ComputeRequest, top_k: int) -> p.ComputeRequest:
+    """A padded request (ids and weights [T, K], -1: no expert) in the ragged form."""
+    ids = request.local_ids.reshape(-1, top_k)                  # [T, K]
+    present = ids >= 0
+    return p.ComputeRequest(request.layer, request.x, present.sum(axis=1).astype(np.int32),
+                            ids[present], request.weights.reshape(-1, top_k)[present])
 
 
 def _fields(*parts: dict) -> dict:

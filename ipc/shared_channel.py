@@ -50,6 +50,42 @@ class SharedChannel:
         self.counters.bytes_sent += (slot_headers.REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype]
                                      + 4 * tokens + 8 * pairs)
 
+    def post(self, index: int, request_id: int, layer: int, dtype: str, tokens: int) -> None:
+        """A padded request whose frames are already in idle slot `index` (a GPU parent
+        writes them from the device): x [T, H] in `dtype`, ids and weights [T, K]."""
+        layout = self.arena.layout
+        self._raise_if_detached()
+        if not self.idle(index):
+            raise RuntimeError(f"slot {index} still holds a request")
+        slot = self.arena.slots[index]
+        pairs = tokens * layout.max_pairs_per_token
+        slot_headers.write_request(slot.buffer, request_id, layer, dtype, tokens, pairs,
+                                   layout.hidden, padded=True)
+        fence()
+        slot.request_seq = slot.request_seq + 1
+        self.arena.doorbell.ring()
+        self._busy[index] = True
+        self.in_flight[request_id] = (index, tokens, layout.hidden)
+        self.counters.bytes_sent += (slot_headers.REQUEST.size
+                                     + tokens * layout.hidden * p.WIRE_ITEMSIZE[dtype] + 8 * pairs)
+
+    def collect(self, request_id: int, deadline: float, alive: Callable[[], bool] | None) -> None:
+        """Wait for the daemon's answer to a posted request; its result stays where the
+        daemon put it. Raises DaemonError for an error reply."""
+        index = self.in_flight[request_id][0]
+        start = time.perf_counter()
+        try:
+            self._wait_slot(index, deadline, alive, request_id)
+        except (DaemonTimeout, DaemonDied, DaemonError):
+            del self.in_flight[request_id]
+            self._busy[index] = False
+            raise
+        finally:
+            self.counters.wait_seconds += time.perf_counter() - start
+        error = self._reply(request_id)
+        if error is not None:
+            raise error
+
     def wait(self, request_id: int, deadline: float,
              alive: Callable[[], bool] | None) -> np.ndarray:
         result = self.done.pop(request_id, None)
@@ -91,9 +127,13 @@ class SharedChannel:
         finally:
             self.counters.wait_seconds += time.perf_counter() - start
 
+    def idle(self, index: int) -> bool:
+        """No live request owns slot `index` and the daemon answered its last one."""
+        return not self._busy[index] and not self.arena.slots[index].pending()
+
     def _idle_slot(self) -> int | None:
-        for index, slot in enumerate(self.arena.slots):
-            if not self._busy[index] and not slot.pending():
+        for index in range(len(self.arena.slots)):
+            if self.idle(index):
                 return index
         return None
 
@@ -124,6 +164,12 @@ class SharedChannel:
             raise DaemonTimeout(f"daemon {self.endpoint}: no reply to {what} in time")
 
     def _read_reply(self, request_id: int) -> np.ndarray | DaemonError:
+        index, tokens, _ = self.in_flight[request_id]
+        error = self._reply(request_id)
+        return error if error is not None else self.arena.slots[index].read_result(tokens)
+
+    def _reply(self, request_id: int) -> DaemonError | None:
+        """Check the reply header of a finished request and free its slot."""
         index, tokens, hidden = self.in_flight.pop(request_id)
         self._busy[index] = False
         slot = self.arena.slots[index]
@@ -140,4 +186,4 @@ class SharedChannel:
                                             f"{request_id} [{tokens}, {hidden}]", self.endpoint)
         self.counters.bytes_received += slot_headers.REPLY.size + tokens * hidden * 4
         self.counters.compute_seconds += compute_us / 1e6
-        return slot.read_result(tokens)
+        return None

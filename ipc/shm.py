@@ -108,6 +108,8 @@ class Slot:
     def __init__(self, buffer: memoryview, words: memoryview, base_address: int, offset: int,
                  layout: ArenaLayout):
         self.buffer = buffer[offset:offset + layout.slot_bytes]
+        self.address = base_address + offset     # where the slot is mapped in this process
+        self._layout = layout
         rows = (layout.batch_capacity, layout.hidden)
         x_at, counts_at, local_ids_at, weights_at = layout.frame_offsets
         self._x = {dtype: self._view(value_dtype, rows, x_at)   # [C, H] by payload dtype
@@ -158,6 +160,12 @@ class Slot:
         """Parent side: a copy of the f32 [T, H] result."""
         return self._result[:tokens].copy()
 
+    def frame_addresses(self) -> tuple[int, int, int]:
+        """Addresses of the x, local_ids and weights frames in this process (the result
+        lands at the x frame's address): for copies and kernels that reach the slot directly."""
+        x_at, _, local_ids_at, weights_at = self._layout.frame_offsets
+        return self.address + x_at, self.address + local_ids_at, self.address + weights_at
+
     def _view(self, dtype, shape: tuple[int, ...], offset: int) -> np.ndarray:
         return np.frombuffer(self.buffer, dtype, math.prod(shape), offset).reshape(shape)
 
@@ -168,8 +176,9 @@ class Arena:
     def __init__(self, name: str, mm: mmap.mmap, layout: ArenaLayout):
         self.name, self.layout, self._mm = name, layout, mm
         anchor = ctypes.c_char.from_buffer(mm)
-        base_address = ctypes.addressof(anchor)
+        self.address = base_address = ctypes.addressof(anchor)
         del anchor  # an exported buffer would keep the mapping from closing
+        self.before_close: list = []   # callables run before unmapping (a GPU unregisters the pages)
         self.buffer = memoryview(mm)
         self.words = self.buffer.cast("I")
         self.doorbell = Doorbell(self.words, base_address, DOORBELL_WORD, DAEMON_SLEEPING_WORD)
@@ -260,6 +269,8 @@ class Arena:
 
     def close(self) -> None:
         """Unmap. A view still held elsewhere keeps the mapping alive until it is collected."""
+        while self.before_close:
+            self.before_close.pop()()
         views = [slot.buffer for slot in self.slots] + [self.words, self.buffer]
         self.slots = []  # frees the slots' numpy views, which pin their buffers
         try:

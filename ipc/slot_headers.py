@@ -13,7 +13,8 @@ from moerun.ipc import protocol as p
 from moerun.ipc.protocol import ProtocolError
 from moerun.ipc.shm import REPLY_HEADER_OFFSET, REQUEST_HEADER_OFFSET, ArenaLayout
 
-OP_COMPUTE, OP_RESULT, OP_ERROR = 1, 2, 3
+OP_COMPUTE, OP_RESULT, OP_ERROR, OP_COMPUTE_PADDED = 1, 2, 3, 4
+COMPUTE_OPS = (OP_COMPUTE, OP_COMPUTE_PADDED)
 DTYPES = ("f32", "f16", "bf16")                  # a payload dtype's code is its position
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 ERROR_CODES = (p.BAD_FRAME, p.VERSION_MISMATCH, p.FINGERPRINT_MISMATCH, p.BUSY, p.NO_SESSION,
@@ -31,8 +32,11 @@ MAX_MESSAGE_BYTES = 4 * p.MAX_ERROR_MESSAGE      # UTF-8 of MAX_ERROR_MESSAGE ch
 
 
 def write_request(slot_buffer, request_id: int, layer: int, dtype: str, tokens: int,
-                  pairs: int, hidden: int) -> None:
-    REQUEST.pack_into(slot_buffer, REQUEST_HEADER_OFFSET, p.PROTOCOL_VERSION, OP_COMPUTE,
+                  pairs: int, hidden: int, padded: bool = False) -> None:
+    """A ragged request (counts [T], local_ids and weights [P]) or a padded one (ids and
+    weights [T, K], -1: no expert; P = T * K), which a GPU parent writes from the device."""
+    op = OP_COMPUTE_PADDED if padded else OP_COMPUTE
+    REQUEST.pack_into(slot_buffer, REQUEST_HEADER_OFFSET, p.PROTOCOL_VERSION, op,
                       request_id, layer, DTYPE_CODES[dtype], tokens, pairs, hidden)
 
 
@@ -41,18 +45,20 @@ def request_id(slot_buffer) -> int:
     return REQUEST_ID.unpack_from(slot_buffer, REQUEST_ID_OFFSET)[0]
 
 
-def read_request(slot_buffer, layout: ArenaLayout) -> tuple[int, str, int, int]:
-    """(layer, dtype, T, P) of the COMPUTE header in a slot, checked against the arena's
-    capacity; raises ProtocolError (version_mismatch, bad_request)."""
+def read_request(slot_buffer, layout: ArenaLayout) -> tuple[int, str, int, int, bool]:
+    """(layer, dtype, T, P, padded) of the COMPUTE header in a slot, checked against the
+    arena's capacity; raises ProtocolError (version_mismatch, bad_request)."""
     version, op, _, layer, dtype, tokens, pairs, hidden = REQUEST.unpack_from(
         slot_buffer, REQUEST_HEADER_OFFSET)
     if version != p.PROTOCOL_VERSION:
         raise p.version_mismatch(version, "parent", "daemon")
-    if (op != OP_COMPUTE or layer < 0 or dtype >= len(DTYPES) or hidden != layout.hidden
-            or not 1 <= tokens <= layout.batch_capacity or pairs > layout.max_pairs):
+    padded = op == OP_COMPUTE_PADDED
+    if (op not in COMPUTE_OPS or layer < 0 or dtype >= len(DTYPES) or hidden != layout.hidden
+            or not 1 <= tokens <= layout.batch_capacity or pairs > layout.max_pairs
+            or (padded and pairs != tokens * layout.max_pairs_per_token)):
         raise ProtocolError(p.BAD_REQUEST, _first_bad_field(op, layer, dtype, tokens, pairs,
                                                             hidden, layout))
-    return layer, DTYPES[dtype], tokens, pairs
+    return layer, DTYPES[dtype], tokens, pairs, padded
 
 
 def write_result(slot_buffer, request_id: int, layer: int, tokens: int, hidden: int,
@@ -86,8 +92,8 @@ def read_reply(slot_buffer) -> tuple[int, int, int, float, tuple[str, str] | Non
 
 def _first_bad_field(op: int, layer: int, dtype: int, tokens: int, pairs: int, hidden: int,
                      layout: ArenaLayout) -> str:
-    if op != OP_COMPUTE:
-        return f"only compute (op {OP_COMPUTE}) uses a slot, got op {op}"
+    if op not in COMPUTE_OPS:
+        return f"only compute (ops {OP_COMPUTE} and {OP_COMPUTE_PADDED}) uses a slot, got op {op}"
     if dtype >= len(DTYPES):
         return (f"unknown payload dtype code {dtype} (known: "
                 f"{', '.join(f'{code} {name}' for code, name in enumerate(DTYPES))})")
@@ -96,4 +102,7 @@ def _first_bad_field(op: int, layer: int, dtype: int, tokens: int, pairs: int, h
                                    ("pairs", pairs, 0, layout.max_pairs)):
         if not low <= value <= high:
             return f"field {name!r} must be in [{low}, {high}], got {value}"
-    return f"field 'hidden' must be {layout.hidden}, got {hidden}"
+    if hidden != layout.hidden:
+        return f"field 'hidden' must be {layout.hidden}, got {hidden}"
+    return (f"a padded request carries tokens * {layout.max_pairs_per_token} pairs "
+            f"({tokens * layout.max_pairs_per_token}), got {pairs}")

@@ -3,6 +3,7 @@
     moerun bench -m model.gguf                          # pp512 and tg128, 5 repetitions each
     moerun bench -m model.gguf -p 128,512 -n 32 -r 3    # comma lists run one test per size
     moerun bench -m model.gguf -o json                  # the same fields, plus every sample
+    moerun bench -m model.gguf -p 512 -n 0              # a size of 0 skips that kind of test
 
 Every flag that `moerun run` takes for the runtime (--device, --daemon, --ubatch, --config, ...)
 applies too; a --config file may name the model.
@@ -16,6 +17,13 @@ Each test runs once untimed first (experts load lazily and kernels compile on fi
 then -r timed repetitions; t/s is their mean ± sample standard deviation. Token ids come
 from a fixed seed, so two runs feed the model the same tokens. Without --ctx the context is
 what the largest test needs.
+
+With --daemon, each test also reports the rig's daemons together, per timed repetition (a
+tg test's figures include its 1-token prompt): IPC calls, MiB sent and received, the parent's wait
+in ms, and the compute ms the daemons report (STATS; "-" / null when one does not answer).
+The table adds the columns calls, MiB, wait ms, daemon ms; the JSON adds to each test
+"daemons": {calls, mib, wait_ms, daemon_ms, remote_pair_share} and
+"rig": {transport (one per daemon), mode, payload_dtype, hot}.
 """
 from __future__ import annotations
 
@@ -32,16 +40,18 @@ from moerun.cli_options import friendly_errors, open_runtime, runtime_options
 from moerun.engine.generator import RequestError, RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.reader import GGUFFile
+from moerun.moe.rig import DAEMON_FAILURES, Rig
 
 TOKEN_SEED = 0
 GREEDY = SamplingParams(temperature=0.0)
 BACKEND_NAMES = {"cpu": "CPU", "cuda": "CUDA", "hip": "ROCm"}   # as llama-bench names them
 COLUMNS = (("model", 30, "<"), ("size", 10, ">"), ("params", 10, ">"), ("backend", 10, "<"),
            ("test", 15, ">"), ("t/s", 20, ">"))   # name, minimum width, alignment
+DAEMON_COLUMNS = (("calls", 8, ">"), ("MiB", 9, ">"), ("wait ms", 9, ">"), ("daemon ms", 9, ">"))   # with --daemon
 
 
 class TokenCounts(click.ParamType):
-    """A token count or a comma list of them: 512 or 128,512."""
+    """A token count or a comma list of them: 512 or 128,512; 0 stands for no test."""
     name = "N[,N...]"
 
     def convert(self, value, param, ctx) -> tuple[int, ...]:
@@ -51,9 +61,9 @@ class TokenCounts(click.ParamType):
             counts = tuple(int(part) for part in str(value).split(","))
         except ValueError:
             self.fail(f"expected token counts separated by commas, like 128,512; got {value!r}", param, ctx)
-        if min(counts) < 1:
-            self.fail(f"every token count must be at least 1; got {value!r}", param, ctx)
-        return counts
+        if min(counts) < 0:
+            self.fail(f"token counts cannot be negative; got {value!r}", param, ctx)
+        return tuple(n for n in counts if n)
 
 
 @dataclass(frozen=True)
@@ -83,9 +93,9 @@ class ModelFacts:
 @click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF model file (required here or in --config).")
 @click.option("-p", "--n-prompt", "prompt_sizes", type=TokenCounts(), default="512", show_default=True,
-              help="Prompt tokens of each prefill test (pp<N>).")
+              help="Prompt tokens of each prefill test (pp<N>); 0: none.")
 @click.option("-n", "--n-gen", "gen_sizes", type=TokenCounts(), default="128", show_default=True,
-              help="Decoded tokens of each generation test (tg<N>).")
+              help="Decoded tokens of each generation test (tg<N>); 0: none.")
 @click.option("-r", "--repetitions", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed runs of each test.")
 @click.option("-o", "--output", "output_format", type=click.Choice(["md", "json"]), default="md", show_default=True,
@@ -97,6 +107,8 @@ def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_
     if model is None:
         raise click.UsageError("Missing option -m/--model (or `model` in the --config file).")
     tests = [BenchTest("pp", n) for n in prompt_sizes] + [BenchTest("tg", n) for n in gen_sizes]
+    if not tests:
+        raise click.UsageError("Nothing to measure: -p and -n are both 0.")
     largest = max(tests, key=lambda t: t.positions)
     for flag in ("ctx", "kv_pool"):
         given = runtime_flags[flag]
@@ -106,24 +118,31 @@ def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_
     runtime_flags["ctx"] = runtime_flags["ctx"] or largest.positions
     with open_runtime(model, **runtime_flags) as runtime:
         facts = _model_facts(runtime)
+        rig = runtime.rig
+        columns = COLUMNS + DAEMON_COLUMNS if rig else COLUMNS
         if output_format == "md":
-            click.echo(_table_row({name: name for name, _, _ in COLUMNS}, facts))
-            click.echo(_table_rule(facts))
+            click.echo(_table_row(columns, {name: name for name, _, _ in columns}, facts))
+            click.echo(_table_rule(columns, facts))
         rng = np.random.default_rng(TOKEN_SEED)
         documents = []
         for test in tests:
             _measure(runtime, test, rng)     # warm-up: caches, lazily loaded experts, compiled kernels
-            seconds = [_measure(runtime, test, rng) for _ in range(repetitions)]
+            seconds, daemons = _timed_runs(runtime, test, rng, repetitions)
             rates = [test.tokens / s for s in seconds]
             mean = statistics.fmean(rates)
             sd = statistics.stdev(rates) if len(rates) > 1 else 0.0
-            if output_format == "md":
-                click.echo(_table_row(_cells(facts, test.name, f"{mean:.2f} ± {sd:.2f}"), facts))
-            documents.append({
+            document = {
                 "model": facts.label, "size_bytes": facts.size, "params": facts.params, "backend": facts.backend,
                 "test": test.name, "tokens_per_second": mean, "tokens_per_second_sd": sd,
                 "samples_tokens_per_second": rates, "samples_seconds": seconds,
-            })
+            }
+            cells = _cells(facts, test.name, f"{mean:.2f} ± {sd:.2f}")
+            if daemons is not None:
+                document.update(daemons=daemons, rig=_rig_settings(rig))
+                cells.update(_daemon_cells(daemons))
+            if output_format == "md":
+                click.echo(_table_row(columns, cells, facts))
+            documents.append(document)
         if output_format == "json":
             click.echo(json.dumps(documents, indent=2))
 
@@ -142,6 +161,68 @@ def _measure(runtime: Runtime, test: BenchTest, rng: np.random.Generator) -> flo
     if stats.decode_steps != test.tokens:
         raise RequestError(f"{test.name} stopped after {stats.decode_steps} decode steps (context {runtime.ctx})")
     return stats.decode_seconds
+
+
+def _timed_runs(runtime: Runtime, test: BenchTest, rng: np.random.Generator,
+                repetitions: int) -> tuple[list[float], dict | None]:
+    """Seconds of each timed run; with daemons also their work per run (_per_repetition)."""
+    if runtime.rig is None:
+        return [_measure(runtime, test, rng) for _ in range(repetitions)], None
+    compute_before = _daemon_compute_seconds(runtime.rig)   # STATS before the counters: its bytes don't count
+    before = _rig_counts(runtime)
+    seconds = [_measure(runtime, test, rng) for _ in range(repetitions)]
+    after = _rig_counts(runtime)
+    return seconds, _per_repetition(before, after, compute_before, _daemon_compute_seconds(runtime.rig), repetitions)
+
+
+def _rig_counts(runtime: Runtime) -> dict[str, float]:
+    """The parent's counters of every daemon, summed, and its routed / remote pair counts.
+    Read outside the timed runs only: on a GPU the MoE stats may sync with the device."""
+    counters = [link.client.counters for link in runtime.rig.links]
+    moe = runtime.model.moe.stats.to_dict()
+    return {"calls": sum(c.calls for c in counters),
+            "bytes": sum(c.bytes_sent + c.bytes_received for c in counters),
+            "wait_seconds": sum(c.wait_seconds for c in counters),
+            "routed_pairs": moe["routed_pairs"], "remote_pairs": moe["remote_pairs"]}
+
+
+def _daemon_compute_seconds(rig: Rig) -> dict[tuple[int, int], float | None]:
+    """(link index, session) -> the compute seconds each daemon that is up reports in STATS,
+    None where it does not answer."""
+    seconds = {}
+    for link in rig.links:
+        with link.lock:
+            if not link.up:
+                continue
+            try:
+                seconds[link.index, link.session] = float(link.client.stats(rig.config.daemon_timeout_s)
+                                                          ["compute_seconds"])
+            except (*DAEMON_FAILURES, KeyError):
+                seconds[link.index, link.session] = None
+    return seconds
+
+
+def _per_repetition(before: dict, after: dict, compute_before: dict, compute_after: dict,
+                    repetitions: int) -> dict[str, float | None]:
+    """The daemons' work between two snapshots, per repetition. daemon_ms is None unless every
+    daemon answered STATS both times and none went down or rejoined in between."""
+    delta = {name: after[name] - before[name] for name in after}
+    answered = compute_before.keys() == compute_after.keys() and None not in (*compute_before.values(),
+                                                                               *compute_after.values())
+    daemon_seconds = sum(compute_after[k] - compute_before[k] for k in compute_after) if answered else None
+    return {
+        "calls": delta["calls"] / repetitions,
+        "mib": delta["bytes"] / 2**20 / repetitions,
+        "wait_ms": delta["wait_seconds"] * 1e3 / repetitions,
+        "daemon_ms": None if daemon_seconds is None else daemon_seconds * 1e3 / repetitions,
+        "remote_pair_share": delta["remote_pairs"] / delta["routed_pairs"] if delta["routed_pairs"] else 0.0,
+    }
+
+
+def _rig_settings(rig: Rig) -> dict:
+    config = rig.config
+    return {"transport": [link.transport for link in rig.links], "mode": config.mode,
+            "payload_dtype": config.payload_dtype, "hot": config.hot}
 
 
 def _model_facts(runtime: Runtime) -> ModelFacts:
@@ -174,16 +255,22 @@ def _cells(facts: ModelFacts, test: str, rate: str) -> dict[str, str]:
     return {"model": facts.label, "size": size, "params": params, "backend": facts.backend, "test": test, "t/s": rate}
 
 
-def _widths(facts: ModelFacts) -> list[int]:
-    return [max(width, len(facts.label)) if name == "model" else width for name, width, _ in COLUMNS]
+def _daemon_cells(daemons: dict) -> dict[str, str]:
+    daemon_ms = "-" if daemons["daemon_ms"] is None else f"{daemons['daemon_ms']:.1f}"
+    return {"calls": f"{daemons['calls']:.1f}", "MiB": f"{daemons['mib']:.2f}",
+            "wait ms": f"{daemons['wait_ms']:.1f}", "daemon ms": daemon_ms}
 
 
-def _table_row(cells: dict[str, str], facts: ModelFacts) -> str:
-    parts = [f"{cells[name]:{align}{width}}" for (name, _, align), width in zip(COLUMNS, _widths(facts))]
+def _widths(columns: tuple, facts: ModelFacts) -> list[int]:
+    return [max(width, len(facts.label)) if name == "model" else width for name, width, _ in columns]
+
+
+def _table_row(columns: tuple, cells: dict[str, str], facts: ModelFacts) -> str:
+    parts = [f"{cells[name]:{align}{width}}" for (name, _, align), width in zip(columns, _widths(columns, facts))]
     return "| " + " | ".join(parts) + " |"
 
 
-def _table_rule(facts: ModelFacts) -> str:
+def _table_rule(columns: tuple, facts: ModelFacts) -> str:
     parts = ["-" * (width - 1) + ":" if align == ">" else "-" * width
-             for (_, _, align), width in zip(COLUMNS, _widths(facts))]
+             for (_, _, align), width in zip(columns, _widths(columns, facts))]
     return "| " + " | ".join(parts) + " |"

@@ -103,7 +103,8 @@ def runtime_options(command):
         click.option("--placement", default=None, metavar="FILE|auto",
                      help="Placement JSON file (docs/placement.md), or auto: plan from the free memory now."),
         click.option("--transport", type=click.Choice(TRANSPORTS), default="auto", show_default=True,
-                     help="shared: shared memory (same host); stream: ZeroMQ frames; auto: shared when possible."),
+                     help="device: GPU to GPU through CUDA/HIP IPC (same host, same vendor); shared: shared "
+                          "memory, pinned for GPUs (same host); stream: ZeroMQ frames; auto: the first that fits."),
         click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
                      help=f"batched: a whole prefill chunk per call; stream: {STREAM_SLICE_TOKENS} tokens per call."),
         click.option("--batch-capacity", type=click.IntRange(1, MAX_BATCH_CAPACITY), default=1024,

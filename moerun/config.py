@@ -6,7 +6,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-TRANSPORTS = ("auto", "shared", "stream")
+TRANSPORTS = ("auto", "device", "shared", "stream")
 MODES = ("auto", "batched", "stream")
 PAYLOAD_DTYPES = ("f32", "f16", "bf16")
 MAX_BATCH_CAPACITY = 4096

@@ -62,6 +62,11 @@ class FakeHandler:
         self.computes += 1
         return expected_output(layer, x, counts, local_ids, weights)
 
+    def attach(self, arena, transport, header):
+        if transport == "device":
+            raise ValueError("the device transport needs a GPU daemon")
+        return {}, None
+
     def release(self) -> None:
         self.local_experts = {}
 

@@ -1,5 +1,6 @@
 """`moerun bench` on a tiny benchmark model: llama-bench's table, the same fields as JSON,
-the forward passes each test stands for, and clear errors for bad flags."""
+the forward passes each test stands for, the daemons' IPC per test with a real CPU daemon,
+and clear errors for bad flags."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,8 @@ from math import prod
 
 import pytest
 from click.testing import CliRunner
+from moerun.ipc.client import DaemonClient
+from moerun.ipc.protocol import DaemonTimeout
 
 from moerun.bench import bench
 from moerun.engine.model import MoEModel
@@ -21,7 +24,9 @@ from moerun.models.bench_model import (
 )
 
 COLUMNS = ["model", "size", "params", "backend", "test", "t/s"]
+DAEMON_COLUMNS = ["calls", "MiB", "wait ms", "daemon ms"]
 TINY = with_layers(PRESETS["tiny"], 1)
+ONE_DAEMON = ["--daemon", "cpu", "--hot", "1"]   # 7 of the 8 experts on the daemon: every token has a remote pair
 PLAN = tensor_plan(TINY, MIXES["q4_k_m"])
 
 
@@ -87,8 +92,72 @@ def test_each_test_runs_the_forward_passes_it_names_on_seeded_valid_tokens(model
     assert [ids for ids in calls if len(ids) == 8] == [ids for ids in first if len(ids) == 8]
 
 
+def test_a_size_of_0_skips_that_kind_of_test(model):
+    result = run_bench("-m", model, "-p", "8", "-n", "0", "-r", "1", "-o", "json")
+    assert result.exit_code == 0, result.output
+    assert [t["test"] for t in json.loads(result.stdout)] == ["pp8"]
+    result = run_bench("-m", model, "-p", "0", "-n", "0,3", "-r", "1")
+    assert result.exit_code == 0, result.output
+    assert [row[4] for row in table_rows(result.stdout)[2:]] == ["tg3"]
+
+
+def test_without_daemons_there_is_no_daemon_field(model):
+    result = run_bench("-m", model, "-p", "8", "-n", "2", "-r", "1", "-o", "json")
+    assert result.exit_code == 0, result.output
+    assert all("daemons" not in t and "rig" not in t for t in json.loads(result.stdout))
+
+
+@pytest.fixture(scope="module")
+def daemon_runs(model):
+    """mode -> the JSON tests of pp8 and tg4 with one CPU daemon."""
+    runs = {}
+    for mode in ("stream", "batched"):
+        result = run_bench("-m", model, *ONE_DAEMON, "--mode", mode, "-p", "8", "-n", "4", "-r", "1", "-o", "json")
+        assert result.exit_code == 0, result.output
+        runs[mode] = {t["test"]: t for t in json.loads(result.stdout)}
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["stream", "batched"])
+def test_json_has_the_daemons_work_per_test_and_the_rig_settings(daemon_runs, mode):
+    tests = daemon_runs[mode]
+    assert list(tests) == ["pp8", "tg4"]
+    for t in tests.values():
+        daemons = t["daemons"]
+        assert set(daemons) == {"calls", "mib", "wait_ms", "daemon_ms", "remote_pair_share"}
+        assert daemons["calls"] > 0 and daemons["wait_ms"] > 0 and daemons["daemon_ms"] > 0
+        assert 0.5 <= daemons["remote_pair_share"] <= 1.0
+        assert t["rig"] == {"transport": ["shared"], "mode": mode, "payload_dtype": "f32", "hot": 1}
+    # at least every token's f32 row out and its f32 reply back
+    assert tests["pp8"]["daemons"]["mib"] >= 8 * TINY.hidden * 4 * 2 / 2**20
+    assert tests["tg4"]["daemons"]["calls"] == 1 + 4     # the 1-token prompt, then one call per decode step
+
+
+def test_stream_mode_prefills_in_more_calls_than_batched(daemon_runs):
+    """8 prompt tokens: two 4-token slices in stream mode, one call in batched mode."""
+    stream, batched = (daemon_runs[mode]["pp8"]["daemons"]["calls"] for mode in ("stream", "batched"))
+    assert (stream, batched) == (2, 1)
+    assert daemon_runs["stream"]["tg4"]["daemons"]["calls"] == daemon_runs["batched"]["tg4"]["daemons"]["calls"]
+
+
+def test_markdown_table_adds_daemon_columns_and_a_silent_daemon_shows_a_dash(model, monkeypatch):
+    def no_stats(self, timeout_s=10.0):
+        raise DaemonTimeout("no STATS reply")
+
+    monkeypatch.setattr(DaemonClient, "stats", no_stats)
+    result = run_bench("-m", model, *ONE_DAEMON, "-p", "8", "-n", "2", "-r", "2")
+    assert result.exit_code == 0, result.output
+    header, _, *rows = table_rows(result.stdout)
+    assert header == COLUMNS + DAEMON_COLUMNS
+    assert [row[4] for row in rows] == ["pp8", "tg2"]
+    for row in rows:
+        calls, mib, wait_ms, daemon_ms = row[6:]
+        assert float(calls) > 0 and float(mib) > 0 and float(wait_ms) > 0 and daemon_ms == "-"
+
+
 @pytest.mark.parametrize("flags, message", [
-    (["-p", "0"], "every token count must be at least 1"),
+    (["-p", "-1"], "token counts cannot be negative"),
+    (["-p", "0", "-n", "0"], "Nothing to measure: -p and -n are both 0"),
     (["-n", "16,x"], "expected token counts separated by commas"),
     (["-o", "xml"], "'xml' is not one of 'md', 'json'"),
     (["-r", "0"], "0 is not in the range x>=1"),

@@ -90,7 +90,7 @@ def test_a_typo_is_an_error_naming_the_key_and_its_line(moerun, tmp_path, text, 
 
 
 BAD_VALUES = [
-    ("transport = 'fast'", 2, "transport = 'fast': must be one of auto, shared, stream"),
+    ("transport = 'fast'", 2, "transport = 'fast': must be one of auto, device, shared, stream"),
     ("batch_capacity = 5000", 2, "batch_capacity = 5000: must be between 1 and 4096"),
     ("daemon_timeout = 0", 2, "daemon_timeout = 0: must be > 0"),
     ("require_daemons = 'yes'", 2, "require_daemons = 'yes': must be true or false"),

@@ -114,7 +114,7 @@ def test_slot_headers_round_trip():
     buffer = bytearray(SLOT_LAYOUT.slot_bytes)
     slot_headers.write_request(buffer, 2**40 + 7, 3, "bf16", 4, 8, 8)
     assert slot_headers.request_id(buffer) == 2**40 + 7
-    assert slot_headers.read_request(buffer, SLOT_LAYOUT) == (3, "bf16", 4, 8)
+    assert slot_headers.read_request(buffer, SLOT_LAYOUT) == (3, "bf16", 4, 8, False)
     slot_headers.write_result(buffer, 2**40 + 7, 3, 4, 8, 12.5)
     assert slot_headers.read_reply(buffer) == (2**40 + 7, 4, 8, 12.5, None)
     slot_headers.write_error(buffer, 9, p.BAD_REQUEST, "é" * 1000)

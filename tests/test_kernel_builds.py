@@ -17,7 +17,8 @@ pytestmark = pytest.mark.tools
 PER_TYPE = ("gemv", "moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
 SHARED = ("rms_norm", "qk_norm_rope_append", "attention_partial", "attention_combine", "route_top_k", "silu_mul",
           "silu_mul_f16", "gather_rows_f16", "combine_rows", "add_gated", "to_f16", "expand_kv_heads",
-          "causal_softmax", "layout_pairs", "tile_pointers", "any_remote")
+          "causal_softmax", "layout_pairs", "tile_pointers", "split_parent_ids", "pack_remote",
+          "unpack_payload", "add_reply_rows")
 
 
 def compile_kernels(command: list[str], output: Path, env: dict | None = None) -> bytes:

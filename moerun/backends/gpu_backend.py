@@ -4,14 +4,13 @@ their stored types on the device and every operation is a kernel of kernels/.
 Decode (T <= 8) multiplies by quantized GEMVs in f32; prefill dequantizes each
 matrix to f16 and multiplies on the matrix units with f32 accumulation and output
 (f32 matrices, the routers, stay f32), and attends with batched f32 products.
-All-local decode steps replay as a captured CUDA graph (not on HIP, or with
-graphs off). Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv
+Decode steps replay as captured CUDA graphs (with daemons: graph segments between
+the MoE layers' host actions; not on HIP, or with graphs off). Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv
 head dims, E experts, K experts per token, S cache positions.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -19,15 +18,18 @@ import numpy as np
 from moerun.backends.devices import Device, gpu_module
 from moerun.backends.gpu_blas import Blas
 from moerun.backends.gpu_dispatch import GpuDispatcher
+from moerun.backends.gpu_graphs import GraphCache
 from moerun.backends.gpu_kernels import BLOCK, MAX_GEMV_TOKENS, Kernels
 from moerun.backends.gpu_moe import GpuExperts, load_experts
+from moerun.backends.gpu_remote import GpuParent
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
 from moerun.engine.kv_cache import check_room
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
-from moerun.moe.dispatch import Dispatcher, MoEStats
+from moerun.moe.experts import ExpertStore
+from moerun.moe.rig import Rig
 
 DECODE_CHUNK = 64              # cache positions per split of decode attention (<= MAX_CHUNK in layers.cu)
 NULL = np.uint64(0)            # a null pointer argument
@@ -66,6 +68,7 @@ class GpuBackend:
         cupy = self.cupy = gpu_module(device)
         cupy.cuda.Device(device.index).use()
         self.name = device.name
+        self.device_index = device.index
         self.kind = device.platform.upper()
         self.spec = spec
         self.kernels = Kernels(cupy)
@@ -73,6 +76,7 @@ class GpuBackend:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graphs_enabled = graphs and not cupy.cuda.runtime.is_hip
         self._graphs = GraphCache(self)
+        self.recorder = None                # set while a decode step is captured or replayed
         self._kv_buffers: dict[int, tuple[list, list]] = {}
         self._uploader: Uploader | None = None
         self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)
@@ -99,14 +103,32 @@ class GpuBackend:
     def vector(self, values: np.ndarray) -> Any:
         return self.cupy.asarray(np.ascontiguousarray(values, dtype=np.float32))
 
-    def dispatcher(self, dispatcher: Dispatcher) -> GpuDispatcher:
-        """The MoE step with daemons: host-staged, hot-only layers decided on the device."""
-        return GpuDispatcher(self, dispatcher)
+    def gpu_parent(self) -> GpuParent:
+        """The rig's hook that attaches daemons for the device and shared transports."""
+        return GpuParent(self)
 
-    def local_moe(self, gguf: GGUFFile, expert_cache_bytes: int) -> GpuExperts:
-        layers = {layer: load_experts(self._uploader, self.spec, layer)
-                  for layer, is_moe in enumerate(self.spec.moe_layers) if is_moe}
+    def dispatcher(self, local: GpuExperts, rig: Rig, gguf: GGUFFile, expert_cache_bytes: int) -> GpuDispatcher:
+        """The MoE step with daemons: split on the device, the daemons' pairs computed on
+        the CPU from the mmap while one is down."""
+        return GpuDispatcher(self, local, rig, rig.gpu_parent, ExpertStore(gguf, self.spec, expert_cache_bytes))
+
+    def local_moe(self, gguf: GGUFFile, expert_cache_bytes: int,
+                  resident: dict[int, list[int]] | None = None) -> GpuExperts:
+        """Every expert, or the `resident` ones per layer (a parent with daemons: its hot ones)."""
+        layers = {}
+        for layer, is_moe in enumerate(self.spec.moe_layers):
+            ids = None if resident is None else resident.get(layer, [])
+            if is_moe and (ids is None or ids):
+                layers[layer] = load_experts(self._uploader, self.spec, layer, ids)
         return GpuExperts(self, self.spec, layers)
+
+    def cut(self, action) -> None:
+        """A host action between device work: run now, or between graph segments while a
+        decode step is captured."""
+        if self.recorder is not None:
+            self.recorder.cut(action)
+        else:
+            action()
 
     # -- buffers
     def upload_ids(self, ids: np.ndarray) -> Any:
@@ -130,8 +152,7 @@ class GpuBackend:
     # -- the step
     def run(self, model, ids: np.ndarray, cache: GpuKVCache, all_logits: bool) -> np.ndarray:
         with self.stream:
-            all_local = isinstance(model.moe, GpuExperts) and model.routing_counter is None
-            if len(ids) == 1 and self.graphs_enabled and all_local:
+            if len(ids) == 1 and self.graphs_enabled and model.routing_counter is None:
                 return self._graphs.step(model, int(ids[0]), cache, all_logits)
             logits = model.forward_on_device(self.upload_ids(ids), self.positions(cache.length, len(ids)),
                                              cache, all_logits)
@@ -274,55 +295,3 @@ class GpuBackend:
                                  (weight.data, i64(weight.row_bytes), i32(units), i64(n_rows), i32(weight.rows),
                                   pointer(active), out))
         return out if weight.experts > 1 else out[0]
-
-
-class GraphCache:
-    """Captured all-local decode steps, one per (cache capacity, all_logits). A key's
-    first step runs eagerly (loading every kernel), its second is captured, later
-    ones replay. Each graph allocates from its own memory pool, kept with it."""
-
-    def __init__(self, backend: GpuBackend):
-        self.backend = backend
-        self._graphs: dict[tuple[int, bool], tuple[Any, Any, Any, dict[str, int]]] = {}
-        self._seen: set[tuple[int, bool]] = set()
-        cupy = backend.cupy
-        self.token = cupy.zeros(1, cupy.int32)
-        self.position = cupy.zeros(1, cupy.int32)
-
-    def step(self, model, token: int, cache: GpuKVCache, all_logits: bool) -> np.ndarray:
-        backend = self.backend
-        self.token.fill(token)
-        self.position.fill(cache.length)
-        key = (cache.capacity, all_logits)
-        if key not in self._seen:
-            self._seen.add(key)
-            return backend.to_host(model.forward_on_device(self.token, self.position, cache, all_logits))
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(model, cache, all_logits)
-        graph, logits, _pool, per_step = self._graphs[key]
-        graph.launch(backend.stream)
-        _add_counts(model.moe.stats, per_step)
-        return backend.to_host(logits)
-
-    def _capture(self, model, cache: GpuKVCache, all_logits: bool):
-        cupy, stream = self.backend.cupy, self.backend.stream
-        pool = cupy.cuda.MemoryPool()
-        before = _counts(model.moe.stats)
-        with cupy.cuda.using_allocator(pool.malloc):
-            stream.begin_capture()
-            try:
-                logits = model.forward_on_device(self.token, self.position, cache, all_logits)
-            finally:
-                graph = stream.end_capture()
-        per_step = {name: count - before[name] for name, count in _counts(model.moe.stats).items()}
-        _add_counts(model.moe.stats, {name: -count for name, count in per_step.items()})  # counted per launch
-        return graph, logits, pool, per_step
-
-
-def _counts(stats: MoEStats) -> dict[str, int]:
-    return {field.name: getattr(stats, field.name) for field in fields(stats)}
-
-
-def _add_counts(stats: MoEStats, counts: dict[str, int]) -> None:
-    for name, count in counts.items():
-        setattr(stats, name, getattr(stats, name) + count)

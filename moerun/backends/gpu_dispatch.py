@@ -1,11 +1,14 @@
-"""A GPU parent with expert daemons (staged through host memory).
+"""A GPU parent with expert daemons: each MoE layer's routed pairs split on the device.
 
-A per-layer mask of the experts resident on the parent, kept on the device, decides
-without moving the activations whether a layer's routed experts are all here: then
-the GPU experts run as in an all-local step. Otherwise the activations, ids and
-weights come to the host and the Dispatcher sends each daemon its work; the parent's
-own share runs on the GPU experts meanwhile, and the sum goes back to the device.
-Shape legend: T tokens, H hidden, K experts per token.
+A kernel maps the routed ids to the parent's own experts (-1: on a daemon) and counts the
+pairs; for every daemon a kernel packs its request (x in the payload dtype, the ids as
+that daemon's local ids, -1: not there) straight where its channel wants it
+(moerun.backends.gpu_remote), and a host action posts it. The parent's hot experts run
+meanwhile on its stream; the finish collects each reply and adds it in. Kernels run in the
+graph segments of a captured decode step, the posting and collecting between them.
+A daemon that fails is marked down and its pairs computed here on the CPU from the mmap
+(in a replayed step: the step runs again eagerly, which rewrites the same cache rows).
+Shape legend: T tokens, H hidden, K experts per token, E experts.
 """
 from __future__ import annotations
 
@@ -14,40 +17,170 @@ from typing import Any
 
 import numpy as np
 
+from moerun.backends.gpu_graphs import StepRetry
+from moerun.backends.gpu_kernels import BLOCK
 from moerun.backends.gpu_moe import GpuExperts
-from moerun.moe.dispatch import Dispatcher, PendingLayer
+from moerun.backends.gpu_remote import (
+    ArenaChannel,
+    GpuParent,
+    HostChannel,
+    RemoteCall,
+    pack_dtype,
+)
+from moerun.moe.dispatch import MoEStats
+from moerun.moe.experts import ExpertStore, moe_ffn
 from moerun.moe.placement import PARENT
+from moerun.moe.rig import DaemonLink, Rig
 
 
 class GpuDispatcher:
-    def __init__(self, backend, dispatcher: Dispatcher):
-        self.backend = backend
-        self.dispatcher = dispatcher
-        self.experts: GpuExperts = dispatcher.local
-        self.stats = dispatcher.stats
-        cupy = backend.cupy
-        self.resident = {layer: cupy.asarray((homes == PARENT).astype(np.int32))     # [E] per layer
-                         for layer, homes in dispatcher.rig.placement.homes.items()}
+    counts_on_host = False        # its stats survive graph replays by themselves
 
-    def begin(self, layer: int, x: Any, ids: Any, weights: Any):
+    def __init__(self, backend, experts: GpuExperts, rig: Rig, gpu_parent: GpuParent, store: ExpertStore):
+        self.backend, self.experts, self.rig, self.gpu_parent, self.store = backend, experts, rig, gpu_parent, store
+        cupy = backend.cupy
+        homes = rig.placement.homes
+        self.homes = homes
+        self.parent_local = {layer: cupy.asarray(_local_ids(row, PARENT)) for layer, row in homes.items()}   # [E]
+        self.daemon_local = {(link.index, layer): cupy.asarray(_local_ids(row, link.index))
+                             for link in rig.links for layer, row in homes.items()}
+        self.counters = cupy.zeros(3, cupy.uint64)    # routed pairs, remote pairs, layer calls with none remote
+        self.layer_calls = 0
+        self.fallback_pairs = 0
+        self._channels: dict[int, Any] = {}
+
+    @property
+    def stats(self) -> MoEStats:
+        routed, remote, hot_only = (int(n) for n in self.backend.to_host(self.counters))
+        return MoEStats(moe_layer_calls=self.layer_calls, hot_only_layer_calls=hot_only, routed_pairs=routed,
+                        remote_pairs=remote, fallback_pairs=self.fallback_pairs)
+
+    def graph_key(self) -> tuple | None:
+        """What a captured step depends on: every link up, in its current session."""
+        if not all(link.up for link in self.rig.links):
+            return None
+        return tuple((link.index, link.session) for link in self.rig.links)
+
+    def begin(self, layer: int, x: Any, ids: Any, weights: Any) -> "PendingRemote":
         """x [T, H], ids/weights [T, K] on the device."""
+        self.rig.check()
         backend, cupy = self.backend, self.backend.cupy
-        remote = cupy.zeros(1, cupy.int32)
-        backend.kernels.elementwise("any_remote", ids.size, (ids, np.int32(ids.size), self.resident[layer], remote))
-        if not int(backend.to_host(remote)[0]):
-            self.dispatcher.rig.check()
-            self.stats.moe_layer_calls += 1
-            self.stats.hot_only_layer_calls += 1
-            self.stats.routed_pairs += ids.size
-            return self.experts.begin(layer, x, ids, weights)
-        pending = self.dispatcher.begin(layer, backend.to_host(x), backend.to_host(ids), backend.to_host(weights))
-        return BackOnDevice(pending, cupy)
+        n_tokens, top_k = ids.shape
+        parent_ids = cupy.empty_like(ids)
+        backend.kernels["split_parent_ids"]((1,), (BLOCK,), (ids, np.int32(ids.size), self.parent_local[layer],
+                                                             parent_ids, self.counters))
+        replies = cupy.zeros((n_tokens, self.backend.spec.hidden), cupy.float32)     # [T, H], the daemons' sum
+        calls = []
+        for link in self.rig.links:
+            channel = self._channel(link)
+            if channel is None:
+                calls.append(RemoteCall(None, layer, 0, n_tokens, failed=True, link=link))
+                continue
+            for row0 in range(0, n_tokens, channel.capacity):
+                call = RemoteCall(channel, layer, row0, min(channel.capacity, n_tokens - row0), link=link,
+                                  counts_layer=not any(c.channel for c in calls))
+                call.slot, outstanding = channel.next_slot()
+                if outstanding is not None:       # its slot is needed again: take its reply first
+                    self._collect([outstanding], replies, x, ids, weights)
+                self._pack(call, x, ids, weights)
+                backend.cut(lambda call=call: self._post(call))
+                calls.append(call)
+        if not any(call.counts_layer for call in calls):      # every daemon down: an eager step
+            self.layer_calls += 1
+        has_hot = self.experts.layers.get(layer) is not None
+        hot = self.experts.begin(layer, x, parent_ids, weights).finish() if has_hot else None
+        return PendingRemote(self, layer, x, ids, weights, calls, hot, replies)
+
+    def _channel(self, link: DaemonLink):
+        """The link's channel for its current session; None while it is down."""
+        if not link.up:
+            return None
+        channel = self._channels.get(link.index)
+        if channel is None or channel.session != link.session:
+            attached = self.gpu_parent.attached.get(link.index)
+            if link.transport == "stream" or attached is None:
+                channel = HostChannel(self.backend, self.rig, link)
+            else:
+                channel = ArenaChannel(self.backend, self.rig, link, attached)
+            self._channels[link.index] = channel
+        return channel
+
+    def _pack(self, call: RemoteCall, x: Any, ids: Any, weights: Any) -> None:
+        backend, spec = self.backend, self.backend.spec
+        x_to, ids_to, weights_to = call.channel.destinations(call)
+        backend.kernels.elementwise("pack_remote", call.tokens * spec.hidden, (
+            x, ids, weights, np.int32(call.row0), np.int32(call.tokens), np.int32(spec.hidden),
+            np.int32(spec.n_experts_used), self.daemon_local[(call.link.index, call.layer)],
+            np.int32(pack_dtype(call.channel)), np.uint64(x_to), np.uint64(ids_to), np.uint64(weights_to)))
+
+    def _post(self, call: RemoteCall) -> None:
+        if call.counts_layer:
+            self.layer_calls += 1
+        if not call.channel.post(call):
+            self._failed()
+
+    def _collect(self, calls: list[RemoteCall], replies: Any, x: Any, ids: Any, weights: Any) -> None:
+        """Each call's reply added into replies [T, H] (computed here for a failed one)."""
+        live = [call for call in calls if not call.failed]
+        self.backend.cut(lambda: self._receive(live))
+        spec = self.backend.spec
+        for call in calls:
+            call.done = True
+            if call.failed:
+                self._fall_back(call, replies, x, ids, weights)
+                continue
+            n = call.tokens * spec.hidden
+            self.backend.kernels.elementwise("add_reply_rows", n, (
+                replies, np.uint64(call.channel.reply_address(call)), np.int32(call.row0), np.int32(spec.hidden),
+                np.int64(n)))
+
+    def _receive(self, calls: list[RemoteCall]) -> None:
+        for call in calls:
+            if not call.channel.collect(call):
+                self._failed()
+
+    def _failed(self) -> None:
+        """A daemon failed (now marked down); inside a recorded step the step starts over."""
+        self.rig.check()
+        if self.backend.recorder is not None:
+            raise StepRetry()
+
+    def _fall_back(self, call: RemoteCall, replies: Any, x: Any, ids: Any, weights: Any) -> None:
+        """The call's pairs computed here on the CPU from the mapped file."""
+        cupy = self.backend.cupy
+        rows = slice(call.row0, call.row0 + call.tokens)
+        host_ids = self.backend.to_host(ids[rows])
+        mask = self.homes[call.layer][host_ids] == call.link.index                     # [T, K]
+        self.fallback_pairs += int(mask.sum())
+        call.link.fallback_calls += 1
+        out = moe_ffn(self.backend.to_host(x[rows]), host_ids, self.backend.to_host(weights[rows]), self.store,
+                      call.layer, mask)
+        replies[rows] += cupy.asarray(out)
 
 
 @dataclass
-class BackOnDevice:
-    pending: PendingLayer
-    cupy: Any
+class PendingRemote:
+    dispatcher: GpuDispatcher
+    layer: int
+    x: Any
+    ids: Any
+    weights: Any
+    calls: list[RemoteCall]
+    hot: Any | None             # [T, H] the parent's experts, or None when it holds none of this layer
+    replies: Any                # [T, H]
 
     def finish(self) -> Any:
-        return self.cupy.asarray(self.pending.finish())
+        """The routed-expert output [T, H]: the parent's experts plus every daemon's reply."""
+        pending = [call for call in self.calls if not call.done]
+        self.dispatcher._collect(pending, self.replies, self.x, self.ids, self.weights)
+        if self.hot is None:
+            return self.replies
+        return self.dispatcher.backend.add(self.hot, self.replies)
+
+
+def _local_ids(homes: np.ndarray, home: int) -> np.ndarray:
+    """[E] global expert id -> its index among the experts at `home`, -1 elsewhere."""
+    local = np.full(len(homes), -1, np.int32)
+    members = np.flatnonzero(homes == home)
+    local[members] = np.arange(len(members), dtype=np.int32)
+    return local

@@ -41,8 +41,11 @@ class LayerExperts:
 
 
 class GpuExperts:
-    """Routed experts on the device, by layer: the parent's hold every expert, a GPU
-    daemon's only those assigned to it (then ids are the daemon's local ids)."""
+    """Routed experts on the device, by layer: an all-local parent's hold every expert;
+    a parent with daemons holds its hot ones, a GPU daemon those assigned to it, and ids
+    are then local ids (-1: not here)."""
+
+    counts_on_host = True         # a replayed graph step adds its counts again
 
     def __init__(self, backend, spec: ModelSpec, layers: dict[int, LayerExperts]):
         self.backend = backend
@@ -50,6 +53,9 @@ class GpuExperts:
         self.stats = MoEStats()
         self.layers = layers
         self._scratch: TileScratch | None = None
+
+    def graph_key(self) -> tuple:
+        return ()
 
     def begin(self, layer: int, x: Any, ids: Any, weights: Any) -> "PendingExperts":
         """x [T, H], ids/weights [T, K] on the device; the work is queued on the stream now."""

@@ -22,6 +22,7 @@ from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 from moerun.moe.dispatch import Dispatcher, LocalMoE
 from moerun.moe.experts import ExpertStore
+from moerun.moe.rig import Rig
 from moerun.moe.router import route
 
 
@@ -39,12 +40,17 @@ class NumpyBackend:
     def finish_loading(self) -> None:
         pass
 
-    def local_moe(self, gguf: GGUFFile, expert_cache_bytes: int) -> LocalMoE:
+    def local_moe(self, gguf: GGUFFile, expert_cache_bytes: int,
+                  resident: dict[int, list[int]] | None = None) -> LocalMoE:
+        """Experts read from the mmap on first use (which ones are resident does not matter)."""
         return LocalMoE(ExpertStore(gguf, self.spec, expert_cache_bytes))
 
-    def dispatcher(self, dispatcher: Dispatcher) -> Dispatcher:
-        """The MoE step with daemons: the dispatcher works on this backend's arrays as they are."""
-        return dispatcher
+    def gpu_parent(self) -> None:
+        return None
+
+    def dispatcher(self, local: LocalMoE, rig: Rig, gguf: GGUFFile, expert_cache_bytes: int) -> Dispatcher:
+        """The MoE step with daemons, on this backend's arrays as they are."""
+        return Dispatcher(local, rig)
 
     def matrix(self, gguf: GGUFFile, name: str) -> np.ndarray:
         """[N, K] float32; a 1-D tensor becomes one row."""

@@ -19,7 +19,7 @@ from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.gguf.tokenizer import Tokenizer, TokenizerError
 from moerun.models import load_spec
-from moerun.moe.dispatch import Dispatcher
+from moerun.moe.placement import PARENT
 from moerun.moe.rig import Rig
 
 DEFAULT_CONTEXT = 4096
@@ -67,10 +67,14 @@ class Runtime:
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
             self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
             self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs)
-            self.model = MoEModel(self.gguf, self.spec, self.backend, expert_cache_bytes)
-            if rig.daemons:
-                self.rig = Rig(rig, self.gguf, self.spec, kv_tokens=self.kv_pool or self.ctx)
-                self.model.moe = self.backend.dispatcher(Dispatcher(self.model.moe, self.rig))
+            resident = None
+            if rig.daemons:    # the daemons load their experts while the parent loads the rest
+                self.rig = Rig(rig, self.gguf, self.spec, kv_tokens=self.kv_pool or self.ctx,
+                               gpu_parent=self.backend.gpu_parent())
+                resident = self.rig.placement.experts_of(PARENT)
+            self.model = MoEModel(self.gguf, self.spec, self.backend, expert_cache_bytes, resident)
+            if self.rig is not None:
+                self.model.moe = self.backend.dispatcher(self.model.moe, self.rig, self.gguf, expert_cache_bytes)
         except BaseException:
             self.close()
             raise

@@ -17,7 +17,9 @@ from moerun.moe.hotness import RoutingCounter
 
 
 class MoEModel:
-    def __init__(self, gguf: GGUFFile, spec: ModelSpec, backend, expert_cache_bytes: int):
+    def __init__(self, gguf: GGUFFile, spec: ModelSpec, backend, expert_cache_bytes: int,
+                 resident: dict[int, list[int]] | None = None):
+        """resident: the routed experts per layer the parent holds when daemons hold the rest."""
         self.gguf = gguf
         self.spec = spec
         self.backend = backend
@@ -25,7 +27,7 @@ class MoEModel:
         backend.begin_loading(gguf)
         try:
             self.layers: list[LayerWeights] = [load_layer(gguf, spec, i, backend) for i in range(spec.n_layers)]
-            self.moe = backend.local_moe(gguf, expert_cache_bytes)  # the Runtime swaps in a Dispatcher for daemons
+            self.moe = backend.local_moe(gguf, expert_cache_bytes, resident)  # the Runtime wraps it for daemons
             self.token_embd = backend.embedding(gguf, "token_embd.weight")             # [V, H]
             self.output_norm = backend.vector(gguf.dequantize("output_norm.weight"))   # [H]
             head = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"

@@ -52,6 +52,7 @@ HEARTBEAT_S = 1.0            # a daemon not heard from for this long gets a PING
 BACKOFF_FIRST_S = 0.5        # wait before the first try to bring a daemon back,
 BACKOFF_MAX_S = 30.0         # twice as long after each failed try, up to this
 DAEMON_FAILURES = (DaemonTimeout, DaemonDied, DaemonError, OSError)
+ARENA_SLOTS = 4              # requests in flight per daemon through its arena
 
 
 class RigError(RuntimeError):
@@ -93,8 +94,11 @@ class DaemonLink:
 
 
 class Rig:
-    def __init__(self, config: RigConfig, gguf: GGUFFile, spec: ModelSpec, kv_tokens: int):
+    def __init__(self, config: RigConfig, gguf: GGUFFile, spec: ModelSpec, kv_tokens: int, gpu_parent=None):
+        """gpu_parent: a GPU parent's hook that attaches arenas for its transports
+        (moerun.backends.gpu_remote.GpuParent); None on the CPU."""
         self.config = config
+        self.gpu_parent = gpu_parent
         self.spec = spec
         self.kv_tokens = kv_tokens
         self.model_path = gguf.path
@@ -190,15 +194,31 @@ class Rig:
             link.client.hello(self.fingerprint, self._alive(link))
         except Exception as err:
             raise RigError(_startup_failure(link, err)) from None
-        transport = self.config.transport
-        if transport == "auto":
-            transport = "shared" if link.client.same_host() else "stream"
-        if transport == "shared":
-            if not link.client.same_host():
-                raise RigError(f"daemon {link.name} runs on another host: --transport shared needs it on this one")
-            link.client.attach_shared(batch_capacity=self.config.tokens_per_call, hidden=self.spec.hidden,
-                                      max_pairs_per_token=self.spec.n_experts_used, alive=self._alive(link))
+        transport = self._transport(link)
+        if transport != "stream":
+            layout = dict(batch_capacity=self.config.tokens_per_call, hidden=self.spec.hidden,
+                          max_pairs_per_token=self.spec.n_experts_used, slots=ARENA_SLOTS, alive=self._alive(link))
+            if self.gpu_parent is not None:
+                transport = self.gpu_parent.attach(link, transport, self.config.transport == "auto", **layout)
+            else:
+                link.client.attach_shared(**layout)
         link.transport = transport
+
+    def _transport(self, link: DaemonLink) -> str:
+        """--transport for this daemon: auto is device-direct between GPUs of one vendor on
+        this host, else shared on this host, else stream."""
+        asked, same_host = self.config.transport, link.client.same_host()
+        daemon_platform = str(link.client.info.get("device", "cpu")).partition(":")[0]
+        gpus_alike = self.gpu_parent is not None and daemon_platform == self.gpu_parent.platform
+        if asked == "auto":
+            return ("device" if gpus_alike else "shared") if same_host else "stream"
+        if asked != "stream" and not same_host:
+            raise RigError(f"daemon {link.name} runs on another host: --transport {asked} needs it on this one")
+        if asked == "device" and not gpus_alike:
+            parent = self.gpu_parent.platform if self.gpu_parent is not None else "cpu"
+            raise RigError(f"daemon {link.name} computes on {daemon_platform}, the parent on {parent}: "
+                           f"--transport device needs both on GPUs of one vendor (use shared)")
+        return asked
 
     def _assign_all(self) -> None:
         """Every daemon loads its experts at once; progress goes to stderr."""

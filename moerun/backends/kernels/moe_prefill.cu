@@ -68,11 +68,3 @@ extern "C" __global__ void tile_pointers(const int* __restrict__ tile_expert, co
     w_ptrs[t] = w + expert * w_expert_bytes;
     c_ptrs[t] = c + tile_row[t] * c_row_bytes;
 }
-
-// flag[0] = 1 when a routed expert is not resident here (resident[e] == 0); flag zeroed
-// first. The hot-only test of a parent with daemons, decided without moving activations.
-extern "C" __global__ void any_remote(const int* __restrict__ ids, int n_pairs, const int* __restrict__ resident,
-                                      int* __restrict__ flag) {
-    int p = blockIdx.x * blockDim.x + threadIdx.x;
-    if (p < n_pairs && !resident[ids[p]]) flag[0] = 1;
-}

@@ -3,3 +3,4 @@
 #include "dequant.cu"
 #include "layers.cu"
 #include "moe_prefill.cu"
+#include "remote.cu"

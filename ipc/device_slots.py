@@ -1,0 +1,50 @@
+"""The device-direct transport's buffers: one device allocation of a GPU daemon, exported
+to the parent through CUDA IPC at ATTACH, holding per arena slot the request the parent
+writes (x in the payload dtype, ids and weights padded to K per token) and the f32 reply
+the daemon writes. Both sides derive the offsets from the arena layout.
+
+Shape legend: C batch capacity (tokens), H hidden size, K experts per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moerun.ipc.shm import ArenaLayout
+
+ALIGN = 256
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class SlotBuffers:
+    x: int              # offsets in the allocation: x [C, H] (sized for f32)
+    ids: int            # [C, K] int32, -1: no expert
+    weights: int        # [C, K] f32
+    reply: int          # [C, H] f32
+
+
+@dataclass(frozen=True)
+class DeviceSlots:
+    layout: ArenaLayout
+
+    @property
+    def slot_bytes(self) -> int:
+        layout = self.layout
+        rows = _align(layout.batch_capacity * layout.hidden * 4)
+        pairs = _align(layout.max_pairs * 4)
+        return 2 * rows + 2 * pairs
+
+    @property
+    def size(self) -> int:
+        return self.layout.slots * self.slot_bytes
+
+    def buffers(self, index: int) -> SlotBuffers:
+        layout = self.layout
+        base = index * self.slot_bytes
+        rows = _align(layout.batch_capacity * layout.hidden * 4)
+        pairs = _align(layout.max_pairs * 4)
+        return SlotBuffers(x=base, ids=base + rows, weights=base + rows + pairs,
+                           reply=base + rows + 2 * pairs)

@@ -21,3 +21,11 @@ def small_spec(hidden: int = 256, experts: int = 8, top_k: int = 2, expert_ff: i
                      n_kv_heads=2, head_dim_k=64, head_dim_v=64, context_train=1024, rope_base=10000.0,
                      rope_scale=1.0, rms_eps=1e-6, n_experts=experts, n_experts_used=top_k, expert_ff=expert_ff,
                      shared_ff=0, dense_ff=0, moe_layers=(True,), fused_gate_up=False)
+
+
+def gpu_count() -> int:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0

@@ -68,18 +68,6 @@ class GpuExperts:
             return PendingExperts(self._few_tokens(experts, x, ids, weights))
         return PendingExperts(self._grouped(experts, x, ids, weights))
 
-    def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                mask: np.ndarray | None) -> np.ndarray:
-        """The routed pairs `mask` [T, K] selects (all by default), from host arrays and back:
-        the parent's share when daemons hold the rest. x [T, H] -> [T, H]"""
-        cupy = self.backend.cupy
-        ids = ids.astype(np.int32)
-        if mask is not None:
-            ids[~mask] = -1
-        pending = self.begin(layer, cupy.asarray(np.ascontiguousarray(x, np.float32)), cupy.asarray(ids),
-                             cupy.asarray(weights.astype(np.float32)))
-        return self.backend.to_host(pending.finish())
-
     def _few_tokens(self, experts: LayerExperts, x: Any, ids: Any, weights: Any) -> Any:
         backend, spec = self.backend, self.spec
         cupy, kernels = backend.cupy, backend.kernels

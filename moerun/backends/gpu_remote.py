@@ -86,6 +86,9 @@ class Attached:
     imported: ImportedBuffers | None     # the daemon's buffers and events ("device")
 
     def release(self) -> None:
+        """Called when the daemon rejoins or the rig closes: no work that reaches its buffers
+        may still be queued on this device."""
+        self.cupy.cuda.runtime.deviceSynchronize()
         for event in self.incoming:
             self.cupy.cuda.runtime.eventDestroy(event)
         if self.imported is not None:

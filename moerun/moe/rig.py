@@ -352,6 +352,8 @@ class Rig:
             link.wake.set()
         for watcher in self._watchers:
             watcher.join()
+        if self.gpu_parent is not None:
+            self.gpu_parent.release()
         for link in self.links:
             try:
                 if not link.local and link.client.info and link.up:     # handshaken and answering

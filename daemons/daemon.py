@@ -68,7 +68,8 @@ class ExpertDaemon:
     def assign(self, experts: dict[int, list[int]], progress: Callable[[int, int], None]) -> None:
         """Load exactly these experts (global ids per layer) from this daemon's own mmap."""
         self._check_assignment(experts)
-        self.release()
+        self.assigned.clear()             # the attached arena stays: a new ASSIGN replaces only experts
+        self.weights.clear()
         if self.gpu is not None:
             self.gpu.load(experts, progress)
             self.assigned = {layer: np.asarray(ids, np.int64) for layer, ids in experts.items()}

@@ -12,7 +12,7 @@ Shape legend: T tokens, H hidden, K experts per token, E experts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -62,34 +62,34 @@ class GpuDispatcher:
         return tuple((link.index, link.session) for link in self.rig.links)
 
     def begin(self, layer: int, x: Any, ids: Any, weights: Any) -> "PendingRemote":
-        """x [T, H], ids/weights [T, K] on the device."""
+        """x [T, H], ids/weights [T, K] on the device: every daemon's request first, then
+        the parent's own experts."""
         self.rig.check()
         backend, cupy = self.backend, self.backend.cupy
-        n_tokens, top_k = ids.shape
-        parent_ids = cupy.empty_like(ids)
-        backend.kernels["split_parent_ids"]((1,), (BLOCK,), (ids, np.int32(ids.size), self.parent_local[layer],
-                                                             parent_ids, self.counters))
-        replies = cupy.zeros((n_tokens, self.backend.spec.hidden), cupy.float32)     # [T, H], the daemons' sum
-        calls = []
+        n_tokens = ids.shape[0]
+        pending = PendingRemote(self, layer, x, ids, weights)
         for link in self.rig.links:
             channel = self._channel(link)
             if channel is None:
-                calls.append(RemoteCall(None, layer, 0, n_tokens, failed=True, link=link))
+                pending.calls.append(RemoteCall(None, layer, 0, n_tokens, failed=True, link=link))
                 continue
             for row0 in range(0, n_tokens, channel.capacity):
                 call = RemoteCall(channel, layer, row0, min(channel.capacity, n_tokens - row0), link=link,
-                                  counts_layer=not any(c.channel for c in calls))
+                                  counts_layer=not any(c.channel for c in pending.calls))
                 call.slot, outstanding = channel.next_slot()
                 if outstanding is not None:       # its slot is needed again: take its reply first
-                    self._collect([outstanding], replies, x, ids, weights)
+                    self._collect([outstanding], pending.spill(), x, ids, weights)
                 self._pack(call, x, ids, weights)
                 backend.cut(lambda call=call: self._post(call))
-                calls.append(call)
-        if not any(call.counts_layer for call in calls):      # every daemon down: an eager step
+                pending.calls.append(call)
+        if not any(call.counts_layer for call in pending.calls):      # every daemon down: an eager step
             self.layer_calls += 1
-        has_hot = self.experts.layers.get(layer) is not None
-        hot = self.experts.begin(layer, x, parent_ids, weights).finish() if has_hot else None
-        return PendingRemote(self, layer, x, ids, weights, calls, hot, replies)
+        parent_ids = cupy.empty_like(ids)
+        backend.kernels["split_parent_ids"]((1,), (BLOCK,), (ids, np.int32(ids.size), self.parent_local[layer],
+                                                             parent_ids, self.counters))
+        if self.experts.layers.get(layer) is not None:
+            pending.hot = self.experts.begin(layer, x, parent_ids, weights).finish()
+        return pending
 
     def _channel(self, link: DaemonLink):
         """The link's channel for its current session; None while it is down."""
@@ -165,17 +165,24 @@ class PendingRemote:
     x: Any
     ids: Any
     weights: Any
-    calls: list[RemoteCall]
-    hot: Any | None             # [T, H] the parent's experts, or None when it holds none of this layer
-    replies: Any                # [T, H]
+    calls: list[RemoteCall] = field(default_factory=list)
+    hot: Any | None = None         # [T, H] the parent's experts; None when it holds none of this layer
+    replies: Any | None = None     # [T, H] replies taken early (their slot was needed again)
+
+    def spill(self) -> Any:
+        if self.replies is None:
+            cupy = self.dispatcher.backend.cupy
+            self.replies = cupy.zeros((self.ids.shape[0], self.dispatcher.backend.spec.hidden), cupy.float32)
+        return self.replies
 
     def finish(self) -> Any:
-        """The routed-expert output [T, H]: the parent's experts plus every daemon's reply."""
-        pending = [call for call in self.calls if not call.done]
-        self.dispatcher._collect(pending, self.replies, self.x, self.ids, self.weights)
-        if self.hot is None:
-            return self.replies
-        return self.dispatcher.backend.add(self.hot, self.replies)
+        """The routed-expert output [T, H]: the parent's experts plus every daemon's reply,
+        added into the parent's output in place."""
+        out = self.hot if self.hot is not None else self.spill()
+        self.dispatcher._collect([call for call in self.calls if not call.done], out, self.x, self.ids, self.weights)
+        if self.hot is not None and self.replies is not None:
+            out = self.dispatcher.backend.add(out, self.replies)
+        return out
 
 
 def _local_ids(homes: np.ndarray, home: int) -> np.ndarray:

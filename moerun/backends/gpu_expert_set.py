@@ -25,6 +25,7 @@ from moerun.ipc.slot_headers import DTYPE_CODES
 from moerun.models.spec import ModelSpec
 
 ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+TIMED_COMPUTES = 1024          # (start, end) event pairs, harvested when all are used
 
 
 class GpuExpertSet:
@@ -37,8 +38,12 @@ class GpuExpertSet:
         self.transport = ""
         self.slots: DeviceSlots | None = None
         self.exported: ExportedBuffers | None = None
-        self._timings: list[tuple[object, object]] = []     # (start, end) events of queued computes
+        cupy = self.backend.cupy
+        self._timings = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(TIMED_COMPUTES)]
+        self._timed_count = 0                                # pairs recorded since the last harvest
         self._seconds = 0.0
+        self._views: list[tuple] = []                        # per slot: x, ids, weights, reply at full capacity
+        self._staging = None                                 # "shared": the device copy of the slots
 
     def load(self, assignment: dict[int, list[int]], progress: Callable[[int, int], None]) -> None:
         """Replace the resident experts with `assignment` (global ids per layer)."""
@@ -79,11 +84,20 @@ class GpuExpertSet:
         self.slots = DeviceSlots(arena.layout)
         if transport == "device":
             self.exported = ExportedBuffers(cupy, self.slots.size, incoming)
-            fields = {"device_buffers": self.exported.handles()}
+            base, fields = self.exported.address, {"device_buffers": self.exported.handles()}
         else:
             register_arena(cupy, arena, cupy.cuda.Device().id, mapped=False)
             self._staging = cupy.cuda.Memory(self.slots.size)
-            fields = {}
+            base, fields = self._staging.ptr, {}
+        layout = arena.layout
+        rows, pairs = (layout.batch_capacity, layout.hidden), (layout.batch_capacity, layout.max_pairs_per_token)
+        self._views = []
+        for index in range(layout.slots):
+            buffers = self.slots.buffers(index)
+            self._views.append((_device_view(cupy, base + buffers.x, rows, cupy.float32),
+                                _device_view(cupy, base + buffers.ids, pairs, cupy.int32),
+                                _device_view(cupy, base + buffers.weights, pairs, cupy.float32),
+                                _device_view(cupy, base + buffers.reply, rows, cupy.float32)))
         self.arena, self.transport = arena, transport
         return fields
 
@@ -95,49 +109,47 @@ class GpuExpertSet:
         stream = backend.stream
         layout = self.arena.layout
         top_k, hidden = layout.max_pairs_per_token, layout.hidden
-        buffers = self.slots.buffers(index)
+        x, ids, weights, reply = self._views[index]                # full capacity: [C, H], [C, K], [C, K], [C, H]
         with stream:
             if self.transport == "device":
-                base = self.exported.address
                 wait(cupy, stream, self.exported.incoming[index])
             else:      # the arena's frames onto the device first
-                base = self._staging.ptr
                 x_at, ids_at, weights_at = self.arena.slots[index].frame_addresses()
-                copy(cupy, base + buffers.x, x_at, tokens * hidden * ITEMSIZE[dtype], stream)
-                copy(cupy, base + buffers.ids, ids_at, tokens * top_k * 4, stream)
-                copy(cupy, base + buffers.weights, weights_at, tokens * top_k * 4, stream)
-            x = cupy.empty((tokens, hidden), cupy.float32)
-            backend.kernels.elementwise("unpack_payload", x.size, (
-                np.uint64(base + buffers.x), np.int32(DTYPE_CODES[dtype]), np.int64(x.size), x))
-            ids = _device_view(cupy, base + buffers.ids, (tokens, top_k), cupy.int32)
-            weights = _device_view(cupy, base + buffers.weights, (tokens, top_k), cupy.float32)
-            out = self._timed(layer, x, ids, weights)
+                copy(cupy, x.data.ptr, x_at, tokens * hidden * ITEMSIZE[dtype], stream)
+                copy(cupy, ids.data.ptr, ids_at, tokens * top_k * 4, stream)
+                copy(cupy, weights.data.ptr, weights_at, tokens * top_k * 4, stream)
+            if dtype == "f32":
+                x = x[:tokens]
+            else:
+                payload, x = x, cupy.empty((tokens, hidden), cupy.float32)
+                backend.kernels.elementwise("unpack_payload", x.size, (
+                    payload, np.int32(DTYPE_CODES[dtype]), np.int64(x.size), x))
+            reply = reply[:tokens]
+            self._timed(layer, x, ids[:tokens], weights[:tokens], reply)
             if self.transport == "device":
-                copy(cupy, base + buffers.reply, out.data.ptr, out.nbytes, stream)
                 record(cupy, self.exported.outgoing[index], stream)
             else:
-                copy(cupy, self.arena.slots[index].frame_addresses()[0], out.data.ptr, out.nbytes, stream)
+                copy(cupy, self.arena.slots[index].frame_addresses()[0], reply.data.ptr, reply.nbytes, stream)
                 stream.synchronize()
 
-    def _timed(self, layer: int, x, ids, weights):
-        """The experts' output, its device time measured by a pair of events."""
-        cupy = self.backend.cupy
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        out = self.experts.begin(layer, x, ids, weights).finish()
-        end.record()
-        self._timings.append((start, end))
-        if len(self._timings) > 256:
+    def _timed(self, layer: int, x, ids, weights, out=None):
+        """The experts' output (into `out` when given), its device time measured by a pair of events."""
+        if self._timed_count == len(self._timings):
             self.device_seconds()
+        start, end = self._timings[self._timed_count]
+        self._timed_count += 1
+        start.record()
+        out = self.experts.begin(layer, x, ids, weights, out).finish()
+        end.record()
         return out
 
     def device_seconds(self) -> float:
         """Device time of every compute so far (waits for the queued ones)."""
         cupy = self.backend.cupy
-        for start, end in self._timings:
+        for start, end in self._timings[:self._timed_count]:
             end.synchronize()
             self._seconds += cupy.cuda.get_elapsed_time(start, end) / 1e3
-        self._timings.clear()
+        self._timed_count = 0
         return self._seconds
 
     def detach(self) -> None:
@@ -145,7 +157,7 @@ class GpuExpertSet:
         if self.exported is not None:
             self.exported.release()
         self.arena, self.exported, self.slots, self.transport = None, None, None, ""
-        self._staging = None
+        self._staging, self._views = None, []
 
     def release(self) -> None:
         self.detach()

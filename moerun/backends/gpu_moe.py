@@ -57,18 +57,19 @@ class GpuExperts:
     def graph_key(self) -> tuple:
         return ()
 
-    def begin(self, layer: int, x: Any, ids: Any, weights: Any) -> "PendingExperts":
-        """x [T, H], ids/weights [T, K] on the device; the work is queued on the stream now."""
+    def begin(self, layer: int, x: Any, ids: Any, weights: Any, out: Any | None = None) -> "PendingExperts":
+        """x [T, H], ids/weights [T, K] on the device; the work is queued on the stream now.
+        The result [T, H] goes into `out` when given (a daemon's reply buffer)."""
         n_tokens, top_k = ids.shape
         self.stats.moe_layer_calls += 1
         self.stats.hot_only_layer_calls += 1
         self.stats.routed_pairs += n_tokens * top_k
         experts = self.layers[layer]
         if n_tokens <= MAX_GEMV_TOKENS:
-            return PendingExperts(self._few_tokens(experts, x, ids, weights))
-        return PendingExperts(self._grouped(experts, x, ids, weights))
+            return PendingExperts(self._few_tokens(experts, x, ids, weights, out))
+        return PendingExperts(self._grouped(experts, x, ids, weights, out))
 
-    def _few_tokens(self, experts: LayerExperts, x: Any, ids: Any, weights: Any) -> Any:
+    def _few_tokens(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None) -> Any:
         backend, spec = self.backend, self.spec
         cupy, kernels = backend.cupy, backend.kernels
         n_tokens, top_k = ids.shape
@@ -79,13 +80,13 @@ class GpuExperts:
                      (stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes),
                       x, np.int32(hidden), ids, np.int32(top_k), act, np.int32(ffn)))
         down = experts.down
-        out = cupy.empty((n_tokens, hidden), cupy.float32)                            # [T, H]
+        out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out    # [T, H]
         kernels.rows(f"moe_down_{down.kind}", hidden, ffn // UNIT, n_tokens,
                      (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), act, np.int32(ffn),
                       ids, weights, np.int32(top_k), out, np.int32(hidden)))
         return out
 
-    def _grouped(self, experts: LayerExperts, x: Any, ids: Any, weights: Any) -> Any:
+    def _grouped(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None) -> Any:
         """Pairs laid out expert by expert in tiles on the device (no host round trip), the
         experts that have tokens dequantized to f16, one batched product per matrix over
         the tiles, then the weighted sum back per token."""
@@ -109,7 +110,7 @@ class GpuExperts:
         kernels.elementwise("silu_mul_f16", act.size, (gate, up, act, np.int64(act.size)))
         down = cupy.empty((layout.max_rows, hidden), cupy.float32)                    # [R, H]
         layout.multiply(act, backend.dequantize_f16(experts.down, layout.counts), 0, down)
-        out = cupy.empty((n_tokens, hidden), cupy.float32)
+        out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out
         kernels.elementwise("combine_rows", out.size, (down, layout.pair_rows, weights, np.int32(top_k),
                                                        np.int32(hidden), np.int64(n_tokens), out))
         return out

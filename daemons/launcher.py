@@ -100,12 +100,20 @@ def spawn_daemon(spec: str, model_path: str | Path, listen: str, log_path: Path,
     return LocalDaemon(spec, listen, process, log_path, log_start)
 
 
-def pinned_device(spec: str) -> tuple[str, dict[str, str]]:
+def pinned_device(spec: str, environment: dict[str, str] | None = None) -> tuple[str, dict[str, str]]:
     """The device as a process pinned to `spec` sees it, and the environment variables that
-    hide every other GPU from it."""
+    hide every other GPU from it. cuda:N means the Nth GPU this process sees: when
+    `environment` (this process's by default) already narrows the visible GPUs, the child
+    gets the Nth of those."""
+    environment = os.environ if environment is None else environment
     kind, _, number = spec.partition(":")
-    variables = {"cuda": {"CUDA_VISIBLE_DEVICES": number},
-                 "hip": {"HIP_VISIBLE_DEVICES": number, "ROCR_VISIBLE_DEVICES": number}}.get(kind, {})
+    names = {"cuda": ("CUDA_VISIBLE_DEVICES",), "hip": ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")}.get(kind, ())
+    variables = {}
+    for name in names:
+        visible = [entry.strip() for entry in environment.get(name, "").split(",") if entry.strip()]
+        if name in environment and int(number) >= len(visible):
+            raise ValueError(f"{spec}: {name}={environment[name]!r} leaves only {len(visible)} GPU(s) visible")
+        variables[name] = visible[int(number)] if name in environment else number
     return (f"{kind}:0" if number else kind), variables
 
 

@@ -34,6 +34,7 @@ from moerun.procs import pid_alive
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "moerun-"
 NAME_PATTERN = re.compile(r"moerun-([0-9]+)-[0-9a-f]{16}")
+CUDA_EVENT_FILE = re.compile(r"cuda\.shm\.[0-9]+\.([0-9a-f]+)\.[0-9]+")
 MAGIC = 0x41454F4D  # b"MOEA"
 LAYOUT_VERSION = 2
 MAX_SLOTS = 64
@@ -282,18 +283,35 @@ class Arena:
 
 
 def sweep_stale_segments() -> list[str]:
-    """Remove /dev/shm/moerun-<pid>-* left by parents that no longer run; returns the names."""
+    """Remove /dev/shm/moerun-<pid>-* left by parents that no longer run, and the files the
+    CUDA driver backs a process's IPC events with (cuda.shm.<n>.<pid in hex>.<n>, which it
+    leaves behind when that process ends) of this user's processes that no longer run;
+    returns the names."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
     for name in names:
-        match = NAME_PATTERN.fullmatch(name)
-        if match and not pid_alive(int(match.group(1))):
+        if _stale(name):
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed.append(name)
             except OSError:
                 pass
     return removed
+
+
+def _stale(name: str) -> bool:
+    match = NAME_PATTERN.fullmatch(name)
+    if match:
+        return not pid_alive(int(match.group(1)))
+    match = CUDA_EVENT_FILE.fullmatch(name)
+    return bool(match) and _owned(name) and not pid_alive(int(match.group(1), 16))
+
+
+def _owned(name: str) -> bool:
+    try:
+        return os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid()
+    except OSError:
+        return False

@@ -98,7 +98,7 @@ WantedBy=multi-user.target
 
 
 def _daemon_environment(config_path: Path, model: str, entry: DaemonEntry) -> str:
-    device, pinning = pinned_device(entry.device)
+    device, pinning = pinned_device(entry.device, environment={})   # units never inherit this shell's pinning
     variables = {"MOERUN_MODEL": model, "MOERUN_DEVICE": device, "MOERUN_LISTEN": entry.listen or entry.endpoint,
                  **pinning}
     if entry.curve_flags:     # split at whitespace where the unit uses it, so no path may hold any

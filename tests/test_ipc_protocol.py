@@ -212,6 +212,24 @@ def test_sweep_removes_segments_of_dead_parents_only():
                 os.unlink(path)
 
 
+def test_sweep_removes_the_cuda_event_files_of_dead_processes_only():
+    """The CUDA driver backs a process's IPC events with /dev/shm/cuda.shm.<n>.<pid hex>.<n>
+    and leaves the file when the process ends."""
+    stale = os.path.join(SHM_DIR, f"cuda.shm.0.{2**22 + 777:x}.1")
+    live = os.path.join(SHM_DIR, f"cuda.shm.0.{os.getpid():x}.1")
+    for path in (stale, live):
+        with open(path, "wb"):
+            pass
+    try:
+        removed = sweep_stale_segments()
+        assert os.path.basename(stale) in removed
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def test_doorbell_wakes_a_sleeping_waiter_and_times_out():
     arena = Arena.create(ArenaLayout(slots=1, batch_capacity=1, hidden=8, max_pairs_per_token=1))
     arena.unlink()

@@ -3,6 +3,7 @@ holds a source tree (or anything else) named moerun."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from moerun.config import RigConfig
 from moerun.engine.generator import Runtime
@@ -28,3 +29,18 @@ def test_daemon_ignores_a_moerun_in_the_working_directory(tmp_path, monkeypatch)
         got = remote.logits(ids)
         assert remote.model.moe.stats.remote_pairs > 0
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_spawned_daemon_sees_only_its_own_gpu():
+    from moerun.daemons.launcher import pinned_device
+    assert pinned_device("cuda:1", {}) == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "1"})
+    assert pinned_device("hip:2", {}) == ("hip:0", {"HIP_VISIBLE_DEVICES": "2", "ROCR_VISIBLE_DEVICES": "2"})
+    assert pinned_device("cpu", {"CUDA_VISIBLE_DEVICES": "3"}) == ("cpu", {})
+
+
+def test_cuda_n_counts_among_the_gpus_the_parent_sees():
+    """A parent started with CUDA_VISIBLE_DEVICES=2,3 calls the second of those cuda:1."""
+    from moerun.daemons.launcher import pinned_device
+    assert pinned_device("cuda:1", {"CUDA_VISIBLE_DEVICES": "2,3"}) == ("cuda:0", {"CUDA_VISIBLE_DEVICES": "3"})
+    with pytest.raises(ValueError, match="leaves only 1 GPU"):
+        pinned_device("cuda:1", {"CUDA_VISIBLE_DEVICES": "2"})

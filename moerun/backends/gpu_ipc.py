@@ -19,13 +19,17 @@ class TransportUnavailable(RigError):
     """This pair of processes cannot use the transport asked for; the message says why."""
 
 
+def host_mapping_supported(cupy, device_index: int) -> bool:
+    """Whether kernels on this GPU reach registered host memory at its host address (the
+    GPU parent's side of the shared transport); not relied on under HIP."""
+    runtime = cupy.cuda.runtime
+    return not runtime.is_hip and bool(runtime.deviceGetAttribute(CAN_USE_HOST_POINTER, device_index))
+
+
 def register_arena(cupy, arena: Arena, device_index: int, mapped: bool) -> None:
     """Pin the arena's pages for this process's GPU (copies at full speed, never pageable);
     `mapped`: kernels here read and write it at its own address. Undone before it unmaps."""
     runtime = cupy.cuda.runtime
-    if mapped and not runtime.deviceGetAttribute(CAN_USE_HOST_POINTER, device_index):
-        raise TransportUnavailable("this GPU cannot address registered host memory at its host address "
-                                   "(use --transport stream)")
     flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_MAPPED if mapped else 0)
     try:
         runtime.hostRegister(arena.address, arena.layout.size, flags)

@@ -27,6 +27,7 @@ from moerun.backends.gpu_ipc import (
     IPC_EVENT_FLAGS,
     ImportedBuffers,
     TransportUnavailable,
+    host_mapping_supported,
     record,
     register_arena,
     wait,
@@ -38,8 +39,9 @@ from moerun.moe.rig import DAEMON_FAILURES, DaemonLink, failure_reason, log
 
 class GpuParent:
     """The rig's hook for a GPU parent: attaches each daemon's arena for the transport asked
-    ("auto" -> device-direct, else host-staged when IPC cannot reach the daemon) and keeps
-    what the channels need, per link. Called from the thread that (re)joins a daemon."""
+    (with "auto", device-direct falls back to shared when IPC cannot reach the daemon, and
+    shared to stream where this GPU cannot map the arena) and keeps what the channels need,
+    per link. Returns the transport in use. Called from the thread that (re)joins a daemon."""
 
     def __init__(self, backend):
         self.backend = backend
@@ -47,7 +49,7 @@ class GpuParent:
         self.attached: dict[int, Attached] = {}
 
     def attach(self, link: DaemonLink, transport: str, auto: bool, **layout) -> str:
-        """Attach link's arena; returns the transport in use ("device" or "shared")."""
+        """Attach link's arena; returns the transport in use."""
         cupy = self.backend.cupy
         cupy.cuda.Device(self.backend.device_index).use()      # this may run on a watcher thread
         old = self.attached.pop(link.index, None)
@@ -67,6 +69,12 @@ class GpuParent:
                 if not auto:
                     raise TransportUnavailable(f"daemon {link.name}: --transport device: {err}") from None
                 log(f"daemon {link.name}: device-direct transport unavailable ({err}); host-staged instead")
+        if not host_mapping_supported(cupy, self.backend.device_index):
+            reason = f"{self.backend.name} cannot address a pinned arena from its kernels"
+            if not auto:
+                raise TransportUnavailable(f"daemon {link.name}: --transport shared: {reason} (use stream)")
+            log(f"daemon {link.name}: {reason}; ZeroMQ frames instead")
+            return "stream"
         link.client.attach_shared(transport="shared", **layout)
         register_arena(cupy, link.client.arena, self.backend.device_index, mapped=True)
         self.attached[link.index] = Attached(cupy, "shared", [], None)

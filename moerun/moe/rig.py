@@ -170,7 +170,10 @@ class Rig:
         return result.placement
 
     def _spawn(self, index: int, spec: str) -> LocalDaemon:
-        return spawn_local_daemon(spec, self.model_path, self.run_dir, index, self._cpu_threads)
+        try:
+            return spawn_local_daemon(spec, self.model_path, self.run_dir, index, self._cpu_threads)
+        except ValueError as err:      # a GPU this process cannot see
+            raise RigError(f"--daemon {err}") from None
 
     def _wait_for_socket(self, local: LocalDaemon) -> None:
         """Until the spawned daemon listens: its socket file appears, or it dies, or time runs

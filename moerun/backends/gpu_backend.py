@@ -76,7 +76,8 @@ class GpuBackend:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graphs_enabled = graphs and not cupy.cuda.runtime.is_hip
         self._graphs = GraphCache(self)
-        self.recorder = None                # set while a decode step is captured or replayed
+        self.recorder = None                # set while a decode step is captured
+        self.graph_step = False             # a decode step is being captured or replayed
         self._kv_buffers: dict[int, tuple[list, list]] = {}
         self._uploader: Uploader | None = None
         self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)

@@ -25,7 +25,6 @@ from moerun.backends.gpu_remote import (
     GpuParent,
     HostChannel,
     RemoteCall,
-    pack_dtype,
 )
 from moerun.moe.dispatch import MoEStats
 from moerun.moe.experts import ExpertStore, moe_ffn
@@ -111,7 +110,7 @@ class GpuDispatcher:
         backend.kernels.elementwise("pack_remote", call.tokens * spec.hidden, (
             x, ids, weights, np.int32(call.row0), np.int32(call.tokens), np.int32(spec.hidden),
             np.int32(spec.n_experts_used), self.daemon_local[(call.link.index, call.layer)],
-            np.int32(pack_dtype(call.channel)), np.uint64(x_to), np.uint64(ids_to), np.uint64(weights_to)))
+            np.int32(call.channel.payload_code), np.uint64(x_to), np.uint64(ids_to), np.uint64(weights_to)))
 
     def _post(self, call: RemoteCall) -> None:
         if call.counts_layer:
@@ -142,7 +141,7 @@ class GpuDispatcher:
     def _failed(self) -> None:
         """A daemon failed (now marked down); inside a recorded step the step starts over."""
         self.rig.check()
-        if self.backend.recorder is not None:
+        if self.backend.graph_step:
             raise StepRetry()
 
     def _fall_back(self, call: RemoteCall, replies: Any, x: Any, ids: Any, weights: Any) -> None:

@@ -91,13 +91,13 @@ class GraphCache:
 
     def _replay(self, model, step: CapturedStep) -> None:
         stream = self.backend.stream
-        self.backend.recorder = step          # a failing action raises StepRetry instead of falling back
+        self.backend.graph_step = True        # a failing action raises StepRetry instead of falling back
         try:
             for graph, action in step.segments:
                 graph.launch(stream)
                 action()
         finally:
-            self.backend.recorder = None
+            self.backend.graph_step = False
         step.last.launch(stream)
         _add_counts(model.moe.stats, step.replayed_counts)
 
@@ -106,13 +106,13 @@ class GraphCache:
         pool = cupy.cuda.MemoryPool()
         before = _counts(model.moe.stats) if model.moe.counts_on_host else {}
         recorder = Recorder(backend.stream)
-        backend.recorder = recorder
+        backend.recorder, backend.graph_step = recorder, True
         with cupy.cuda.using_allocator(pool.malloc):
             recorder.start()
             try:
                 logits = model.forward_on_device(self.token, self.position, cache, all_logits)
             finally:
-                backend.recorder = None
+                backend.recorder, backend.graph_step = None, False
                 last = recorder.stop() if recorder.capturing else None
         last.launch(backend.stream)
         replayed = {name: count - before[name] for name, count in _counts(model.moe.stats).items()

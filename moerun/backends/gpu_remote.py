@@ -121,19 +121,47 @@ class RemoteCall:
     landing: Any = None          # "stream": the reply copied back to the device
 
 
-class ArenaChannel:
+class Channel:
+    """What every channel shares: its link and session, and the rule that a daemon that
+    fails a request is marked down and the call computed on the parent."""
+
+    def __init__(self, backend, rig, link: DaemonLink):
+        self.backend, self.rig, self.link = backend, rig, link
+        self.session = link.session
+        self.dtype, self.timeout_s = rig.config.payload_dtype, rig.config.daemon_timeout_s
+        self.outstanding: dict[int, RemoteCall] = {}          # slot -> call posted there, not collected
+
+    def _talk(self, call: RemoteCall, request, posting: bool = False) -> bool:
+        """Make a request to the daemon for `call`, holding its link; False (and the call
+        failed) when the link is down, in another session, or the request fails."""
+        link = self.link
+        with link.lock:
+            if call.failed or not link.up or link.session != self.session:
+                call.failed = True
+                return False
+            try:
+                request()
+            except DAEMON_FAILURES as err:
+                self.rig.mark_down(link, failure_reason(err, self.timeout_s))
+                call.failed = True
+                return False
+        if posting:
+            self.outstanding[call.slot] = call
+        return True
+
+
+class ArenaChannel(Channel):
     """A daemon on this host through its arena: transport "device" or "shared"."""
 
     def __init__(self, backend, rig, link: DaemonLink, attached: Attached):
-        self.backend, self.rig, self.link, self.attached = backend, rig, link, attached
-        self.session = link.session
-        self.dtype, self.timeout_s = rig.config.payload_dtype, rig.config.daemon_timeout_s
+        super().__init__(backend, rig, link)
+        self.attached = attached
+        self.payload_code = DTYPE_CODES[self.dtype]            # the pack kernel writes the payload dtype
         arena = link.client.arena
         self.arena = arena
         self.capacity = arena.layout.batch_capacity
         self.device = attached.transport == "device"
         self.slots = DeviceSlots(arena.layout) if self.device else None
-        self.outstanding: dict[int, RemoteCall] = {}          # slot -> call posted there, not collected
         self._next_slot = 0
 
     def next_slot(self) -> tuple[int, RemoteCall | None]:
@@ -171,32 +199,15 @@ class ArenaChannel:
             wait(self.backend.cupy, self.backend.stream, self.attached.imported.outgoing[call.slot])
         return ok
 
-    def _talk(self, call: RemoteCall, request, posting: bool = False) -> bool:
-        link = self.link
-        with link.lock:
-            if call.failed or not link.up or link.session != self.session:
-                call.failed = True
-                return False
-            try:
-                request()
-            except DAEMON_FAILURES as err:
-                self.rig.mark_down(link, failure_reason(err, self.timeout_s))
-                call.failed = True
-                return False
-        if posting:
-            self.outstanding[call.slot] = call
-        return True
 
-
-class HostChannel:
+class HostChannel(Channel):
     """A daemon reached over ZeroMQ: the request through the host, the reply to the device."""
 
+    payload_code = 0              # f32 on the device: the client encodes the frames itself
+
     def __init__(self, backend, rig, link: DaemonLink):
-        self.backend, self.rig, self.link = backend, rig, link
-        self.session = link.session
-        self.dtype, self.timeout_s = rig.config.payload_dtype, rig.config.daemon_timeout_s
+        super().__init__(backend, rig, link)
         self.capacity = rig.config.tokens_per_call
-        self.outstanding: dict[int, RemoteCall] = {}
 
     def next_slot(self) -> tuple[int, None]:
         return 0, None                   # ZeroMQ queues any number of requests
@@ -223,11 +234,3 @@ class HostChannel:
             reply = self.link.client.wait(call.request, self.timeout_s, self.link.alive)
             call.landing.set(np.ascontiguousarray(reply), stream=self.backend.stream)
         return self._talk(call, receive)
-
-    _talk = ArenaChannel._talk
-
-
-def pack_dtype(channel) -> int:
-    """The payload dtype code the pack kernel writes: the stream channel packs f32 (the
-    client encodes the frames itself)."""
-    return DTYPE_CODES[channel.dtype] if isinstance(channel, ArenaChannel) else 0

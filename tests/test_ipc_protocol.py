@@ -195,34 +195,22 @@ def test_attach_refuses_a_layout_that_does_not_match():
         created.close()
 
 
-def test_sweep_removes_segments_of_dead_parents_only():
-    dead_pid = 2**22 + 12345  # above the default pid_max
-    stale = os.path.join(SHM_DIR, f"moerun-{dead_pid}-{'ab' * 8}")
-    live = os.path.join(SHM_DIR, f"moerun-{os.getpid()}-{'cd' * 8}")
+DEAD_PID = 2**22 + 12345  # above the default pid_max
+
+
+@pytest.mark.parametrize("stale_name, live_name", [
+    (f"moerun-{DEAD_PID}-{'ab' * 8}", f"moerun-{os.getpid()}-{'cd' * 8}"),
+    # the CUDA driver backs a process's IPC events with cuda.shm.<n>.<pid hex>.<n>, left when it ends
+    (f"cuda.shm.0.{DEAD_PID:x}.1", f"cuda.shm.0.{os.getpid():x}.1"),
+], ids=["arena", "cuda-event-file"])
+def test_sweep_removes_files_of_dead_processes_only(stale_name, live_name):
+    stale, live = os.path.join(SHM_DIR, stale_name), os.path.join(SHM_DIR, live_name)
     for path in (stale, live):
         with open(path, "wb"):
             pass
     try:
         removed = sweep_stale_segments()
-        assert os.path.basename(stale) in removed
-        assert not os.path.exists(stale) and os.path.exists(live)
-    finally:
-        for path in (stale, live):
-            if os.path.exists(path):
-                os.unlink(path)
-
-
-def test_sweep_removes_the_cuda_event_files_of_dead_processes_only():
-    """The CUDA driver backs a process's IPC events with /dev/shm/cuda.shm.<n>.<pid hex>.<n>
-    and leaves the file when the process ends."""
-    stale = os.path.join(SHM_DIR, f"cuda.shm.0.{2**22 + 777:x}.1")
-    live = os.path.join(SHM_DIR, f"cuda.shm.0.{os.getpid():x}.1")
-    for path in (stale, live):
-        with open(path, "wb"):
-            pass
-    try:
-        removed = sweep_stale_segments()
-        assert os.path.basename(stale) in removed
+        assert stale_name in removed
         assert not os.path.exists(stale) and os.path.exists(live)
     finally:
         for path in (stale, live):

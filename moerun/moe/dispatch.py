@@ -69,8 +69,8 @@ class RemoteWork:
 
 
 class Dispatcher:
-    """`local` computes the parent's own pairs from host arrays: LocalMoE on the CPU, the
-    GPU experts (moerun.backends.gpu_moe) on a GPU."""
+    """A CPU parent's MoE step with daemons; `local` (LocalMoE) computes the parent's own
+    pairs. A GPU parent splits on the device instead (moerun.backends.gpu_dispatch)."""
 
     def __init__(self, local, rig: Rig):
         self.local = local
@@ -142,7 +142,7 @@ class Dispatcher:
 
 @dataclass
 class PendingLayer:
-    local: Any                     # LocalMoE or the GPU experts: computes the parent's pairs
+    local: Any                     # LocalMoE: computes the parent's pairs
     layer: int
     x: np.ndarray                  # [T, H]
     ids: np.ndarray                # [T, K]

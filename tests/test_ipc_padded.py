@@ -95,3 +95,12 @@ def test_device_transport_needs_a_gpu_parent(tmp_path):
     rig = RigConfig(daemons=("cpu",), transport="device", daemon_timeout_s=30)
     with pytest.raises(RigError, match="--transport device needs both on GPUs of one vendor"):
         Runtime(tiny_daemon_model(tmp_path), rig=rig)
+
+
+def test_a_daemon_table_names_its_own_transport(tmp_path):
+    """[[daemon]] transport = "stream" beside the rig's shared one: each link gets its own."""
+    from moerun.config import DaemonEntry
+    entries = (DaemonEntry(name="a", device="cpu", transport="stream"), DaemonEntry(name="b", device="cpu"))
+    rig = RigConfig(daemons=("cpu", "cpu"), daemon_entries=entries, transport="shared", hot=1, daemon_timeout_s=30)
+    with Runtime(tiny_daemon_model(tmp_path), rig=rig) as runtime:
+        assert [link.transport for link in runtime.rig.links] == ["stream", "shared"]

@@ -202,7 +202,7 @@ class Rig:
             layout = dict(batch_capacity=self.config.tokens_per_call, hidden=self.spec.hidden,
                           max_pairs_per_token=self.spec.n_experts_used, slots=ARENA_SLOTS, alive=self._alive(link))
             if self.gpu_parent is not None:
-                transport = self.gpu_parent.attach(link, transport, self.config.transport == "auto", **layout)
+                transport = self.gpu_parent.attach(link, transport, self._asked_transport(link) == "auto", **layout)
             else:
                 link.client.attach_shared(**layout)
         link.transport = transport
@@ -210,7 +210,7 @@ class Rig:
     def _transport(self, link: DaemonLink) -> str:
         """--transport for this daemon: auto is device-direct between GPUs of one vendor on
         this host, else shared on this host, else stream."""
-        asked, same_host = self.config.transport, link.client.same_host()
+        asked, same_host = self._asked_transport(link), link.client.same_host()
         daemon_platform = str(link.client.info.get("device", "cpu")).partition(":")[0]
         gpus_alike = self.gpu_parent is not None and daemon_platform == self.gpu_parent.platform
         if asked == "auto":
@@ -222,6 +222,12 @@ class Rig:
             raise RigError(f"daemon {link.name} computes on {daemon_platform}, the parent on {parent}: "
                            f"--transport device needs both on GPUs of one vendor (use shared)")
         return asked
+
+    def _asked_transport(self, link: DaemonLink) -> str:
+        """The transport its [[daemon]] table names, else the rig's."""
+        entries = self.config.daemon_entries
+        entry = entries[link.index] if len(entries) == len(self.config.daemons) else None
+        return entry.transport if entry is not None and entry.transport else self.config.transport
 
     def _assign_all(self) -> None:
         """Every daemon loads its experts at once; progress goes to stderr."""

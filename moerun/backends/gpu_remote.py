@@ -39,9 +39,9 @@ from moerun.moe.rig import DAEMON_FAILURES, DaemonLink, failure_reason, log
 
 class GpuParent:
     """The rig's hook for a GPU parent: attaches each daemon's arena for the transport asked
-    (with "auto", device-direct falls back to shared when IPC cannot reach the daemon, and
-    shared to stream where this GPU cannot map the arena) and keeps what the channels need,
-    per link. Returns the transport in use. Called from the thread that (re)joins a daemon."""
+    (with "auto", device-direct falls back to shared when IPC cannot reach the daemon; where
+    this GPU cannot map the arena, shared requests are copied through the host) and keeps what
+    the channels need, per link. Called from the thread that (re)joins a daemon."""
 
     def __init__(self, backend):
         self.backend = backend
@@ -69,15 +69,13 @@ class GpuParent:
                 if not auto:
                     raise TransportUnavailable(f"daemon {link.name}: --transport device: {err}") from None
                 log(f"daemon {link.name}: device-direct transport unavailable ({err}); host-staged instead")
-        if not host_mapping_supported(cupy, self.backend.device_index):
-            reason = f"{self.backend.name} cannot address a pinned arena from its kernels"
-            if not auto:
-                raise TransportUnavailable(f"daemon {link.name}: --transport shared: {reason} (use stream)")
-            log(f"daemon {link.name}: {reason}; ZeroMQ frames instead")
-            return "stream"
         link.client.attach_shared(transport="shared", **layout)
-        register_arena(cupy, link.client.arena, self.backend.device_index, mapped=True)
-        self.attached[link.index] = Attached(cupy, "shared", [], None)
+        if host_mapping_supported(cupy, self.backend.device_index):
+            register_arena(cupy, link.client.arena, self.backend.device_index, mapped=True)
+            self.attached[link.index] = Attached(cupy, "shared", [], None)
+        else:          # requests go through host arrays into the arena (the stream channel's way)
+            log(f"daemon {link.name}: {self.backend.name} cannot address the arena from its kernels; "
+                f"its requests are copied through the host")
         return "shared"
 
     def release(self) -> None:
@@ -201,7 +199,8 @@ class ArenaChannel(Channel):
 
 
 class HostChannel(Channel):
-    """A daemon reached over ZeroMQ: the request through the host, the reply to the device."""
+    """The request through host arrays (ZeroMQ frames, or the arena where this GPU cannot map
+    it), the reply copied to the device."""
 
     payload_code = 0              # f32 on the device: the client encodes the frames itself
 

@@ -76,3 +76,17 @@ def bpe_metadata(tok: Tokenizer, *, pre: str, bos: str | None, eos: str, chat_te
     if chat_template is not None:
         meta["tokenizer.chat_template"] = chat_template
     return meta
+
+
+UNUSED_TOKEN = 5   # GGUF token type "unused"
+
+
+def pad_vocabulary(meta: dict, vocab_size: int) -> dict:
+    """Grow bpe_metadata's vocabulary to vocab_size with unused [PAD<id>] tokens (a small corpus
+    learns fewer merges than a model's vocabulary needs)."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    extra = range(len(tokens), vocab_size)
+    return {**meta,
+            "tokenizer.ggml.tokens": tokens + [f"[PAD{i}]" for i in extra],
+            "tokenizer.ggml.token_type": np.concatenate(
+                [meta["tokenizer.ggml.token_type"], np.full(len(extra), UNUSED_TOKEN, np.int32)])}

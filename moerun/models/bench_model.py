@@ -36,7 +36,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from moerun.gguf.quants import tensor_nbytes
-from moerun.gguf.vocab import bpe_metadata, byte_level_bpe
+from moerun.gguf.vocab import bpe_metadata, byte_level_bpe, pad_vocabulary
 from moerun.gguf.writing import write_metadata
 from moerun.models.synthetic import write_qwen3moe_hparams
 
@@ -48,7 +48,6 @@ ROUTER_STD = 0.05       # router logits get std ~ROUTER_STD * sqrt(H)
 CHUNK_BYTES = 2 << 20   # quantized data is generated and written this much at a time
 MAX_PENDING_WRITES = 4
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-UNUSED_TOKEN = 5        # GGUF token type "unused"
 
 
 @dataclass(frozen=True)
@@ -319,14 +318,8 @@ def vocabulary_metadata(vocab: int) -> dict:
     """tokenizer.ggml.* keys: a byte-level BPE trained on moerun's small default corpus (at most
     `vocab` tokens), padded with unused [PAD<id>] tokens to `vocab` ids. No chat template."""
     corpus = files("moerun.models").joinpath("default_corpus.txt").read_text(encoding="utf-8")
-    meta = bpe_metadata(byte_level_bpe(corpus, vocab, SPECIALS), pre="qwen2", bos=None, eos="<|endoftext|>",
-                        chat_template=None)
-    tokens = meta["tokenizer.ggml.tokens"]
-    padding = range(len(tokens), vocab)
-    return {**meta,
-            "tokenizer.ggml.tokens": tokens + [f"[PAD{i}]" for i in padding],
-            "tokenizer.ggml.token_type": np.concatenate(
-                [meta["tokenizer.ggml.token_type"], np.full(len(padding), UNUSED_TOKEN, np.int32)])}
+    return pad_vocabulary(bpe_metadata(byte_level_bpe(corpus, vocab, SPECIALS), pre="qwen2", bos=None,
+                                       eos="<|endoftext|>", chat_template=None), vocab)
 
 
 def _write_hparams(writer: gguf.GGUFWriter, s: BenchShape, mix: QuantMix) -> None:

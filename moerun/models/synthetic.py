@@ -17,10 +17,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from moerun.gguf.vocab import bpe_metadata, byte_level_bpe
+from moerun.gguf.vocab import bpe_metadata, byte_level_bpe, pad_vocabulary
 from moerun.gguf.writing import write_metadata
 
-UNUSED_TOKEN = 5   # GGUF token type "unused"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BIGRAM_EMBED_SCALE = 50.0
 CHATML = (
@@ -53,7 +52,7 @@ def write_synthetic_model(path: str | Path, config: SyntheticConfig, corpus: str
     """Write the model atomically (temp file + rename) and return its path."""
     path = Path(path)
     tokenizer = byte_level_bpe(corpus, config.vocab_size, SPECIALS)
-    meta = _pad_vocab(bpe_metadata(tokenizer, pre="qwen2", bos=None, eos="<|endoftext|>", chat_template=CHATML),
+    meta = pad_vocabulary(bpe_metadata(tokenizer, pre="qwen2", bos=None, eos="<|endoftext|>", chat_template=CHATML),
                       config.vocab_size)
     vocab = len(meta["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(config.seed)
@@ -80,17 +79,6 @@ def write_synthetic_model(path: str | Path, config: SyntheticConfig, corpus: str
     finally:
         partial.unlink(missing_ok=True)
     return path
-
-
-def _pad_vocab(meta: dict, vocab_size: int) -> dict:
-    """Grow the vocabulary to vocab_size with unused [PAD<id>] tokens (a small corpus
-    learns fewer merges than a benchmark's vocabulary needs)."""
-    tokens = meta["tokenizer.ggml.tokens"]
-    extra = range(len(tokens), vocab_size)
-    return {**meta,
-            "tokenizer.ggml.tokens": tokens + [f"[PAD{i}]" for i in extra],
-            "tokenizer.ggml.token_type": np.concatenate(
-                [meta["tokenizer.ggml.token_type"], np.full(len(extra), UNUSED_TOKEN, np.int32)])}
 
 
 def _write_hparams(writer: gguf.GGUFWriter, c: SyntheticConfig) -> None:

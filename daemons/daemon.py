@@ -94,9 +94,7 @@ class ExpertDaemon:
                 weights: np.ndarray) -> np.ndarray:
         """out[t] = Σ weights · FFN(x[t]) over token t's experts here.  x [T, H] -> [T, H]"""
         started = time.perf_counter()
-        if layer not in self.assigned:
-            raise KeyError(f"no experts of layer {layer} are assigned to this daemon")
-        experts = self.assigned[layer]
+        experts = self._experts_of(layer)
         if local_ids.size and (local_ids.min() < 0 or local_ids.max() >= len(experts)):
             raise IndexError(f"layer {layer}: local expert ids must be in 0..{len(experts) - 1}")
         if self.gpu is not None:
@@ -109,6 +107,12 @@ class ExpertDaemon:
         self.pairs += len(local_ids)
         self.compute_seconds += time.perf_counter() - started
         return out
+
+    def _experts_of(self, layer: int) -> np.ndarray:
+        """The global ids of `layer`'s experts here (index = local id); KeyError if none."""
+        if layer not in self.assigned:
+            raise KeyError(f"no experts of layer {layer} are assigned to this daemon")
+        return self.assigned[layer]
 
     def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None]:
         """A parent's arena: a GPU daemon serves padded requests in place (from its device
@@ -130,8 +134,7 @@ class ExpertDaemon:
 
     def _compute_slot(self, index: int, layer: int, dtype: str, tokens: int) -> None:
         started = time.perf_counter()
-        if layer not in self.assigned:
-            raise KeyError(f"no experts of layer {layer} are assigned to this daemon")
+        self._experts_of(layer)
         self.gpu.compute_slot(index, layer, dtype, tokens)
         self.calls += 1
         self.tokens += tokens

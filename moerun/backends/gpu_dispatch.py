@@ -26,7 +26,7 @@ from moerun.backends.gpu_remote import (
     HostChannel,
     RemoteCall,
 )
-from moerun.moe.dispatch import MoEStats
+from moerun.moe.dispatch import MoEStats, local_ids
 from moerun.moe.experts import ExpertStore, moe_ffn
 from moerun.moe.placement import PARENT
 from moerun.moe.rig import DaemonLink, Rig
@@ -186,7 +186,4 @@ class PendingRemote:
 
 def _local_ids(homes: np.ndarray, home: int) -> np.ndarray:
     """[E] global expert id -> its index among the experts at `home`, -1 elsewhere."""
-    local = np.full(len(homes), -1, np.int32)
-    members = np.flatnonzero(homes == home)
-    local[members] = np.arange(len(members), dtype=np.int32)
-    return local
+    return np.where(homes == home, local_ids(homes), -1).astype(np.int32)

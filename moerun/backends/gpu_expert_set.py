@@ -20,11 +20,11 @@ from moerun.backends.gpu_moe import GpuExperts, load_experts
 from moerun.backends.gpu_weights import Uploader
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.device_slots import DeviceSlots
+from moerun.ipc.protocol import WIRE_ITEMSIZE
 from moerun.ipc.shm import Arena
 from moerun.ipc.slot_headers import DTYPE_CODES
 from moerun.models.spec import ModelSpec
 
-ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 TIMED_COMPUTES = 1024          # (start, end) event pairs, harvested when all are used
 
 
@@ -36,7 +36,6 @@ class GpuExpertSet:
         self.experts = GpuExperts(self.backend, spec, {})
         self.arena: Arena | None = None
         self.transport = ""
-        self.slots: DeviceSlots | None = None
         self.exported: ExportedBuffers | None = None
         cupy = self.backend.cupy
         self._timings = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(TIMED_COMPUTES)]
@@ -81,19 +80,19 @@ class GpuExpertSet:
         handles). `incoming`: the parent's IPC event handles, one per slot ("device")."""
         self.detach()
         cupy = self.backend.cupy
-        self.slots = DeviceSlots(arena.layout)
+        slots = DeviceSlots(arena.layout)
         if transport == "device":
-            self.exported = ExportedBuffers(cupy, self.slots.size, incoming)
+            self.exported = ExportedBuffers(cupy, slots.size, incoming)
             base, fields = self.exported.address, {"device_buffers": self.exported.handles()}
         else:
             register_arena(cupy, arena, cupy.cuda.Device().id, mapped=False)
-            self._staging = cupy.cuda.Memory(self.slots.size)
+            self._staging = cupy.cuda.Memory(slots.size)
             base, fields = self._staging.ptr, {}
         layout = arena.layout
         rows, pairs = (layout.batch_capacity, layout.hidden), (layout.batch_capacity, layout.max_pairs_per_token)
         self._views = []
         for index in range(layout.slots):
-            buffers = self.slots.buffers(index)
+            buffers = slots.buffers(index)
             self._views.append((_device_view(cupy, base + buffers.x, rows, cupy.float32),
                                 _device_view(cupy, base + buffers.ids, pairs, cupy.int32),
                                 _device_view(cupy, base + buffers.weights, pairs, cupy.float32),
@@ -115,7 +114,7 @@ class GpuExpertSet:
                 wait(cupy, stream, self.exported.incoming[index])
             else:      # the arena's frames onto the device first
                 x_at, ids_at, weights_at = self.arena.slots[index].frame_addresses()
-                copy(cupy, x.data.ptr, x_at, tokens * hidden * ITEMSIZE[dtype], stream)
+                copy(cupy, x.data.ptr, x_at, tokens * hidden * WIRE_ITEMSIZE[dtype], stream)
                 copy(cupy, ids.data.ptr, ids_at, tokens * top_k * 4, stream)
                 copy(cupy, weights.data.ptr, weights_at, tokens * top_k * 4, stream)
             if dtype == "f32":
@@ -156,7 +155,7 @@ class GpuExpertSet:
         self.backend.stream.synchronize()
         if self.exported is not None:
             self.exported.release()
-        self.arena, self.exported, self.slots, self.transport = None, None, None, ""
+        self.arena, self.exported, self.transport = None, None, ""
         self._staging, self._views = None, []
 
     def release(self) -> None:

@@ -115,8 +115,8 @@ class GraphCache:
                 backend.recorder, backend.graph_step = None, False
                 last = recorder.stop() if recorder.capturing else None
         last.launch(backend.stream)
-        replayed = {name: count - before[name] for name, count in _counts(model.moe.stats).items()
-                    if model.moe.counts_on_host}
+        replayed = ({name: count - before[name] for name, count in _counts(model.moe.stats).items()}
+                    if model.moe.counts_on_host else {})
         return CapturedStep(recorder.segments, last, logits, pool, replayed)
 
     def _forget(self, key: tuple) -> None:

@@ -76,7 +76,7 @@ class Dispatcher:
         self.local = local
         self.rig = rig
         self.stats = MoEStats()
-        self.local_ids = {layer: _local_ids(homes) for layer, homes in rig.placement.homes.items()}
+        self.local_ids = {layer: local_ids(homes) for layer, homes in rig.placement.homes.items()}
 
     def begin(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> "PendingLayer":
         self.rig.check()
@@ -159,7 +159,7 @@ class PendingLayer:
         return out
 
 
-def _local_ids(homes: np.ndarray) -> np.ndarray:
+def local_ids(homes: np.ndarray) -> np.ndarray:
     """[E] global expert id -> its index among the experts of the same daemon."""
     local = np.zeros(len(homes), np.int32)
     for home in np.unique(homes):

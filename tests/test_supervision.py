@@ -207,8 +207,10 @@ def test_heartbeats_between_layers_leave_compute_alone(model, local_tokens, tran
     monkeypatch.setattr(DaemonClient, "ping", lambda client, *args: pings.append(ping(client, *args)))
     monkeypatch.setattr(rig_module, "HEARTBEAT_S", 0.001)
     with Runtime(model, rig=RigConfig(daemons=("cpu", "cpu"), hot=1, transport=transport)) as runtime:
-        for _ in range(3):
+        generations, deadline = 0, time.monotonic() + 60
+        while generations < 3 or (len(pings) <= 20 and time.monotonic() < deadline):  # slow machines ping less
             assert list(runtime.generate(PROMPT, N_TOKENS, GREEDY)) == local_tokens
+            generations += 1
         assert all(link.up and link.times_down == 0 and link.fallback_calls == 0 for link in runtime.rig.links)
     assert len(pings) > 20
 

@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -132,12 +131,6 @@ class DaemonProcess:
                 self.process.kill()
         self.process.wait(5)
         self._log.close()
-
-
-def tcp_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from moerun.ipc.sockets import bind_router, connect_dealer
 from moerun.gguf.reader import GGUFFile
 from moerun.keys import keys
 from moerun.models.synthetic import SyntheticConfig, write_synthetic_model
-from tests.ipc_fake_daemon import tcp_endpoint
+from tests.live_processes import free_port, tcp_endpoint
 
 REPLY_TIMEOUT_MS = 1500
 TINY = SyntheticConfig(name="auth-test", n_layers=2, hidden=64, n_heads=2, n_kv_heads=1, head_dim=32,
@@ -146,7 +146,7 @@ def test_a_client_with_the_wrong_daemon_key_is_refused(daemon, model, key_dir):
 
 
 def test_a_daemon_other_hosts_can_reach_will_not_start_without_keys(model):
-    port = tcp_endpoint().rsplit(":", 1)[1]
+    port = free_port()
     result = subprocess.run([sys.executable, "-m", "moerun", "daemon", "-m", str(model),
                              "--listen", f"tcp://0.0.0.0:{port}"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1

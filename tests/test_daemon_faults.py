@@ -24,6 +24,7 @@ from tests.daemon_fixtures import (
     shm_segments,
     tiny_daemon_model,
 )
+from tests.live_processes import child_pids, exited
 from tests.oracle.hf_models import tiny_model
 from tests.oracle.to_gguf import write_gguf
 
@@ -117,13 +118,13 @@ def test_parent_signal_takes_its_daemons_along(model, signum):
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert parent.stdout.read(8), "the parent produced no text"
-        daemons = children_of(parent.pid)
+        daemons = child_pids(parent.pid)
         assert len(daemons) == 2
         parent.send_signal(signum)
         _, stderr = parent.communicate(timeout=20)
         assert b"Traceback" not in stderr, stderr.decode()
         deadline = time.monotonic() + 10
-        while any(Path(f"/proc/{pid}").exists() and not zombie(pid) for pid in daemons):
+        while not all(exited(pid) for pid in daemons):
             assert time.monotonic() < deadline, "daemons outlived their parent"
             time.sleep(0.05)
         assert not [s for s in shm_segments() if s.startswith(f"moerun-{parent.pid}-")]
@@ -132,25 +133,6 @@ def test_parent_signal_takes_its_daemons_along(model, signum):
     finally:
         parent.kill()
         parent.wait()
-
-
-def children_of(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children
-
-
-def zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def test_unreachable_remote_daemon_is_a_clear_error(model, tmp_path):

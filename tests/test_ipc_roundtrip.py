@@ -20,8 +20,8 @@ from tests.ipc_fake_daemon import (
     ramp,
     routing,
     shm_segments,
-    tcp_endpoint,
 )
+from tests.live_processes import tcp_endpoint
 
 CAPACITY = 512
 LOCAL_EXPERTS = {0: [3, 1, 4, 5], 2: [9, 2, 6, 8, 7, 0]}   # layer -> global ids (local order)

@@ -7,7 +7,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from moerun.engine.sampler import SamplingParams
 from moerun.gguf.chat import render_messages
 from moerun.models.default import default_model_path
 from tests.daemon_fixtures import shm_segments
+from tests.live_processes import child_pids, exited, free_port, healthy
 
 EXIT_WITHIN_S = 5.0
 START_WITHIN_S = 60.0
@@ -98,21 +98,6 @@ def test_a_spawned_daemon_that_cannot_open_its_device_is_named_with_its_stderr(m
 
 # -- the launch process as users run it ---------------------------------------------------------
 
-def child_pids(pid: int) -> set[int]:
-    pids = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        pids |= {int(child) for child in (task / "children").read_text().split()}
-    return pids
-
-
-def gone(pid: int) -> bool:
-    """No such process, or a zombie nobody has reaped yet."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def read_line(process: subprocess.Popen, timeout_s: float) -> str:
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)
     assert ready, "no output in time"
@@ -145,9 +130,9 @@ temp = 0.0
         process.send_signal(signal.SIGKILL)
         process.wait()
         deadline = time.monotonic() + EXIT_WITHIN_S
-        while not all(gone(pid) for pid in daemons) and time.monotonic() < deadline:
+        while not all(exited(pid) for pid in daemons) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert all(gone(pid) for pid in daemons)
+        assert all(exited(pid) for pid in daemons)
         assert not own_socket.exists()
         assert shm_segments() <= segments_before
     finally:
@@ -216,12 +201,6 @@ def chat_replies(turns: list[str], n: int) -> list[str]:
     return replies
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_launch_serves_with_the_files_server_settings(tmp_path):
     port = free_port()
     config = write_config(tmp_path, f"""workload = "serve"
@@ -238,7 +217,7 @@ served_model_name = "rig-model"
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_WITHIN_S
-        while not _healthy(url):
+        while not healthy(url):
             assert process.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
@@ -250,18 +229,11 @@ served_model_name = "rig-model"
         assert reply.json()["choices"][0]["text"] == greedy_text("The rig", 12)
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 128 + signal.SIGTERM          # the orderly way out, as systemd stops it
-        assert all(gone(pid) for pid in daemons)
+        assert all(exited(pid) for pid in daemons)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_launch_needs_a_config(moerun):
@@ -273,8 +245,8 @@ def test_child_pids_sees_only_live_children(tmp_path):
     """The helper the kill test relies on: it finds a child and tells when it is gone."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert child.pid in child_pids(os.getpid()) and not gone(child.pid)
+        assert child.pid in child_pids(os.getpid()) and not exited(child.pid)
     finally:
         child.kill()
         child.wait()
-    assert gone(child.pid)
+    assert exited(child.pid)

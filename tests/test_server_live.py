@@ -4,9 +4,7 @@ and a bounded load test."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,17 +20,12 @@ from moerun.engine.generator import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.chat import render_messages
 from moerun.models.default import default_model_path
+from tests.live_processes import child_pids, exited, free_port, healthy
 
 SERVE = ["-m", "moerun", "serve"]
 MAX_PROMPT_TOKENS = 256
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager
@@ -57,13 +50,6 @@ def live_server(log_path: Path, *args):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def scrape(url: str) -> dict:
@@ -295,21 +281,10 @@ def test_tiny_oracle_model_serves_like_moerun_run(tmp_path, moerun):
             completion = client.completions.create(model="tiny-qwen2moe", prompt="the", temperature=0, max_tokens=12)
         daemons = child_pids(process.pid)
     assert process.returncode is not None and daemons
-    assert not any(alive(pid) for pid in daemons)
+    assert all(exited(pid) for pid in daemons)
     run_chat = moerun("run", "-m", path, "--chat", "-p", "hi", "--temp", "0", "-n", "12")
     run_text = moerun("run", "-m", path, "-p", "the", "--temp", "0", "-n", "12")
     assert reply.choices[0].message.content == run_chat.stdout.removesuffix("\n")
     assert completion.choices[0].text == run_text.stdout.removesuffix("\n")
 
 
-def child_pids(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
-    return [int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"

@@ -30,6 +30,7 @@ from tests.daemon_fixtures import (
     tiny_daemon_model,
     wait_for_socket,
 )
+from tests.live_processes import child_pids, exited
 
 REJOIN_TIMEOUT_S = 30.0
 STAMPED_LINE = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d moerun: "
@@ -72,15 +73,7 @@ def daemon_process(model: Path, endpoint: str, log_path: Path):
 
 def live_children() -> set[int]:
     """Processes whose parent is this one, zombies excluded."""
-    children = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            children.add(int(stat.parent.name))
-    return children
+    return {pid for pid in child_pids(os.getpid()) if not exited(pid)}
 
 
 @pytest.mark.parametrize("transport", ["shared", "stream"])

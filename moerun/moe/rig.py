@@ -19,7 +19,7 @@ from pathlib import Path
 import zmq
 from threadpoolctl import ThreadpoolController
 
-from moerun.config import AUTO, LOCAL_DEVICE, RigConfig
+from moerun.config import AUTO, LOCAL_DEVICE, DaemonEntry, RigConfig
 from moerun.daemons.launcher import (
     LocalDaemon,
     make_run_dir,
@@ -145,12 +145,18 @@ class Rig:
             self.placement = self._auto_placement(gguf)
         self._assign_all()
 
+    def _entry(self, index: int) -> DaemonEntry | None:
+        """Daemon `index`'s [[daemon]] table of a config file; None when the daemons came
+        from flags (they replace the file's tables)."""
+        entries = self.config.daemon_entries
+        return entries[index] if entries else None
+
     def _curve_keys(self, index: int) -> CurveClientKeys | None:
         """The CURVE keys for daemon `index`, when its config entry names its public key."""
-        entries = self.config.daemon_entries
-        if len(entries) != len(self.config.daemons) or entries[index].curve_public_key is None:
+        entry = self._entry(index)
+        if entry is None or entry.curve_public_key is None:
             return None
-        return CurveClientKeys.from_files(self.config.client_secret_key, entries[index].curve_public_key)
+        return CurveClientKeys.from_files(self.config.client_secret_key, entry.curve_public_key)
 
     def _auto_placement(self, gguf: GGUFFile) -> Placement:
         """--placement auto: plan from the memory each process can have now. The parent and
@@ -225,8 +231,7 @@ class Rig:
 
     def _asked_transport(self, link: DaemonLink) -> str:
         """The transport its [[daemon]] table names, else the rig's."""
-        entries = self.config.daemon_entries
-        entry = entries[link.index] if len(entries) == len(self.config.daemons) else None
+        entry = self._entry(link.index)
         return entry.transport if entry is not None and entry.transport else self.config.transport
 
     def _assign_all(self) -> None:

@@ -55,7 +55,6 @@ class DaemonClient:
         self.spin_s = spin_s
         self.info: dict = {}
         self.transport = "stream"
-        self.attachment: dict = {}            # the daemon's ATTACH reply fields
         self.counters = Counters()
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
@@ -97,7 +96,7 @@ class DaemonClient:
             raise DaemonError(p.FINGERPRINT_MISMATCH, f"model fingerprint mismatch: parent "
                               f"expects {fingerprint!r}, daemon has "
                               f"{header.get('fingerprint')!r}", self.endpoint)
-        self.info = {k: v for k, v in header.items() if k not in ("v", "op", "id")}
+        self.info = p.own_fields(header)
         return self.info
 
     def same_host(self) -> bool:
@@ -127,8 +126,7 @@ class DaemonClient:
         self._drop_shared()
         self._shared = SharedChannel(arena, self.endpoint, self.counters, self.spin_s)
         self.transport = transport
-        self.attachment = {k: v for k, v in reply.items() if k not in ("v", "op", "id")}
-        return self.attachment
+        return p.own_fields(reply)
 
     @property
     def arena(self) -> Arena | None:
@@ -150,7 +148,7 @@ class DaemonClient:
 
     def stats(self, timeout_s: float = 10.0) -> dict:
         header = self._request(p.STATS, timeout_s)
-        return {k: v for k, v in header.items() if k not in ("v", "op", "id")}
+        return p.own_fields(header)
 
     def ping(self, timeout_s: float = 5.0, alive: Callable[[], bool] | None = None) -> float:
         """Round-trip time of a PING, in seconds."""
@@ -368,7 +366,6 @@ class DaemonClient:
             self._shared.close()
             self._shared = None
             self.transport = "stream"
-            self.attachment = {}
 
 
 def _what(request) -> str:

@@ -102,6 +102,11 @@ def pack_header(op: str, **fields) -> bytes:
     return _packer.pack({"v": PROTOCOL_VERSION, "op": op, **fields})
 
 
+def own_fields(header: dict) -> dict:
+    """A header's fields without the ones every header carries ("v", "op", "id")."""
+    return {name: value for name, value in header.items() if name not in ("v", "op", "id")}
+
+
 def error_header(request_id, code: str, message: str) -> bytes:
     request_id = request_id if type(request_id) is int else None
     return pack_header(ERROR, id=request_id, code=code, message=message[:MAX_ERROR_MESSAGE])

@@ -421,9 +421,7 @@ def _fields(*parts: dict) -> dict:
     merged = {}
     for part in parts:
         merged.update(part)
-    for reserved in ("v", "op", "id"):
-        merged.pop(reserved, None)
-    return merged
+    return p.own_fields(merged)
 
 
 def _parse_experts(experts, info: dict) -> dict[int, list[int]]:

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moerun.ipc.shm import ArenaLayout
+from moerun.ipc.shm import ArenaLayout, align_up
 
 ALIGN = 256
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True)
@@ -31,20 +27,23 @@ class DeviceSlots:
     layout: ArenaLayout
 
     @property
+    def rows_bytes(self) -> int:
+        """One [C, H] f32 buffer, aligned."""
+        return align_up(self.layout.batch_capacity * self.layout.hidden * 4, ALIGN)
+
+    @property
+    def pairs_bytes(self) -> int:
+        """One [C, K] buffer of 4-byte items, aligned."""
+        return align_up(self.layout.max_pairs * 4, ALIGN)
+
+    @property
     def slot_bytes(self) -> int:
-        layout = self.layout
-        rows = _align(layout.batch_capacity * layout.hidden * 4)
-        pairs = _align(layout.max_pairs * 4)
-        return 2 * rows + 2 * pairs
+        return 2 * self.rows_bytes + 2 * self.pairs_bytes
 
     @property
     def size(self) -> int:
         return self.layout.slots * self.slot_bytes
 
     def buffers(self, index: int) -> SlotBuffers:
-        layout = self.layout
-        base = index * self.slot_bytes
-        rows = _align(layout.batch_capacity * layout.hidden * 4)
-        pairs = _align(layout.max_pairs * 4)
-        return SlotBuffers(x=base, ids=base + rows, weights=base + rows + pairs,
-                           reply=base + rows + 2 * pairs)
+        base, rows, pairs = index * self.slot_bytes, self.rows_bytes, self.pairs_bytes
+        return SlotBuffers(x=base, ids=base + rows, weights=base + rows + pairs, reply=base + rows + 2 * pairs)

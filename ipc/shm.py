@@ -49,7 +49,8 @@ REQUEST_HEADER_OFFSET, REPLY_HEADER_OFFSET, DATA_OFFSET = 256, 2048, 4096
 FRAME_ALIGN = 64
 
 
-def _align(n: int, to: int) -> int:
+def align_up(n: int, to: int) -> int:
+    """n rounded up to a multiple of `to`."""
     return (n + to - 1) // to * to
 
 
@@ -68,14 +69,14 @@ class ArenaLayout:
     def frame_offsets(self) -> tuple[int, int, int, int]:
         """Slot offsets of the x, counts, local_ids and weights frames."""
         x = DATA_OFFSET
-        counts = x + _align(self.batch_capacity * self.hidden * 4, FRAME_ALIGN)
-        local_ids = counts + _align(self.batch_capacity * 4, FRAME_ALIGN)
-        weights = local_ids + _align(self.max_pairs * 4, FRAME_ALIGN)
+        counts = x + align_up(self.batch_capacity * self.hidden * 4, FRAME_ALIGN)
+        local_ids = counts + align_up(self.batch_capacity * 4, FRAME_ALIGN)
+        weights = local_ids + align_up(self.max_pairs * 4, FRAME_ALIGN)
         return x, counts, local_ids, weights
 
     @property
     def slot_bytes(self) -> int:
-        return _align(self.frame_offsets[3] + self.max_pairs * 4, mmap.PAGESIZE)
+        return align_up(self.frame_offsets[3] + self.max_pairs * 4, mmap.PAGESIZE)
 
     @property
     def size(self) -> int:

@@ -1,1 +1,1 @@
-"""Expert daemons and their launcher (importable as moerun.daemons)."""
+"""The expert daemon process's entry point (importable as moerun.daemons)."""

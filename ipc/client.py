@@ -30,7 +30,6 @@ __all__ = ["Counters", "DaemonClient", "DaemonDied", "DaemonError", "DaemonTimeo
 HELLO_RESEND_S = 1.0       # a daemon that is still starting gets the HELLO again
 POLL_SLICE_S = 0.02        # socket waits between deadline and liveness checks
 SUBMIT_TIMEOUT_S = 60.0    # how long a shared submit may wait for a free slot
-MAX_BATCH_CAPACITY = 4096
 
 
 @dataclass
@@ -112,8 +111,8 @@ class DaemonClient:
         the arena carries headers and doorbells only. Returns the daemon's ATTACH reply
         fields (for "device": the IPC handles of its buffers and events). `fields` go into
         the ATTACH request as they are (for "device": the parent's event handles)."""
-        if not 1 <= batch_capacity <= MAX_BATCH_CAPACITY:
-            raise ValueError(f"batch capacity {batch_capacity} not in [1, {MAX_BATCH_CAPACITY}]")
+        if not 1 <= batch_capacity <= p.MAX_BATCH_CAPACITY:
+            raise ValueError(f"batch capacity {batch_capacity} not in [1, {p.MAX_BATCH_CAPACITY}]")
         arena = Arena.create(ArenaLayout(slots, batch_capacity, hidden, max_pairs_per_token))
         try:
             reply = self._request(p.ATTACH, self.connect_timeout_s, alive, name=arena.name,

@@ -54,6 +54,14 @@ PAYLOAD_DTYPES = {
     "bf16": (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)),
 }
 WIRE_ITEMSIZE = {dtype: wire.itemsize for dtype, (_, wire) in PAYLOAD_DTYPES.items()}
+DTYPE_CODES = {dtype: code for code, dtype in enumerate(PAYLOAD_DTYPES)}   # binary slot headers, GPU kernels
+
+# How COMPUTE requests travel: through a GPU daemon's device buffers exported over CUDA/HIP
+# IPC ("device"), through a shared-memory arena ("shared"), or inside ZeroMQ frames ("stream").
+# ATTACH sets up one of the first two.
+TRANSPORTS = ("device", "shared", "stream")
+ATTACH_TRANSPORTS = TRANSPORTS[:2]
+MAX_BATCH_CAPACITY = 4096  # tokens one COMPUTE request may carry
 COMPUTE_FRAMES = 4  # x [T, H], counts int32 [T], local_ids int32 [P], weights f32 [P]
 MAX_PAIRS = 2**30
 

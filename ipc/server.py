@@ -9,8 +9,8 @@ Shape legend: T tokens, H hidden size, P routed pairs.
 """
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -20,29 +20,22 @@ from typing import Protocol
 import numpy as np
 import zmq
 from moerun.ipc import protocol as p
-from moerun.ipc import slot_headers
+from moerun.ipc import shm
 from moerun.ipc.curve import CurveServerKeys
 from moerun.ipc.curve_guard import CurveGuard
 from moerun.ipc.doorbell import fence
+from moerun.ipc.processes import pid_alive
 from moerun.ipc.protocol import ProtocolError
 from moerun.ipc.shm import STATE_ATTACHED, Arena, ArenaLayout, Slot
 from moerun.ipc.sockets import bind_router, receive, remove_socket_file
-
-from moerun.procs import pid_alive
 
 DAEMON_SPIN_S = 0.0005        # keep spinning on the doorbell this long after the last work
 SLEEP_SLICE_S = 0.05          # longest futex sleep; foreign peers are heard at least this often
 IDLE_POLL_MS = 100            # ZeroMQ poll slice without an arena (bounds the stop() latency)
 CONTROL_WAIT_MS = 5           # wait for a control message the parent announced on the doorbell
 SOCKET_CHECK_S = 0.01         # while busy on slots, look at the socket this often
-ATTACH_TRANSPORTS = ("shared", "device")
 
-
-def print_to_stderr(message: str) -> None:
-    """One whole line per call, also when the CURVE guard's thread logs at the same time."""
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    sys.stderr.write(f"{stamp} moerun-daemon[{os.getpid()}] {message}\n")
-    sys.stderr.flush()
+logger = logging.getLogger(__name__)
 
 
 class Handler(Protocol):
@@ -91,16 +84,16 @@ class Session:
 
 
 class Server:
-    def __init__(self, endpoint: str, handler: Handler, *, batch_capacity_max: int = 4096,
-                 lease_s: float = 30.0, log: Callable[[str], None] = print_to_stderr,
+    def __init__(self, endpoint: str, handler: Handler, *, batch_capacity_max: int = p.MAX_BATCH_CAPACITY,
+                 lease_s: float = 30.0,
                  spin_s: float = DAEMON_SPIN_S, curve: CurveServerKeys | None = None):
-        self.endpoint, self.handler, self.log = endpoint, handler, log
+        self.endpoint, self.handler = endpoint, handler
         self.batch_capacity_max, self.lease_s, self.spin_s = batch_capacity_max, lease_s, spin_s
         self.curve = curve
         self.info = dict(handler.info())
         self.hidden = int(self.info["hidden"])
         self._context = zmq.Context()
-        guard = CurveGuard(curve, log) if curve is not None else None
+        guard = CurveGuard(curve, logger.info) if curve is not None else None
         try:
             self._socket = bind_router(self._context, endpoint,
                                        batch_capacity_max * self.hidden * 4, guard)
@@ -126,7 +119,7 @@ class Server:
     def serve_forever(self) -> None:
         access = (f"CURVE, {len(self.curve.authorized)} authorized parent keys" if self.curve
                   else "without CURVE")
-        self.log(f"serving {self.endpoint} ({access}): model {self.info.get('model')}, device "
+        logger.info(f"serving {self.endpoint} ({access}): model {self.info.get('model')}, device "
                  f"{self.info.get('device')}, protocol v{p.PROTOCOL_VERSION}")
         try:
             while not self._stopping:
@@ -141,7 +134,7 @@ class Server:
             self._socket.close(linger=0)
             self._context.term()
             remove_socket_file(self.endpoint)
-            self.log(f"stopped serving {self.endpoint}")
+            logger.info(f"stopped serving {self.endpoint}")
 
     def _serve_stream(self) -> None:
         """Without an arena: poll without sleeping for spin_s after the last message (to catch
@@ -180,9 +173,9 @@ class Server:
         fence()
         session = self._session
         session.last_seen = time.monotonic()
-        request_id = slot_headers.request_id(slot.buffer)
+        request_id = shm.request_id(slot.buffer)
         try:
-            layer, dtype, tokens, pairs, padded = slot_headers.read_request(slot.buffer, layout)
+            layer, dtype, tokens, pairs, padded = shm.read_request_header(slot.buffer, layout)
             self._require_ready()
             if padded and session.slot_compute is not None:
                 compute_us = self._run_in_place(session.slot_compute, index, layer, dtype, tokens)
@@ -193,10 +186,10 @@ class Server:
                 p.check_counts(request.counts, len(request.local_ids))
                 out, compute_us = self._run_compute(request)
                 slot.write_result(out)
-            slot_headers.write_result(slot.buffer, request_id, layer, tokens, layout.hidden,
+            shm.write_result_header(slot.buffer, request_id, layer, tokens, layout.hidden,
                                       compute_us)
         except Exception as e:  # noqa: BLE001 - any failure becomes an error reply
-            slot_headers.write_error(slot.buffer, *self._error_reply(request_id, e))
+            shm.write_error_header(slot.buffer, *self._error_reply(request_id, e))
         fence()
         slot.reply.set(sequence)
 
@@ -233,7 +226,7 @@ class Server:
         try:
             self._socket.send_multipart([peer, header, *frames], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:  # the peer's queue is full or it is gone: drop the reply
-            self.log(f"reply to a peer dropped: {e}")
+            logger.info(f"reply to a peer dropped: {e}")
 
     def _error_reply(self, request_id, error: Exception) -> tuple:
         """(request id, code, message) of the error reply to a failed request."""
@@ -241,9 +234,9 @@ class Server:
         if isinstance(error, ProtocolError):
             request_id = request_id if request_id is not None else error.request_id
             if error.code in (p.VERSION_MISMATCH, p.NO_SESSION):
-                self.log(f"refused a request ({error.code}): {error.message}")
+                logger.info(f"refused a request ({error.code}): {error.message}")
             return request_id, error.code, error.message
-        self.log(f"internal error on request {request_id!r}: {type(error).__name__}: {error}\n"
+        logger.info(f"internal error on request {request_id!r}: {type(error).__name__}: {error}\n"
                  + "".join(traceback.format_exception(error)).rstrip())
         return request_id, p.INTERNAL, f"{type(error).__name__}: {error}"
 
@@ -258,13 +251,13 @@ class Server:
 
     def _end_session(self, reason: str) -> None:
         session, self._session = self._session, None
-        self.log(f"session end: {session.describe()} ({reason})")
+        logger.info(f"session end: {session.describe()} ({reason})")
         if session.arena is not None:
             session.arena.detach()
         try:
             self.handler.release()
         except Exception as e:  # noqa: BLE001 - a session ends even if the handler fails
-            self.log(f"handler.release failed: {type(e).__name__}: {e}")
+            logger.info(f"handler.release failed: {type(e).__name__}: {e}")
 
     # -- ops ----------------------------------------------------------------------------------
 
@@ -279,7 +272,7 @@ class Server:
         if header.get("fingerprint") != ours:
             message = (f"model fingerprint mismatch: parent expects {header.get('fingerprint')!r}, "
                        f"daemon has {ours!r}")
-            self.log(f"refused {who}: {message}")
+            logger.info(f"refused {who}: {message}")
             raise ProtocolError(p.FINGERPRINT_MISMATCH, message)
         session = self._session
         if session is not None and session.peer != peer:
@@ -292,12 +285,12 @@ class Server:
                 since = time.strftime("%H:%M:%S", time.localtime(session.started))
                 message = (f"serving {session.describe()} since {since} (last heard "
                            f"{silent_s:.1f} s ago, lease {self.lease_s:g} s)")
-                self.log(f"refused {who} (busy): {message}")
+                logger.info(f"refused {who} (busy): {message}")
                 raise ProtocolError(p.BUSY, message)
         if self._session is None:
             self._session = Session(peer=peer, parent=dict(parent))
             self.counts["sessions"] += 1
-            self.log(f"session start: {who}")
+            logger.info(f"session start: {who}")
         self._send(peer, p.pack_header(p.HELLO, id=header["id"], **_fields(
             self.info, p.host_identity(), {"batch_capacity_max": self.batch_capacity_max})))
 
@@ -316,7 +309,7 @@ class Server:
         session.ready = True
         session.last_seen = time.monotonic()
         total = sum(len(ids) for ids in experts.values())
-        self.log(f"assigned {total} experts over {len(experts)} layers to {session.describe()}")
+        logger.info(f"assigned {total} experts over {len(experts)} layers to {session.describe()}")
         self._send(peer, p.pack_header(p.READY, id=header["id"]))
 
     def _attach(self, peer: bytes, header: dict, frames: list) -> None:
@@ -324,9 +317,9 @@ class Server:
         layout = ArenaLayout.from_fields(header, hidden=self.hidden,
                                          batch_capacity_max=self.batch_capacity_max)
         transport = header.get("transport", "shared")
-        if transport not in ATTACH_TRANSPORTS:
+        if transport not in p.ATTACH_TRANSPORTS:
             raise ProtocolError(p.BAD_REQUEST, f"attach: transport must be one of "
-                                               f"{', '.join(ATTACH_TRANSPORTS)}, got {transport!r}")
+                                               f"{', '.join(p.ATTACH_TRANSPORTS)}, got {transport!r}")
         arena = Arena.attach(header.get("name"), layout)
         try:
             fields, slot_compute = self.handler.attach(arena, transport, header)
@@ -341,7 +334,7 @@ class Server:
         arena.state = STATE_ATTACHED
         session.arena, session.slot_compute = arena, slot_compute
         self._control_seen = arena.control_bell
-        self.log(f"attached shared arena {arena.name} ({transport}): {layout.slots} slots of "
+        logger.info(f"attached shared arena {arena.name} ({transport}): {layout.slots} slots of "
                  f"{layout.slot_bytes / 2**20:.1f} MiB for {session.describe()}")
         self._send(peer, p.pack_header(p.ATTACH, id=header["id"], name=arena.name,
                                        **_fields(fields)))
@@ -403,7 +396,7 @@ class Server:
     def _shutdown(self, peer: bytes, header: dict, frames: list) -> None:
         if self._session is not None:
             self._owned_session(peer)
-        self.log("shutdown requested")
+        logger.info("shutdown requested")
         self._send(peer, p.pack_header(p.BYE, id=header["id"]))
         self.stop()
 

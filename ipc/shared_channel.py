@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 from moerun.ipc import protocol as p
-from moerun.ipc import slot_headers
+from moerun.ipc import shm
 from moerun.ipc.doorbell import fence
 from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout, ProtocolError
 from moerun.ipc.shm import STATE_DETACHED, Arena
@@ -41,13 +41,13 @@ class SharedChannel:
         index = self._free_slot(timeout_s, alive)
         slot = self.arena.slots[index]
         slot.write_request_frames(dtype, x, counts, local_ids, weights)
-        slot_headers.write_request(slot.buffer, request_id, layer, dtype, tokens, pairs, hidden)
+        shm.write_request_header(slot.buffer, request_id, layer, dtype, tokens, pairs, hidden)
         fence()
         slot.request_seq = slot.request_seq + 1
         self.arena.doorbell.ring()
         self._busy[index] = True
         self.in_flight[request_id] = (index, tokens, hidden)
-        self.counters.bytes_sent += (slot_headers.REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype]
+        self.counters.bytes_sent += (shm.REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype]
                                      + 4 * tokens + 8 * pairs)
 
     def post(self, index: int, request_id: int, layer: int, dtype: str, tokens: int) -> None:
@@ -59,14 +59,14 @@ class SharedChannel:
             raise RuntimeError(f"slot {index} still holds a request")
         slot = self.arena.slots[index]
         pairs = tokens * layout.max_pairs_per_token
-        slot_headers.write_request(slot.buffer, request_id, layer, dtype, tokens, pairs,
+        shm.write_request_header(slot.buffer, request_id, layer, dtype, tokens, pairs,
                                    layout.hidden, padded=True)
         fence()
         slot.request_seq = slot.request_seq + 1
         self.arena.doorbell.ring()
         self._busy[index] = True
         self.in_flight[request_id] = (index, tokens, layout.hidden)
-        self.counters.bytes_sent += (slot_headers.REQUEST.size
+        self.counters.bytes_sent += (shm.REQUEST.size
                                      + tokens * layout.hidden * p.WIRE_ITEMSIZE[dtype] + 8 * pairs)
 
     def collect(self, request_id: int, deadline: float, alive: Callable[[], bool] | None) -> None:
@@ -174,7 +174,7 @@ class SharedChannel:
         self._busy[index] = False
         slot = self.arena.slots[index]
         try:
-            reply_id, reply_tokens, reply_hidden, compute_us, error = slot_headers.read_reply(
+            reply_id, reply_tokens, reply_hidden, compute_us, error = shm.read_reply_header(
                 slot.buffer)
         except ProtocolError as e:
             return DaemonError(p.BAD_FRAME, f"unreadable slot reply: {e}", self.endpoint)
@@ -184,6 +184,6 @@ class SharedChannel:
             return DaemonError(p.BAD_FRAME, f"slot reply is for request {reply_id} "
                                             f"[{reply_tokens}, {reply_hidden}], not request "
                                             f"{request_id} [{tokens}, {hidden}]", self.endpoint)
-        self.counters.bytes_received += slot_headers.REPLY.size + tokens * hidden * 4
+        self.counters.bytes_received += shm.REPLY.size + tokens * hidden * 4
         self.counters.compute_seconds += compute_us / 1e6
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import stat
 
@@ -16,6 +17,7 @@ import zmq
 from moerun.ipc.curve import CurveClientKeys, require_keys_if_exposed, set_client_keys
 from moerun.ipc.curve_guard import CurveGuard
 
+ENDPOINT = re.compile(r"^(ipc://.+|tcp://[^:/]+:\d+)$")   # what --daemon, --listen and endpoint name
 QUEUE_MESSAGES = 1000          # per-peer high-water mark, both ways
 SEND_TIMEOUT_MS = 10_000       # a DEALER send blocks at most this long (queue full)
 RECONNECT_MS, RECONNECT_MAX_MS = 100, 1000

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from moerun.engine.generator import RunStats, Runtime
+from moerun.engine.runtime import RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
 
 
@@ -26,10 +26,10 @@ def main() -> None:
     started = time.perf_counter()
     runtime = Runtime(args.model, ctx=args.prompt_tokens + args.decode_tokens, ubatch=args.ubatch)
     load_seconds = time.perf_counter() - started
-    store = runtime.model.moe.store
-    for layer in store.moe_layer_ids:                            # dequantize every expert up front: steady state
+    store = runtime.model.weights.experts.store
+    for layer in np.flatnonzero(runtime.spec.moe_layers):       # dequantize every expert up front: steady state
         for expert in range(runtime.spec.n_experts):
-            store.get(layer, expert)
+            store.get(int(layer), expert)
     rng = np.random.default_rng(0)
     prefill, decode = [], []
     for repetition in range(args.repetitions + 1):                # the first run is a warm-up

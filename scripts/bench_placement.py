@@ -13,12 +13,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from moerun.config import RigConfig
-from moerun.engine.generator import RunStats, Runtime
 from moerun.engine.report import stats_document
+from moerun.engine.runtime import RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
-from moerun.moe.hotness import RoutingCounter
 from moerun.moe.planner import DeviceBudget, PlanRequest, explain, model_sizes, plan
+from moerun.rig.settings import RigConfig
 
 N_PREDICT = 24
 
@@ -33,8 +32,7 @@ def main() -> None:
     profile_prompts = [line for line in Path(args.profile_prompts).read_text().splitlines() if line.strip()]
     prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
 
-    with Runtime(args.model) as runtime:
-        counter = runtime.model.routing_counter = RoutingCounter(runtime.spec)
+    with Runtime(args.model, count_routing=True) as runtime:
         for prompt in profile_prompts:
             list(runtime.generate(runtime.tokenizer.encode(prompt), N_PREDICT, SamplingParams(temperature=0.0)))
         sizes = model_sizes(runtime.gguf, runtime.spec)
@@ -43,7 +41,7 @@ def main() -> None:
                         + args.hot * max(sizes.expert_bytes) * n_moe)
         request = PlanRequest(sizes=sizes, parent=DeviceBudget("parent", parent_bytes, is_parent=True),
                               daemons=(DeviceBudget("cpu", 64 << 30),), context=runtime.ctx,
-                              routing_counts=counter.counts, safety_bytes=0, workspace_bytes=0)
+                              routing_counts=runtime.routing_counts(), safety_bytes=0, workspace_bytes=0)
         result = plan(request)
         placement_file = Path(tempfile.mkdtemp()) / "placement.json"
         placement_file.write_text(result.placement.to_json(runtime.gguf.fingerprint()))

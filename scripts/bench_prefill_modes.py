@@ -8,8 +8,8 @@ import argparse
 
 import numpy as np
 
-from moerun.config import RigConfig
-from moerun.engine.generator import RunStats, Runtime
+from moerun.engine.runtime import RunStats, Runtime
+from moerun.rig.settings import RigConfig
 
 
 def main() -> None:

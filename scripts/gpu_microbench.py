@@ -15,8 +15,8 @@ import argparse
 import numpy as np
 
 from moerun.backends import gpu_kernels
-from moerun.config import RigConfig
-from moerun.engine.generator import Runtime
+from moerun.engine.runtime import Runtime
+from moerun.rig.settings import RigConfig
 
 REPEATS = 50
 
@@ -55,7 +55,7 @@ def main() -> None:
         cupy, stream = backend.cupy, backend.stream
         cache = backend.new_cache(ctx)
         model.forward(np.arange(args.position) % 1000, cache, all_logits=False)
-        layer = model.layers[0]
+        layer = model.weights.layers[0]
         rng = np.random.default_rng(0)
 
         def activation(width: int):
@@ -78,14 +78,14 @@ def main() -> None:
             ("attn_output", 1, lambda: backend.linear(attended, layer.attn_output, residual=x)),
             ("router", 1, lambda: backend.linear(h, layer.ffn_gate_inp)),
             ("route_top_k", 1, lambda: backend.route(backend.linear(h, layer.ffn_gate_inp))),
-            ("experts", 1, lambda: model.moe.begin(0, h, ids, weights).finish()),
+            ("experts", 1, lambda: model.weights.experts.compute(0, h, ids, weights)),
             ("add", 1, lambda: backend.add(x, h)),
         ]
         per_layer = {}
         for name, calls, operation in operations:
             per_layer[name] = (calls, graph_time_us(cupy, stream, operation))
         per_layer["route_top_k"] = (1, per_layer["route_top_k"][1] - per_layer["router"][1])
-        head = graph_time_us(cupy, stream, lambda: backend.linear(x, model.output))
+        head = graph_time_us(cupy, stream, lambda: backend.linear(x, model.weights.output))
         layer_us = sum(calls * us for calls, us in per_layer.values())
         print("| operation | µs per call | calls per layer | µs per layer | share |")
         print("| --- | ---: | ---: | ---: | ---: |")

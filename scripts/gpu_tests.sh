@@ -7,4 +7,4 @@ run_dir="$(mktemp -d)"
 trap 'rm -rf "$run_dir"' EXIT
 cp -r "$repo/tests" "$repo/pyproject.toml" "$run_dir/"
 cd "$run_dir"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_*.py "$@"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu "$@"

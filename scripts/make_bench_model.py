@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from moerun.models.bench_model import (
+from moerun.writers.bench_model import (
     MIXES,
     PRESETS,
     tensor_plan,

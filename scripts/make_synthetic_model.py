@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from importlib.resources import files
 
-from moerun.models.synthetic import SyntheticConfig, write_synthetic_model
+from moerun.writers.demo import demo_corpus
+from moerun.writers.synthetic import SyntheticConfig, write_synthetic_model
 
 PRESETS = {
     # hidden 1024, 8 layers, 32 experts, top-4: the mid-size numpy benchmark model
@@ -32,7 +32,7 @@ def main() -> None:
     config = dataclasses.replace(PRESETS[args.preset], seed=args.seed)
     if args.ftype:
         config = dataclasses.replace(config, ftype=args.ftype)
-    corpus = files("moerun.models").joinpath("default_corpus.txt").read_text(encoding="utf-8")
+    corpus = demo_corpus()
     path = write_synthetic_model(args.output, config, corpus, bigram_head=False)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): {config}")
 

@@ -18,22 +18,22 @@ from collections import defaultdict
 
 import numpy as np
 
-from moerun.config import RigConfig
-from moerun.engine.generator import Runtime
+from moerun.engine.runtime import Runtime
+from moerun.rig.settings import RigConfig
 
 OPERATIONS = ("embed", "rms_norm", "linear", "rope_append", "attention", "route", "silu_mul", "add")
 
 
 class OpTimer:
-    """Wraps the backend's operations (and the experts' begin) with event pairs."""
+    """Wraps the backend's operations (and the expert executor's begin) with event pairs."""
 
     def __init__(self, runtime: Runtime):
         self.cupy = runtime.backend.cupy
         self.pairs: list[tuple[str, object, object]] = []
-        backend, moe = runtime.backend, runtime.model.moe
+        backend, executor = runtime.backend, runtime.model.executor
         for name in OPERATIONS:
             setattr(backend, name, self._timed(getattr(backend, name), name))
-        moe.begin = self._timed(moe.begin, "experts")
+        executor.begin = self._timed(executor.begin, "experts")
 
     def _timed(self, function, name):
         def timed(*args, **kwargs):
@@ -83,12 +83,12 @@ def ceilings(cupy) -> tuple[float, float]:
 
 def decode_bytes(runtime: Runtime) -> int:
     """Weight bytes one decoded token reads: every non-expert matrix, K experts per MoE layer, the head."""
-    model, spec = runtime.model, runtime.spec
-    total = model.output.data.nbytes + model.token_embd.row_bytes
-    for layer in model.layers:
+    weights, spec = runtime.model.weights, runtime.spec
+    total = weights.output.data.nbytes + weights.token_embd.row_bytes
+    for layer in weights.layers:
         for matrix in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output, layer.ffn_gate_inp):
             total += 0 if matrix is None else matrix.data.nbytes
-    for experts in model.moe.layers.values():
+    for experts in weights.experts.layers.values():
         per_expert = experts.gate_up.expert_bytes + experts.down.expert_bytes
         per_expert += 0 if spec.fused_gate_up else experts.up_stack.expert_bytes
         total += spec.n_experts_used * per_expert

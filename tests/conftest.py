@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
-    from tests.gpu_support import gpu_device
+    from tests.support.gpu import gpu_device
     if gpu_device() is None:
         skip = pytest.mark.skip(reason="no CUDA or ROCm GPU on this machine")
         for item in gpu_items:

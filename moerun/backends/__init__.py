@@ -1,8 +1,8 @@
 """Compute backends: numpy (the reference, on the CPU), CUDA and HIP (through CuPy).
 
-Each offers the same operations (numpy_backend.NumpyBackend is the plainest
-statement of them) on its own arrays; moerun.engine.model writes the forward pass
-once over them.
+Each offers the operations of protocol.Backend on its own arrays (numpy_backend.NumpyBackend
+is the plainest statement of them); moerun.engine.model writes the forward pass once over
+them.
 """
 from __future__ import annotations
 

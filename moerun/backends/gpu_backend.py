@@ -17,19 +17,15 @@ import numpy as np
 
 from moerun.backends.devices import Device, gpu_module
 from moerun.backends.gpu_blas import Blas
-from moerun.backends.gpu_dispatch import GpuDispatcher
+from moerun.backends.gpu_experts import GpuExperts, load_experts
 from moerun.backends.gpu_graphs import GraphCache
 from moerun.backends.gpu_kernels import BLOCK, MAX_GEMV_TOKENS, Kernels
-from moerun.backends.gpu_moe import GpuExperts, load_experts
-from moerun.backends.gpu_remote import GpuParent
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
-from moerun.engine.kv_cache import check_room
+from moerun.backends.protocol import ContextFull, Forward
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
-from moerun.moe.experts import ExpertStore
-from moerun.moe.rig import Rig
 
 DECODE_CHUNK = 64              # cache positions per split of decode attention (<= MAX_CHUNK in layers.cu)
 NULL = np.uint64(0)            # a null pointer argument
@@ -57,7 +53,8 @@ class GpuKVCache:
         self.length = 0
 
     def reserve(self, n_tokens: int) -> None:
-        check_room(self.length + n_tokens, self.capacity)
+        if self.length + n_tokens > self.capacity:
+            raise ContextFull(self.length + n_tokens, self.capacity)
 
     def advance(self, n_tokens: int) -> None:
         self.length += n_tokens
@@ -104,21 +101,11 @@ class GpuBackend:
     def vector(self, values: np.ndarray) -> Any:
         return self.cupy.asarray(np.ascontiguousarray(values, dtype=np.float32))
 
-    def gpu_parent(self) -> GpuParent:
-        """The rig's hook that attaches daemons for the device and shared transports."""
-        return GpuParent(self)
-
-    def dispatcher(self, local: GpuExperts, rig: Rig, gguf: GGUFFile, expert_cache_bytes: int) -> GpuDispatcher:
-        """The MoE step with daemons: split on the device, the daemons' pairs computed on
-        the CPU from the mmap while one is down."""
-        return GpuDispatcher(self, local, rig, rig.gpu_parent, ExpertStore(gguf, self.spec, expert_cache_bytes))
-
-    def local_moe(self, gguf: GGUFFile, expert_cache_bytes: int,
-                  resident: dict[int, list[int]] | None = None) -> GpuExperts:
-        """Every expert, or the `resident` ones per layer (a parent with daemons: its hot ones)."""
+    def load_experts(self, gguf: GGUFFile, held: dict[int, list[int]] | None, cache_bytes: int) -> GpuExperts:
+        """Every expert, or the `held` ones per layer (a parent with daemons: its hot ones)."""
         layers = {}
         for layer, is_moe in enumerate(self.spec.moe_layers):
-            ids = None if resident is None else resident.get(layer, [])
+            ids = None if held is None else held.get(layer, [])
             if is_moe and (ids is None or ids):
                 layers[layer] = load_experts(self._uploader, self.spec, layer, ids)
         return GpuExperts(self, self.spec, layers)
@@ -151,13 +138,11 @@ class GpuBackend:
         return GpuKVCache(self._kv_buffers[capacity], capacity)
 
     # -- the step
-    def run(self, model, ids: np.ndarray, cache: GpuKVCache, all_logits: bool) -> np.ndarray:
+    def run_step(self, forward: Forward, ids: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
         with self.stream:
-            if len(ids) == 1 and self.graphs_enabled and model.routing_counter is None:
-                return self._graphs.step(model, int(ids[0]), cache, all_logits)
-            logits = model.forward_on_device(self.upload_ids(ids), self.positions(cache.length, len(ids)),
-                                             cache, all_logits)
-            return self.to_host(logits)
+            if len(ids) == 1 and self.graphs_enabled and graph_key is not None:
+                return self._graphs.step(forward, int(ids[0]), start, graph_key)
+            return self.to_host(forward(self.upload_ids(ids), self.positions(start, len(ids))))
 
     # -- operations
     def embed(self, table: DeviceMatrix, ids: Any) -> Any:

@@ -1,19 +1,18 @@
-"""Decode steps captured as CUDA graphs. An all-local step is one graph; a step with
-expert daemons is a chain of graph segments with host actions between them (post a
-layer's requests, collect its replies), cut where the model's MoE layers call
-`backend.cut`. A key's first step runs eagerly (loading every kernel), its second is
-captured (and runs while it is captured, segment by segment), later ones replay. Each
-key's graphs allocate from their own memory pool, kept with them.
+"""Decode steps captured as CUDA graphs. A step's device work comes as a forward function
+(ids, positions) -> logits. An all-local step is one graph; a step with expert daemons is a
+chain of graph segments with host actions between them (post a layer's requests, collect
+its replies), cut where the rig's dispatcher calls `backend.cut`. A key's first step runs
+eagerly (loading every kernel), its second is captured (and runs while it is captured,
+segment by segment), later ones replay. Each key's graphs allocate from their own memory
+pool, kept with them.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from moerun.moe.dispatch import MoEStats
 
 
 class StepRetry(Exception):
@@ -26,7 +25,6 @@ class CapturedStep:
     last: Any                                         # the graph that ends with the logits
     logits: Any
     pool: Any
-    replayed_counts: dict[str, int]                   # MoE stats a replay adds (host-counted ones)
 
 
 class Recorder:
@@ -55,8 +53,8 @@ class Recorder:
 
 
 class GraphCache:
-    """Captured decode steps, one per (cache capacity, all_logits, the MoE's graph key);
-    a MoE whose graph key is None (a daemon is down) runs eagerly."""
+    """Captured decode steps, one per key (the caller's: cache capacity, all_logits, and
+    whatever else the captured work depends on)."""
 
     def __init__(self, backend):
         self.backend = backend
@@ -66,30 +64,28 @@ class GraphCache:
         self.token = cupy.zeros(1, cupy.int32)
         self.position = cupy.zeros(1, cupy.int32)
 
-    def step(self, model, token: int, cache, all_logits: bool) -> np.ndarray:
+    def step(self, forward: Callable[[Any, Any], Any], token: int, position: int, key: tuple) -> np.ndarray:
         backend = self.backend
         self.token.fill(token)
-        self.position.fill(cache.length)
-        moe_key = model.moe.graph_key()
-        key = (cache.capacity, all_logits, moe_key)
-        if moe_key is None or key not in self._seen:
+        self.position.fill(position)
+        if key not in self._seen:
             self._seen.add(key)
-            return self._eager(model, cache, all_logits)
+            return self._eager(forward)
         try:
             if key not in self._steps:
                 self._forget(key)
-                self._steps[key] = self._capture(model, cache, all_logits)
+                self._steps[key] = self._capture(forward)
             else:
-                self._replay(model, self._steps[key])
+                self._replay(self._steps[key])
         except StepRetry:
             self._forget(key)
-            return self._eager(model, cache, all_logits)
+            return self._eager(forward)
         return backend.to_host(self._steps[key].logits)
 
-    def _eager(self, model, cache, all_logits: bool) -> np.ndarray:
-        return self.backend.to_host(model.forward_on_device(self.token, self.position, cache, all_logits))
+    def _eager(self, forward: Callable[[Any, Any], Any]) -> np.ndarray:
+        return self.backend.to_host(forward(self.token, self.position))
 
-    def _replay(self, model, step: CapturedStep) -> None:
+    def _replay(self, step: CapturedStep) -> None:
         stream = self.backend.stream
         self.backend.graph_step = True        # a failing action raises StepRetry instead of falling back
         try:
@@ -99,36 +95,24 @@ class GraphCache:
         finally:
             self.backend.graph_step = False
         step.last.launch(stream)
-        _add_counts(model.moe.stats, step.replayed_counts)
 
-    def _capture(self, model, cache, all_logits: bool) -> CapturedStep:
+    def _capture(self, forward: Callable[[Any, Any], Any]) -> CapturedStep:
         cupy, backend = self.backend.cupy, self.backend
         pool = cupy.cuda.MemoryPool()
-        before = _counts(model.moe.stats) if model.moe.counts_on_host else {}
         recorder = Recorder(backend.stream)
         backend.recorder, backend.graph_step = recorder, True
         with cupy.cuda.using_allocator(pool.malloc):
             recorder.start()
             try:
-                logits = model.forward_on_device(self.token, self.position, cache, all_logits)
+                logits = forward(self.token, self.position)
             finally:
                 backend.recorder, backend.graph_step = None, False
                 last = recorder.stop() if recorder.capturing else None
         last.launch(backend.stream)
-        replayed = ({name: count - before[name] for name, count in _counts(model.moe.stats).items()}
-                    if model.moe.counts_on_host else {})
-        return CapturedStep(recorder.segments, last, logits, pool, replayed)
+        return CapturedStep(recorder.segments, last, logits, pool)
 
     def _forget(self, key: tuple) -> None:
-        """Drop the steps of this capacity and all_logits captured for other daemon sessions."""
+        """Drop the steps captured for the same first two parts of the key (cache capacity
+        and all_logits) under another daemon session."""
         for old in [k for k in self._steps if k[:2] == key[:2]]:
             del self._steps[old]
-
-
-def _counts(stats: MoEStats) -> dict[str, int]:
-    return {field.name: getattr(stats, field.name) for field in fields(stats)}
-
-
-def _add_counts(stats: MoEStats, counts: dict[str, int]) -> None:
-    for name, count in counts.items():
-        setattr(stats, name, getattr(stats, name) + count)

@@ -2,12 +2,12 @@
 through pinned staging buffers.
 
 Types the kernels read directly stay as they are; any other type is dequantized
-at load to f16 (said once on stderr). Shape legend: N rows, K columns (elements
+at load to f16 (said once in the log). Shape legend: N rows, K columns (elements
 per row), E experts.
 """
 from __future__ import annotations
 
-import sys
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,8 @@ KERNEL_TYPES = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q8_0: "q8_0", T.Q4
                 T.Q5_0: "q5_0", T.Q5_1: "q5_1", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k"}
 UNIT = 32                       # weights per kernel work unit: rows must hold a whole number
 STAGING_BYTES = 64 << 20        # each of the two pinned buffers
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +106,5 @@ class Uploader:
     def finish(self) -> None:
         self.cupy.cuda.get_current_stream().synchronize()
         if self.converted:
-            print(f"note: {', '.join(sorted(self.converted))} weights were converted to F16 at load "
-                  "(the GPU kernels read F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K)",
-                  file=sys.stderr)
+            logger.info(f"{', '.join(sorted(self.converted))} weights were converted to F16 at load (the GPU "
+                        "kernels read F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K)")

@@ -1,11 +1,17 @@
-"""Reference numpy kernels, float32 throughout.
+"""Reference numpy kernels, float32 throughout: norms, rope, attention, top-K routing and
+the grouped expert FFN.
 
 Shape legend: T tokens in the chunk, S cached positions, H hidden size,
-NH query heads, NKV key/value heads, D head dim, F FFN width.
+NH query heads, NKV key/value heads, D head dim, F FFN width, E experts, K experts per token,
+P routed pairs.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+
+ExpertWeights = tuple[np.ndarray, np.ndarray, np.ndarray]  # gate [F, H], up [F, H], down [H, F]
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -76,3 +82,28 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) ->
     probs = softmax(scores, axis=-1)
     out = probs @ v.transpose(1, 0, 2)[:, None]                                 # [NKV, G, T, Dv]
     return out.transpose(2, 0, 1, 3).reshape(n_tokens, -1)
+
+
+def route(router_logits: np.ndarray, k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Top-K expert selection as llama.cpp does it: router_logits [T, E] -> expert ids [T, K]
+    (int64, best first), weights [T, K] f32. Softmax over all E experts, keep the K most
+    probable; `renormalize` rescales the kept weights to sum to 1 (qwen3moe, Mixtral),
+    otherwise they are the raw probabilities (qwen2moe, olmoe)."""
+    probs = softmax(router_logits.astype(np.float32), axis=-1)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if renormalize:
+        weights = weights / np.sum(weights, axis=-1, keepdims=True)
+    return ids, weights.astype(np.float32)
+
+
+def grouped_ffn(x: np.ndarray, rows: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+                expert: Callable[[int], ExpertWeights]) -> np.ndarray:
+    """Routed pairs grouped by expert: out[rows[p]] += weights[p] · FFN_{experts[p]}(x[rows[p]]).
+    x [T, H]; rows, experts, weights [P] with each (row, expert) at most once -> [T, H]"""
+    out = np.zeros_like(x)
+    for e in np.unique(experts):
+        pick = experts == e
+        token_rows = rows[pick]
+        out[token_rows] += swiglu_ffn(x[token_rows], *expert(int(e))) * weights[pick][:, None]
+    return out

@@ -1,1 +1,2 @@
-"""The engine: forward pass, KV cache, sampler, generator."""
+"""The engine: the Runtime (loading, prefill and decode loops), the forward pass written once
+over a backend, the weights, the sampler, the run telemetry."""

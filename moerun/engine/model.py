@@ -1,5 +1,6 @@
 """The forward pass of a MoE transformer, written once over a backend's operations
-(moerun.backends: numpy on the CPU, CUDA or HIP on a GPU).
+(moerun.backends: numpy on the CPU, CUDA or HIP on a GPU); each MoE layer's routed experts
+go through the executor it is given (moerun.moe.executor: all local, or a rig).
 
 Shape legend: T tokens in the chunk, H hidden, V vocab, NH/NKV heads, D head dim,
 E experts, K experts per token, L layers.
@@ -10,52 +11,56 @@ from typing import Any
 
 import numpy as np
 
-from moerun.engine.weights import LayerWeights, load_layer
-from moerun.gguf.reader import GGUFFile
+from moerun.backends.protocol import Backend, KVCache
+from moerun.engine.weights import LayerWeights, ModelWeights
 from moerun.models.spec import ModelSpec
+from moerun.moe.executor import ExpertExecutor, MoEStats
 from moerun.moe.hotness import RoutingCounter
 
 
 class MoEModel:
-    def __init__(self, gguf: GGUFFile, spec: ModelSpec, backend, expert_cache_bytes: int,
-                 resident: dict[int, list[int]] | None = None):
-        """resident: the routed experts per layer the parent holds when daemons hold the rest."""
-        self.gguf = gguf
+    def __init__(self, spec: ModelSpec, backend: Backend, weights: ModelWeights, executor: ExpertExecutor,
+                 routing: RoutingCounter | None = None):
+        """routing: counts every MoE layer's routed ids (`moerun profile`); steps then run eagerly."""
         self.spec = spec
         self.backend = backend
-        self.routing_counter: RoutingCounter | None = None          # set by `moerun profile`
-        backend.begin_loading(gguf)
-        try:
-            self.layers: list[LayerWeights] = [load_layer(gguf, spec, i, backend) for i in range(spec.n_layers)]
-            self.moe = backend.local_moe(gguf, expert_cache_bytes, resident)  # the Runtime wraps it for daemons
-            self.token_embd = backend.embedding(gguf, "token_embd.weight")             # [V, H]
-            self.output_norm = backend.vector(gguf.dequantize("output_norm.weight"))   # [H]
-            head = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"
-            self.output = backend.matrix(gguf, head)                                   # [V, H]
-        finally:
-            backend.finish_loading()
+        self.weights = weights
+        self.executor = executor
+        self.routing = routing
+        self._moe_layers = sum(spec.moe_layers)
+        self._layer_calls = 0             # MoE layer calls and routed pairs, counted per forward
+        self._routed_pairs = 0
 
-    def forward(self, ids: np.ndarray, cache, all_logits: bool) -> np.ndarray:
+    def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
         """Run ids [T] at positions cache.length.. and extend the cache.
         Returns float32 logits [T, V] (all_logits) or [1, V] for the last position."""
         cache.reserve(len(ids))
-        logits = self.backend.run(self, ids, cache, all_logits)
+        executor_key = self.executor.graph_key() if self.routing is None else None
+        graph_key = None if executor_key is None else (cache.capacity, all_logits, executor_key)
+        logits = self.backend.run_step(lambda ids_, positions: self._forward(ids_, positions, cache, all_logits),
+                                       ids, cache.length, graph_key)
         cache.advance(len(ids))
+        self._layer_calls += self._moe_layers
+        self._routed_pairs += self._moe_layers * len(ids) * self.spec.n_experts_used
         return logits
 
-    def forward_on_device(self, ids: Any, positions: Any, cache, all_logits: bool) -> Any:
-        """The pass itself on the backend's arrays: ids [T], positions [T] -> logits.
-        Launches device work only, so a GPU backend can capture it as a graph."""
-        backend = self.backend
-        x = backend.embed(self.token_embd, ids)                                        # [T, H]
-        for i, layer in enumerate(self.layers):
+    def moe_stats(self) -> MoEStats:
+        return MoEStats.of(self._layer_calls, self._routed_pairs, self.executor.counts())
+
+    def _forward(self, ids: Any, positions: Any, cache: KVCache, all_logits: bool) -> Any:
+        """The pass on the backend's arrays: ids [T], positions [T] -> logits. Launches
+        device work only (host actions go through backend.cut), so a GPU backend can
+        capture it as a graph."""
+        backend, weights = self.backend, self.weights
+        x = backend.embed(weights.token_embd, ids)                                     # [T, H]
+        for i, layer in enumerate(weights.layers):
             x = self._attention(i, layer, x, cache, positions)
             x = self._ffn(i, layer, x)
         if not all_logits:
             x = x[-1:]
-        return backend.linear(backend.rms_norm(x, self.output_norm), self.output)     # [T, V]
+        return backend.linear(backend.rms_norm(x, weights.output_norm), weights.output)   # [T, V]
 
-    def _attention(self, i: int, w: LayerWeights, x: Any, cache, positions: Any) -> Any:
+    def _attention(self, i: int, w: LayerWeights, x: Any, cache: KVCache, positions: Any) -> Any:
         backend, spec = self.backend, self.spec
         h = backend.rms_norm(x, w.attn_norm)
         q = backend.linear(h, w.attn_q, w.attn_q_bias)                                 # [T, NH*D]
@@ -75,9 +80,9 @@ class MoEModel:
         if w.ffn_dense is not None:
             return backend.linear(self._swiglu(h, w.ffn_dense[:2]), w.ffn_dense[2], residual=x)
         ids, weights = backend.route(backend.linear(h, w.ffn_gate_inp))               # [T, K] each
-        if self.routing_counter is not None:
-            self.routing_counter.add(i, backend.to_host(ids))
-        pending = self.moe.begin(i, h, ids, weights)          # cold work is on its way to the daemons
+        if self.routing is not None:
+            self.routing.add(i, backend.to_host(ids))
+        pending = self.executor.begin(i, h, ids, weights)     # cold work is on its way to the daemons
         shared = None
         if w.ffn_shexp is not None:
             shared = backend.linear(self._swiglu(h, w.ffn_shexp[:2]), w.ffn_shexp[2])

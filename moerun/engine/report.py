@@ -1,7 +1,7 @@
 """Run telemetry: the `--stats` table and the `--stats-json` document (names in docs/stats.md)."""
 from __future__ import annotations
 
-from moerun.engine.generator import RunStats, Runtime
+from moerun.engine.runtime import RunStats, Runtime
 
 MIB = 1 << 20
 
@@ -19,7 +19,7 @@ def stats_document(runtime: Runtime, run: RunStats, **extra) -> dict:
             "fallback_calls": link.fallback_calls, "times_down": link.times_down,
             "restarts": link.restarts, "rejoins": link.rejoins,
         })
-    return {**extra, "model": str(runtime.gguf.path), **run.to_dict(), **runtime.model.moe.stats.to_dict(),
+    return {**extra, "model": str(runtime.gguf.path), **run.to_dict(), **runtime.moe_stats().to_dict(),
             "daemons": daemons}
 
 

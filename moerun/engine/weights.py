@@ -1,14 +1,16 @@
-"""Non-expert weights of every layer, in the backend's form: float32 numpy arrays on
-the CPU, the stored (quantized) bytes on a GPU; norms and biases always float32.
+"""A model's weights in the backend's form: float32 numpy arrays on the CPU, the stored
+(quantized) bytes on a GPU; norms and biases always float32. The routed experts are the
+backend's Experts: every expert, or the ones the placement keeps on the parent.
 
 Attributes are named after the GGUF tensors (blk.N.<name>.weight).
-Shape legend: H hidden, NH/NKV heads, D head dim, E experts, F FFN widths.
+Shape legend: H hidden, V vocab, NH/NKV heads, D head dim, E experts, F FFN widths.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from moerun.backends.protocol import Backend, Experts
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 
@@ -36,7 +38,34 @@ class LayerWeights:
     ffn_gate_inp_shexp: Matrix | None     # [1, H] shared-expert gate
 
 
-def load_layer(gguf: GGUFFile, spec: ModelSpec, i: int, backend) -> LayerWeights:
+@dataclass
+class ModelWeights:
+    layers: list[LayerWeights]
+    experts: Experts                      # the routed experts this process computes
+    token_embd: Any                       # [V, H], rows looked up by backend.embed
+    output_norm: Vector                   # [H]
+    output: Matrix                        # [V, H], the LM head (token_embd again when tied)
+
+
+def load_weights(gguf: GGUFFile, spec: ModelSpec, backend: Backend, held: dict[int, list[int]] | None,
+                 expert_cache_bytes: int) -> ModelWeights:
+    """Every weight the parent computes with; `held`: its routed experts per layer when
+    daemons hold the rest (None: all of them)."""
+    backend.begin_loading(gguf)
+    try:
+        head = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"
+        return ModelWeights(
+            layers=[load_layer(gguf, spec, i, backend) for i in range(spec.n_layers)],
+            experts=backend.load_experts(gguf, held, expert_cache_bytes),
+            token_embd=backend.embedding(gguf, "token_embd.weight"),
+            output_norm=backend.vector(gguf.dequantize("output_norm.weight")),
+            output=backend.matrix(gguf, head),
+        )
+    finally:
+        backend.finish_loading()
+
+
+def load_layer(gguf: GGUFFile, spec: ModelSpec, i: int, backend: Backend) -> LayerWeights:
     def matrix(name: str) -> Matrix:
         return backend.matrix(gguf, f"blk.{i}.{name}")
 

@@ -1,8 +1,10 @@
-"""GGML tensor types: byte sizes, zero-copy numpy views, dequantization to float32."""
+"""GGML tensor types: byte sizes, zero-copy numpy views, dequantization to float32, and
+row lookups in a 2-D tensor (an embedding) without dequantizing the rest."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from math import prod
 
 import numpy as np
@@ -62,3 +64,18 @@ def dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     if raw.size == 0:
         return np.zeros(gguf_quants.quant_shape_from_byte_shape(raw.shape, ggml_type), np.float32)
     return gguf_quants.dequantize(raw, ggml_type)
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """A 2-D tensor [N, K] as stored, whose rows are dequantized when looked up."""
+    raw: np.ndarray                       # raw_view of the tensor: [N, K] or [N, row bytes]
+    ggml_type: GGMLQuantizationType
+    name: str
+
+    def lookup(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Float32 rows [len(rows), K]."""
+        ids = np.asarray(rows, dtype=np.intp)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.raw.shape[0]):
+            raise IndexError(f"row ids of tensor '{self.name}' must be in [0, {self.raw.shape[0]})")
+        return dequantize(self.raw[ids], self.ggml_type)

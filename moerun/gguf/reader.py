@@ -15,7 +15,7 @@ import operator
 import os
 import stat
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -191,15 +191,14 @@ class GGUFFile:
         """Float32 copy of one expert, of shape info.shape[1:]."""
         return self._dequantize(name, self.raw_expert(name, expert))
 
-    def dequantize_rows(self, name: str, rows: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Float32 rows of a 2-D tensor (an embedding lookup), of shape (len(rows), shape[-1])."""
+    def row_table(self, name: str) -> quants.RowTable:
+        """A 2-D tensor whose rows are dequantized on lookup (an embedding); checked here to
+        be 2-D and of a type that can be dequantized."""
         raw = self.raw(name)
         if raw.ndim != 2:
             raise ValueError(f"tensor '{name}' has shape {self.tensors[name].shape}; row lookup needs 2 dimensions")
-        ids = np.asarray(rows, dtype=np.intp)
-        if ids.size and (ids.min() < 0 or ids.max() >= raw.shape[0]):
-            raise IndexError(f"row ids of tensor '{name}' must be in [0, {raw.shape[0]})")
-        return self._dequantize(name, raw[ids])
+        self._dequantize(name, raw[:1])
+        return quants.RowTable(raw, self.tensors[name].ggml_type, name)
 
     def _dequantize(self, name: str, raw: np.ndarray) -> np.ndarray:
         ggml_type = self.tensors[name].ggml_type

@@ -1,13 +1,10 @@
-"""Architecture specs: one small module per GGUF architecture, and `load_spec`,
-which turns a GGUF file's metadata and tensor index into a `ModelSpec`."""
+"""Architecture specs: the rules of each supported GGUF architecture (rules.py), and
+`load_spec`, which turns a GGUF file's metadata and tensor index into a `ModelSpec`."""
 from __future__ import annotations
 
 from moerun.gguf.reader import GGUFError, GGUFFile
-from moerun.models import mixtral, olmoe, qwen2moe, qwen3moe
-from moerun.models.spec import ArchRule, ModelSpec
-
-RULES: dict[str, ArchRule] = {r.gguf_arch: r for r in (qwen3moe.RULE, qwen2moe.RULE, olmoe.RULE, mixtral.RULE)}
-SUPPORTED = "qwen3moe, qwen2moe, olmoe and Mixtral (llama with experts)"
+from moerun.models.rules import RULES, SUPPORTED
+from moerun.models.spec import ModelSpec
 
 
 def load_spec(gguf: GGUFFile) -> ModelSpec:

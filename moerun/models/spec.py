@@ -1,7 +1,7 @@
 """ModelSpec: the hyper-parameters and per-architecture rules one forward pass needs.
 
-Built from GGUF metadata and the tensor index by `moerun.models.load_spec`; every
-architecture module contributes only the rules that differ (rope style, routing).
+Built from GGUF metadata and the tensor index by `moerun.models.load_spec`; each
+architecture contributes only the rules that differ (rope style, routing; rules.py).
 """
 from __future__ import annotations
 
@@ -45,3 +45,9 @@ class ModelSpec:
     @property
     def family(self) -> str:
         return self.rule.family
+
+    def expert_tensor_names(self, layer: int) -> list[str]:
+        """The GGUF tensors of one layer's routed experts: gate, up, down (E, F, H / E, H, F),
+        or the fused gate_up (E, 2F, H, gate first) and down."""
+        parts = ("gate_up", "down") if self.fused_gate_up else ("gate", "up", "down")
+        return [f"blk.{layer}.ffn_{part}_exps.weight" for part in parts]

@@ -1,1 +1,2 @@
-"""Mixture-of-experts: router rules, expert stores."""
+"""Mixture-of-experts, device-free: the expert-executor interface the forward pass calls per
+MoE layer (and the all-local executor), placements, the planner, routing counts."""

@@ -39,6 +39,15 @@ class Placement:
         return {layer: np.flatnonzero(homes == daemon).tolist() for layer, homes in self.homes.items()
                 if np.any(homes == daemon)}
 
+    def local_ids(self, layer: int, home: int) -> np.ndarray:
+        """int32 [E]: each expert's local id at `home` (its position among that home's
+        experts of the layer, as experts_of lists them), -1 for the experts elsewhere."""
+        homes = self.homes[layer]
+        local = np.full(len(homes), -1, np.int32)
+        members = np.flatnonzero(homes == home)
+        local[members] = np.arange(len(members))
+        return local
+
     def to_json(self, fingerprint: str | None = None) -> str:
         """The placement file (docs/placement.md), one line per layer."""
         layers = ",\n".join(f'  "{layer}": {json.dumps(homes.tolist())}' for layer, homes in sorted(self.homes.items()))

@@ -19,20 +19,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from moerun.server.engine import Engine, Failed, Finished, Job, Piece
 from moerun.server.responses import Reply, model_list
 from moerun.server.schemas import ApiError, Generation, parse_chat, parse_completion
+from moerun.server.worker import Failed, Finished, Job, Piece, Worker
 
 
-def create_app(engine: Engine, model_id: str) -> Starlette:
-    """The app serves `engine` under the name `model_id`; it starts the engine and stops it on shutdown."""
+def create_app(worker: Worker, model_id: str) -> Starlette:
+    """The app serves `worker` under the name `model_id`; it starts the worker and stops it on shutdown."""
     @asynccontextmanager
     async def lifespan(app: Starlette):
-        engine.start()
+        worker.start()
         try:
             yield
         finally:
-            await run_in_threadpool(engine.stop)
+            await run_in_threadpool(worker.stop)
 
     app = Starlette(
         routes=[
@@ -46,7 +46,7 @@ def create_app(engine: Engine, model_id: str) -> Starlette:
         lifespan=lifespan,
         exception_handlers={ApiError: refused, HTTPException: http_error, Exception: internal_error},
     )
-    app.state.engine = engine
+    app.state.worker = worker
     app.state.model_id = model_id
     app.state.created = int(time.time())
     return app
@@ -54,14 +54,14 @@ def create_app(engine: Engine, model_id: str) -> Starlette:
 
 async def chat_completions(request: Request) -> Response:
     chat = parse_chat(await json_body(request))
-    engine: Engine = request.app.state.engine
-    return await complete(request, chat.generation, partial(engine.chat_prompt, chat.messages), chat=True)
+    worker: Worker = request.app.state.worker
+    return await complete(request, chat.generation, partial(worker.chat_prompt, chat.messages), chat=True)
 
 
 async def completions(request: Request) -> Response:
     completion = parse_completion(await json_body(request))
-    engine: Engine = request.app.state.engine
-    return await complete(request, completion.generation, partial(engine.text_prompt, completion.prompt), chat=False)
+    worker: Worker = request.app.state.worker
+    return await complete(request, completion.generation, partial(worker.text_prompt, completion.prompt), chat=False)
 
 
 async def complete(request: Request, generation: Generation, prompt_ids: Callable[[], list[int]],
@@ -71,8 +71,8 @@ async def complete(request: Request, generation: Generation, prompt_ids: Callabl
     if generation.model != model_id:
         raise ApiError(404, f"the model '{generation.model}' does not exist; this server runs '{model_id}'",
                        param="model", code="model_not_found")
-    engine: Engine = request.app.state.engine
-    job = engine.submit(await run_in_threadpool(prompt_ids), generation)
+    worker: Worker = request.app.state.worker
+    job = worker.submit(await run_in_threadpool(prompt_ids), generation)
     reply = Reply(model_id, chat)
     if generation.stream:
         return StreamingResponse(event_stream(job, reply, generation.include_usage), media_type="text/event-stream")
@@ -164,16 +164,16 @@ async def model(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    engine: Engine = request.app.state.engine
-    if engine.ready:
+    worker: Worker = request.app.state.worker
+    if worker.ready:
         return JSONResponse({"status": "ok"})
-    if engine.load_error:
-        return JSONResponse({"status": "error", "message": engine.load_error}, status_code=503)
+    if worker.load_error:
+        return JSONResponse({"status": "error", "message": worker.load_error}, status_code=503)
     return JSONResponse({"status": "loading"}, status_code=503)
 
 
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.worker.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -181,7 +181,7 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 async def refused(request: Request, error: ApiError) -> Response:
-    request.app.state.engine.metrics.requests.labels("rejected").inc()
+    request.app.state.worker.metrics.requests.labels("rejected").inc()
     return error_response(error)
 
 

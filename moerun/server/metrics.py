@@ -1,6 +1,6 @@
 """What /metrics shows, in Prometheus text format (series described in docs/server.md).
 
-Request and token series are updated by the engine as it works; daemon and MoE series are
+Request and token series are updated by the worker as it works; daemon and MoE series are
 read from the runtime's own counters at scrape time.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from moerun.engine.generator import Runtime
+from moerun.engine.runtime import Runtime
 
 OUTCOMES = ("stop", "length", "cancelled", "failed", "rejected")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
@@ -93,7 +93,7 @@ class RuntimeCollector:
                 family.add_metric(names, value(link))
         yield from (family for family, _ in families)
 
-        moe = self.runtime.model.moe.stats
+        moe = self.runtime.moe_stats()
         yield CounterMetricFamily("moerun_moe_routed_pairs", "(token, expert) pairs routed", value=moe.routed_pairs)
         yield CounterMetricFamily("moerun_moe_remote_pairs", "Routed pairs sent to a daemon", value=moe.remote_pairs)
         yield CounterMetricFamily("moerun_moe_fallback_pairs", "Routed pairs the parent computed after a daemon failed",

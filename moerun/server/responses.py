@@ -5,7 +5,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from moerun.server.engine import Finished
+from moerun.server.worker import Finished
 
 
 def usage(finished: Finished) -> dict:

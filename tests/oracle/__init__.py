@@ -1,2 +1,1 @@
-"""Test oracle: tiny random Hugging Face MoE models, written to GGUF as llama.cpp's
-converter would (to_gguf) and read back dequantized into transformers (from_gguf)."""
+"""Logits against Hugging Face transformers (the independent oracle), for every architecture and weight type."""

@@ -12,7 +12,7 @@ __device__ __forceinline__ u16 float_to_bf16_bits(float value) {   // round to n
 }
 
 // ids [T, K] global -> the parent's local ids (-1: the expert is on a daemon), counting into
-// counters [3] the routed pairs, the remote pairs and the layer calls with none remote. One block.
+// counters [2] the remote pairs and the layer calls with some pair remote. One block.
 extern "C" __global__ void split_parent_ids(const int* __restrict__ ids, int n_pairs,
                                             const int* __restrict__ parent_local,
                                             int* __restrict__ local_ids,
@@ -29,9 +29,8 @@ extern "C" __global__ void split_parent_ids(const int* __restrict__ ids, int n_p
     if (remote) atomicAdd(&remote_pairs, remote);
     __syncthreads();
     if (threadIdx.x == 0) {
-        counters[0] += (unsigned long long)n_pairs;
-        counters[1] += (unsigned long long)remote_pairs;
-        counters[2] += remote_pairs == 0;
+        counters[0] += (unsigned long long)remote_pairs;
+        counters[1] += remote_pairs != 0;
     }
 }
 

@@ -1,0 +1,168 @@
+"""Routed experts on the GPU, resident in their stored type: every expert of every layer, or
+the ones a placement gave this process (a parent's hot ones, a GPU daemon's).
+
+A few tokens (decode): two launches per layer for all selected experts — gate and
+up with SwiGLU per (token, expert) pair, then down with the weighted sum over the
+token's experts. Many tokens (prefill): the pairs laid out by expert in tiles of
+rows on the device, the experts with tokens dequantized to f16, one batched product
+per matrix over the tiles, the results gathered back with their weights — no host
+round trip, however skewed the routing.
+
+Shape legend: T tokens, H hidden, F expert FFN width, E experts, K experts per
+token, P = T*K routed pairs, R rows of the tiles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moerun.backends.gpu_kernels import MAX_GEMV_TOKENS
+from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
+from moerun.models.spec import ModelSpec
+
+TILE_ROWS = 32                # rows per tile of an expert's tokens in the batched products
+MAX_EXPERTS = 1024            # MAX_EXPERTS in moe_prefill.cu
+
+
+@dataclass
+class LayerExperts:
+    gate_up: DeviceMatrix     # the stack holding gate (and up after it when fused), [E, F or 2F, H]
+    up_stack: DeviceMatrix    # the stack holding up: gate_up itself when fused
+    up_first_row: int         # where up starts in each expert of up_stack: F when fused, else 0
+    down: DeviceMatrix        # [E, H, F]
+
+    @property
+    def up(self) -> Any:
+        """Device bytes of expert 0's up rows; expert e at + e * expert_bytes."""
+        return self.up_stack.data[self.up_first_row * self.up_stack.row_bytes:]
+
+
+class GpuExperts:
+    """Routed experts on the device, by layer; ids are local ids (the position among the
+    experts held of that layer, -1: none)."""
+
+    def __init__(self, backend, spec: ModelSpec, layers: dict[int, LayerExperts]):
+        self.backend = backend
+        self.spec = spec
+        self.layers = layers
+        self._scratch: TileScratch | None = None
+
+    def compute(self, layer: int, x: Any, ids: Any, weights: Any, out: Any | None = None) -> Any:
+        """x [T, H], ids/weights [T, K] on the device -> [T, H], queued on the stream now;
+        written into `out` when given (a daemon's reply buffer)."""
+        experts = self.layers[layer]
+        if ids.shape[0] <= MAX_GEMV_TOKENS:
+            return self._few_tokens(experts, x, ids, weights, out)
+        return self._grouped(experts, x, ids, weights, out)
+
+    def _few_tokens(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None) -> Any:
+        backend, spec = self.backend, self.spec
+        cupy, kernels = backend.cupy, backend.kernels
+        n_tokens, top_k = ids.shape
+        hidden, ffn = spec.hidden, spec.expert_ff
+        stack = experts.gate_up
+        act = cupy.empty((n_tokens * top_k, ffn), cupy.float32)                      # [P, F]
+        kernels.rows(f"moe_gate_up_{stack.kind}", ffn, hidden // UNIT, n_tokens * top_k,
+                     (stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes),
+                      x, np.int32(hidden), ids, np.int32(top_k), act, np.int32(ffn)))
+        down = experts.down
+        out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out    # [T, H]
+        kernels.rows(f"moe_down_{down.kind}", hidden, ffn // UNIT, n_tokens,
+                     (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), act, np.int32(ffn),
+                      ids, weights, np.int32(top_k), out, np.int32(hidden)))
+        return out
+
+    def _grouped(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None) -> Any:
+        """Pairs laid out expert by expert in tiles on the device (no host round trip), the
+        experts that have tokens dequantized to f16, one batched product per matrix over
+        the tiles, then the weighted sum back per token."""
+        backend, spec = self.backend, self.spec
+        cupy, kernels = backend.cupy, backend.kernels
+        n_tokens, top_k = ids.shape
+        hidden, ffn = spec.hidden, spec.expert_ff
+        if self._scratch is None:
+            self._scratch = TileScratch(cupy, hidden, ffn)
+        layout = TileLayout(backend, ids, experts.down.experts, self._scratch)
+        xg = cupy.empty((layout.max_rows, hidden), cupy.float16)                     # [R, H]
+        kernels.elementwise("gather_rows_f16", xg.size, (x, layout.token_rows, np.int32(hidden),
+                                                         np.int64(layout.max_rows), xg))
+        gate_up = backend.dequantize_f16(experts.gate_up, layout.counts)               # [E, F or 2F, H]
+        fused = experts.up_stack is experts.gate_up
+        up_stack = gate_up if fused else backend.dequantize_f16(experts.up_stack, layout.counts)
+        gate, up = (cupy.empty((layout.max_rows, ffn), cupy.float32) for _ in range(2))   # [R, F]
+        layout.multiply(xg, gate_up, 0, gate)
+        layout.multiply(xg, up_stack, experts.up_first_row * hidden, up)
+        act = cupy.empty((layout.max_rows, ffn), cupy.float16)
+        kernels.elementwise("silu_mul_f16", act.size, (gate, up, act, np.int64(act.size)))
+        down = cupy.empty((layout.max_rows, hidden), cupy.float32)                    # [R, H]
+        layout.multiply(act, backend.dequantize_f16(experts.down, layout.counts), 0, down)
+        out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out
+        kernels.elementwise("combine_rows", out.size, (down, layout.pair_rows, weights, np.int32(top_k),
+                                                       np.int32(hidden), np.int64(n_tokens), out))
+        return out
+
+
+def load_experts(uploader: Uploader, spec: ModelSpec, layer: int, experts: list[int] | None = None) -> LayerExperts:
+    """One layer's expert stacks: every expert, or only `experts` (stacked in that order)."""
+    mats = [uploader.matrix(name, experts) for name in spec.expert_tensor_names(layer)]
+    if spec.fused_gate_up:
+        gate_up, down = mats
+        return LayerExperts(gate_up, gate_up, spec.expert_ff, down)
+    gate, up, down = mats
+    if gate.kind != up.kind:
+        raise ValueError(f"layer {layer}: expert gate ({gate.kind}) and up ({up.kind}) tensors of different "
+                         "types are not supported on the GPU")
+    return LayerExperts(gate, up, 0, down)
+
+
+class TileLayout:
+    """The routed pairs ids [T, K] laid out on the device: expert e owns whole tiles of
+    TILE_ROWS rows; row r holds token token_rows[r] (-1: padding); pair p sits in row
+    pair_rows[p]. At most max_tiles tiles: one per TILE_ROWS pairs, plus one partial tile
+    per expert; tiles past the last compute on the scratch buffers."""
+
+    def __init__(self, backend, ids: Any, n_experts: int, scratch: "TileScratch"):
+        cupy = backend.cupy
+        if n_experts > MAX_EXPERTS:
+            raise ValueError(f"the GPU prefill lays out at most {MAX_EXPERTS} experts per layer (got {n_experts})")
+        self.backend = backend
+        self.scratch = scratch
+        n_pairs = ids.size
+        self.max_tiles = -(-n_pairs // TILE_ROWS) + n_experts
+        self.max_rows = self.max_tiles * TILE_ROWS
+        self.counts = cupy.empty(n_experts, cupy.int32)                               # [E]
+        self.tile_expert = cupy.empty(self.max_tiles, cupy.int32)
+        self.tile_row = cupy.empty(self.max_tiles, cupy.int32)
+        self.token_rows = cupy.empty(self.max_rows, cupy.int32)                       # [R]
+        self.pair_rows = cupy.empty(n_pairs, cupy.int32)                              # [P]
+        backend.kernels["layout_pairs"]((1,), (1024,), (
+            ids, np.int32(n_pairs), np.int32(ids.shape[1]), np.int32(n_experts), np.int32(TILE_ROWS),
+            np.int32(self.max_tiles), np.int32(self.max_rows), self.counts, self.tile_expert, self.tile_row,
+            self.token_rows, self.pair_rows))
+
+    def multiply(self, rows: Any, stack: Any, offset: int, out: Any) -> None:
+        """out[r] = rows[r] · W_e[offset...]ᵀ for every tile's rows r, e the tile's expert:
+        rows f16 [R, K], stack f16 [E, N', K] holding W_e ([N, K]) from element `offset`
+        of each expert, out f32 [R, N]."""
+        cupy, backend, scratch = self.backend.cupy, self.backend, self.scratch
+        n, k = out.shape[1], rows.shape[1]
+        pointers = cupy.empty((3, self.max_tiles), cupy.uint64)                      # a, w, c per tile
+        backend.kernels.elementwise("tile_pointers", self.max_tiles, (
+            self.tile_expert, self.tile_row, np.int32(self.max_tiles), rows, np.int64(k * 2),
+            stack[:, offset // k:], np.int64(stack[0].nbytes), out, np.int64(n * 4),
+            scratch.rows, scratch.weights, scratch.out, pointers[0], pointers[1], pointers[2]))
+        backend.blas.gemm_tiles(n=n, k=k, rows=TILE_ROWS, w_ptrs=pointers[1], a_ptrs=pointers[0],
+                                c_ptrs=pointers[2], batch=self.max_tiles)
+
+
+class TileScratch:
+    """Operands for the tiles past the last (their results are never read), sized for
+    the largest of the three expert products; allocated once."""
+
+    def __init__(self, cupy, hidden: int, ffn: int):
+        wide = max(hidden, ffn)
+        self.rows = cupy.empty(TILE_ROWS * wide, cupy.float16)
+        self.weights = cupy.empty(hidden * ffn, cupy.float16)
+        self.out = cupy.empty(TILE_ROWS * wide, cupy.float32)

@@ -1,0 +1,96 @@
+"""What a compute backend offers: weights in its own form, a sequence's KV cache, the
+operations of one forward pass, routed experts, and a way to run a step. Pure compute: a
+backend knows nothing of models, runtimes or rigs. numpy_backend.NumpyBackend is the plainest
+statement of each operation; gpu_backend.GpuBackend does the same with kernels.
+
+Shape legend: T tokens, H hidden, N output rows, V vocab, NH/NKV heads, D/Dv head dims,
+E experts, K experts per token.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from moerun.gguf.reader import GGUFFile
+
+Array = Any          # the backend's array: numpy on the CPU, CuPy on a GPU
+Forward = Callable[[Array, Array], Array]     # (ids [T], positions [T]) -> logits [T or 1, V]
+
+
+class ContextFull(Exception):
+    """The sequence would grow past the positions its KV cache was sized for."""
+
+    def __init__(self, needed: int, capacity: int):
+        super().__init__(f"the sequence needs {needed} positions but the context holds {capacity}")
+
+
+class KVCache(Protocol):
+    capacity: int                 # positions it can hold
+    length: int                   # positions it holds
+
+    def reserve(self, n_tokens: int) -> None: ...   # room for n more, or ContextFull
+
+    def advance(self, n_tokens: int) -> None: ...   # n more positions written
+
+
+class Experts(Protocol):
+    """A model's routed experts on one backend: every expert of each MoE layer, or the ones a
+    placement gave this process, numbered 0.. in ascending global id (their local ids)."""
+
+    def compute(self, layer: int, x: Array, ids: Array, weights: Array, out: Array | None = None) -> Array:
+        """out[t] = Σ_k weights[t, k] · FFN_{ids[t, k]}(x[t]) over the k with ids[t, k] >= 0
+        (local ids). x [T, H], ids/weights [T, K] -> [T, H], written into `out` when given."""
+
+
+class Backend(Protocol):
+    name: str                     # cpu | cuda:N | hip:N
+    kind: str                     # CPU | CUDA | HIP
+
+    # -- weights, read while loading (between begin_loading and finish_loading)
+    def begin_loading(self, gguf: GGUFFile) -> None: ...
+
+    def finish_loading(self) -> None: ...
+
+    def matrix(self, gguf: GGUFFile, name: str) -> Any: ...          # [N, K]
+
+    def vector(self, values: np.ndarray) -> Array: ...               # f32 [N]
+
+    def embedding(self, gguf: GGUFFile, name: str) -> Any: ...       # [V, H] rows looked up by embed()
+
+    def load_experts(self, gguf: GGUFFile, held: dict[int, list[int]] | None, cache_bytes: int) -> Experts:
+        """Every layer's routed experts (held None), or the `held` global ids per layer."""
+
+    # -- sequences and steps
+    def new_cache(self, capacity: int) -> KVCache: ...
+
+    def run_step(self, forward: Forward, ids: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
+        """forward() for host ids [T] at positions start.. on this backend's arrays; the logits
+        come back to the host as f32. With a graph_key, a one-token step may replay the
+        device work captured for that key (CUDA graphs)."""
+
+    def to_host(self, x: Array) -> np.ndarray: ...
+
+    # -- the operations of a forward pass
+    def embed(self, table: Any, ids: Array) -> Array: ...            # -> [T, H]
+
+    def rms_norm(self, x: Array, weight: Array) -> Array: ...
+
+    def linear(self, x: Array, weight: Any, bias: Array | None = None, residual: Array | None = None) -> Array:
+        """x [T, K] · weight [N, K]ᵀ (+ bias [N]) (+ residual [T, N]) -> [T, N]"""
+
+    def rope_append(self, q: Array, k: Array, v: Array, q_norm: Array | None, k_norm: Array | None,
+                    cache: KVCache, layer: int, positions: Array) -> Array:
+        """Per-head q/k norm (when given) and rope; k and v appended to the cache -> rotated q."""
+
+    def attention(self, q: Array, cache: KVCache, layer: int, positions: Array) -> Array:
+        """Causal attention of q over the cache -> [T, NH*Dv]"""
+
+    def route(self, logits: Array) -> tuple[Array, Array]:
+        """Router logits [T, E] -> top-K expert ids and weights [T, K], by the model's rule."""
+
+    def silu_mul(self, gate: Array, up: Array) -> Array: ...
+
+    def add(self, x: Array, y: Array, gate_logit: Array | None = None) -> Array:
+        """x + y, or x + sigmoid(gate_logit [T, 1]) · y"""

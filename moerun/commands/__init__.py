@@ -1,0 +1,1 @@
+"""The `moerun` commands, one module each, and the options they share (options.py)."""

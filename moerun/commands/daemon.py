@@ -1,0 +1,26 @@
+"""`moerun daemon`: serve experts of a model to one parent at a time (moerun.daemons)."""
+from __future__ import annotations
+
+import click
+
+from moerun.commands.options import friendly_errors
+from moerun.ipc.sockets import ENDPOINT
+
+
+@click.command()
+@click.option("-m", "--model", type=click.Path(dir_okay=False), required=True, help="GGUF model file.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or hip:N.")
+@click.option("--listen", required=True, metavar="ENDPOINT", help="ipc://PATH or tcp://HOST:PORT.")
+@click.option("--curve-secret-key", type=click.Path(dir_okay=False), default=None,
+              help="This daemon's CURVE secret key file (`moerun keys`); needed on a tcp:// address "
+                   "other hosts can reach.")
+@click.option("--curve-authorized-keys", type=click.Path(), default=None, metavar="FILE|DIR",
+              help="Public key file, or directory of them, of the parents it serves.")
+@click.option("--parent-pid", type=int, default=None, hidden=True)
+@friendly_errors
+def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, parent_pid):
+    """Serve experts of MODEL to one parent at a time; starts with none, the parent assigns them."""
+    from moerun.daemons.daemon import serve
+    if not ENDPOINT.match(listen):
+        raise click.BadParameter(f"expected ipc://PATH or tcp://HOST:PORT, got {listen!r}", param_hint="--listen")
+    serve(model, device, listen, parent_pid, curve_secret_key, curve_authorized_keys)

@@ -1,0 +1,86 @@
+"""`moerun inspect`: what a GGUF MoE model is and how its bytes are spread."""
+from __future__ import annotations
+
+from collections import Counter
+
+import click
+
+from moerun.commands.options import friendly_errors
+from moerun.gguf.reader import GGUFFile
+from moerun.models import load_spec
+from moerun.models.spec import ModelSpec
+from moerun.moe.planner import model_sizes
+
+
+@click.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@friendly_errors
+def inspect(model):
+    """Print the architecture, hyper-parameters, tensor types and sizes of a GGUF model."""
+    click.echo(describe(model))
+
+
+def describe(path) -> str:
+    with GGUFFile(path) as gguf:
+        spec = load_spec(gguf)
+        lines = [f"file:          {gguf.path} (GGUF v{gguf.version}, {_size(gguf.path.stat().st_size)})"]
+        lines += _hyperparameters(spec)
+        lines += ["", "tensor types:"] + _tensor_types(gguf)
+        lines += ["", "per layer:"] + _layers(gguf, spec)
+        kv = model_sizes(gguf, spec).kv_bytes_per_token
+        lines += ["", f"KV cache per token: {_size(kv['f16'])} at f16, {_size(kv['f32'])} at f32 "
+                      f"(all {spec.n_layers} layers)"]
+    return "\n".join(lines)
+
+
+def _hyperparameters(spec: ModelSpec) -> list[str]:
+    dense = [i for i, moe in enumerate(spec.moe_layers) if not moe]
+    rows = [
+        ("architecture", f"{spec.family} (rope {spec.rule.rope_style}, top-K weights "
+                         f"{'renormalised' if spec.rule.renormalize_topk else 'not renormalised'})"),
+        ("name", spec.name),
+        ("layers", f"{spec.n_layers} ({len(dense)} dense: {dense})" if dense else str(spec.n_layers)),
+        ("hidden", spec.hidden),
+        ("heads", f"{spec.n_heads} query, {spec.n_kv_heads} key/value, head dim {spec.head_dim_k}"),
+        ("experts", f"{spec.n_experts}, {spec.n_experts_used} per token, FFN width {spec.expert_ff}"
+                    + (", gate+up fused" if spec.fused_gate_up else "")),
+        ("shared expert", f"FFN width {spec.shared_ff}" if spec.shared_ff else "none"),
+        ("dense FFN", f"width {spec.dense_ff}" if spec.dense_ff else "none"),
+        ("vocab", spec.vocab),
+        ("context", spec.context_train),
+        ("rope base", f"{spec.rope_base:g}" + (f", linear scale {spec.rope_scale:g}" if spec.rope_scale != 1 else "")),
+        ("rms eps", f"{spec.rms_eps:g}"),
+    ]
+    return [f"{key + ':':<15}{value}" for key, value in rows]
+
+
+def _tensor_types(gguf: GGUFFile) -> list[str]:
+    counts: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for info in gguf.tensors.values():
+        counts[info.ggml_type.name] += 1
+        sizes[info.ggml_type.name] += info.nbytes
+    return [f"  {name:<8}{counts[name]:>6} tensors {_size(sizes[name]):>12}" for name in sorted(counts)]
+
+
+def _layers(gguf: GGUFFile, spec: ModelSpec) -> list[str]:
+    lines = [f"  {'layer':>5} {'kind':<6} {'total':>12} {'experts':>12} {'per expert':>12} {'other':>12}"]
+    for i in range(spec.n_layers):
+        tensors = [t for name, t in gguf.tensors.items() if name.startswith(f"blk.{i}.")]
+        expert_bytes = sum(t.nbytes for t in tensors if t.name.endswith("_exps.weight"))
+        total = sum(t.nbytes for t in tensors)
+        per_expert = _size(expert_bytes // spec.n_experts) if spec.moe_layers[i] else "-"
+        kind = "moe" if spec.moe_layers[i] else "dense"
+        lines.append(f"  {i:>5} {kind:<6} {_size(total):>12} {_size(expert_bytes):>12} {per_expert:>12} "
+                     f"{_size(total - expert_bytes):>12}")
+    return lines
+
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.2f} {unit}"

@@ -1,0 +1,160 @@
+"""`moerun launch --config FILE`: start the daemons a rig config names on this host, then run
+its workload, a generation (`moerun run`) or the OpenAI server (`moerun serve`).
+
+A [[daemon]] with a device and no endpoint is spawned by the parent itself, as `--daemon cpu`
+is. One with a device and an endpoint on this host is started here first, listening on its
+endpoint (or `listen`), and the parent connects to it; if it exits it is started again. Every
+daemon started is a child that dies with this process (parent-death signal).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from moerun.commands.options import friendly_errors
+from moerun.config import load_config_file
+from moerun.rig.links import RigError
+from moerun.rig.settings import DaemonEntry
+from moerun.rig.spawn import (
+    LocalDaemon,
+    make_run_dir,
+    remove_run_dir,
+    spawn_daemon,
+)
+
+WORKLOAD_COMMANDS = {"generate": "run", "serve": "serve"}
+START_TIMEOUT_S = 60.0
+RESTART_FIRST_S, RESTART_MAX_S = 0.5, 30.0
+POLL_S = 0.05
+
+logger = logging.getLogger(__name__)
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="Rig config file (TOML, docs/config.md).")
+@click.argument("workload_flags", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+@friendly_errors
+def launch(ctx, config_file, workload_flags):
+    """Start the rig a config file describes and run its workload.
+
+    Daemons the file gives a device and an endpoint on this host are started first; the
+    parent spawns those with a device only. Flags after --config FILE are those of
+    `moerun run` (workload = "generate") or `moerun serve` (workload = "serve") and
+    override the file."""
+    values = load_config_file(config_file)
+    group = ctx.find_root()
+    workload = group.command.get_command(group, WORKLOAD_COMMANDS[values.get("workload", "generate")])
+    with workload.make_context(f"{group.info_name} launch", ["--config", config_file, *workload_flags],
+                               parent=group) as command:
+        daemons_overridden = command.get_parameter_source("daemons") is ParameterSource.COMMANDLINE
+        entries = () if daemons_overridden else values.get("daemon_entries", ())
+        to_start = [entry for entry in entries if entry.endpoint and entry.device and entry.runs_here()]
+        model = command.params["model"] or values.get("model")
+        if to_start and model is None:
+            from moerun.writers.demo import demo_model_path
+            model = demo_model_path()
+        with StartedDaemons(to_start, model):
+            workload.invoke(command)
+
+
+class StartedDaemons:
+    """The daemons launch starts: each waited for until it listens, restarted with back-off
+    when it exits (the parent's rig then brings it back in), all stopped at the end."""
+
+    def __init__(self, entries: list[DaemonEntry], model: str | Path):
+        self.entries = entries
+        self.model = model
+        self.cpu_threads = max(1, (os.cpu_count() or 1) // (1 + sum(entry.device == "cpu" for entry in entries)))
+        self.run_dir = make_run_dir()
+        self.daemons: dict[str, LocalDaemon] = {}
+        self.stopping = threading.Event()
+        self.watcher = threading.Thread(target=self._watch, name="moerun-launch-watch", daemon=True)
+
+    def __enter__(self) -> StartedDaemons:
+        try:
+            since_ns = time.time_ns()
+            for entry in self.entries:
+                self._spawn(entry)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            for entry in self.entries:
+                _wait_until_listening(entry, self.daemons[entry.name], since_ns, deadline)
+        except BaseException:
+            self.__exit__()
+            raise
+        self.watcher.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stopping.set()
+        if self.watcher.is_alive():
+            self.watcher.join()
+        for daemon in self.daemons.values():
+            daemon.stop()
+        remove_run_dir(self.run_dir)
+
+    def _spawn(self, entry: DaemonEntry) -> None:
+        listen = entry.listen or entry.endpoint
+        if listen.startswith("ipc://"):
+            Path(listen.removeprefix("ipc://")).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.daemons[entry.name] = spawn_daemon(entry.device, self.model, listen, self.run_dir / f"{entry.name}.log",
+                                                self.cpu_threads, entry.curve_flags)
+
+    def _watch(self) -> None:
+        """Start again a daemon that exits: after RESTART_FIRST_S, twice as late each time it
+        exits again within RESTART_MAX_S of its start, at most RESTART_MAX_S."""
+        delays = {entry.name: RESTART_FIRST_S for entry in self.entries}
+        started = dict.fromkeys(delays, time.monotonic())
+        while not self.stopping.wait(POLL_S):
+            for entry in self.entries:
+                daemon = self.daemons[entry.name]
+                if daemon.alive():
+                    continue
+                if time.monotonic() - started[entry.name] > RESTART_MAX_S:
+                    delays[entry.name] = RESTART_FIRST_S
+                logger.info(_failure(entry, daemon, f"exited with status {daemon.process.returncode}")
+                    + f"\nstarting it again in {delays[entry.name]:g} s")
+                if self.stopping.wait(delays[entry.name]):
+                    return
+                self._spawn(entry)
+                started[entry.name] = time.monotonic()
+                delays[entry.name] = min(2 * delays[entry.name], RESTART_MAX_S)
+
+
+def _wait_until_listening(entry: DaemonEntry, daemon: LocalDaemon, since_ns: int, deadline: float) -> None:
+    while not _listening(daemon.endpoint, since_ns):
+        if not daemon.alive():
+            raise RigError(_failure(entry, daemon, f"exited while starting (status {daemon.process.returncode})"))
+        if time.monotonic() > deadline:
+            raise RigError(_failure(entry, daemon, f"did not listen within {START_TIMEOUT_S:.0f} s"))
+        time.sleep(POLL_S)
+
+
+def _listening(endpoint: str, since_ns: int) -> bool:
+    """An ipc:// socket file made since `since_ns` (not a stale one), or a tcp:// port that accepts."""
+    if endpoint.startswith("ipc://"):
+        try:
+            return os.stat(endpoint.removeprefix("ipc://")).st_ctime_ns >= since_ns
+        except FileNotFoundError:
+            return False
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = "127.0.0.1" if host in ("*", "0.0.0.0") else host.strip("[]")
+    try:
+        socket.create_connection((host, int(port)), timeout=POLL_S).close()
+        return True
+    except OSError:
+        return False
+
+
+def _failure(entry: DaemonEntry, daemon: LocalDaemon, what: str) -> str:
+    tail = daemon.stderr_tail()
+    return (f"daemon {entry.name} ({entry.device} on {daemon.endpoint}) {what}"
+            + (f"; the end of its stderr:\n{tail}" if tail else "; it wrote nothing to stderr"))

@@ -1,0 +1,128 @@
+"""Pieces every model-loading command shares: the rig flags and --config, opening a Runtime
+from them, and turning expected failures into one `Error:` line."""
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+from click.core import ParameterSource
+
+from moerun.backends import BackendUnavailable
+from moerun.config import load_config_file
+from moerun.engine.runtime import DEFAULT_UBATCH, RequestError, Runtime
+from moerun.gguf.reader import GGUFError
+from moerun.gguf.tokenizer import TokenizerError
+from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, DaemonError
+from moerun.rig.links import RigError
+from moerun.rig.settings import MODES, RIG_TRANSPORTS, STREAM_SLICE_TOKENS, RigConfig
+
+DEMO_DAEMONS = ("cpu", "cpu")   # the built-in demo runs with two CPU expert daemons
+
+
+def friendly_errors(command):
+    """Turn every expected failure into one `Error: ...` line and exit status 1."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        # ValueError covers ConfigError, PlacementError, PlanError, HotnessError and bad sizes
+        except (GGUFError, TokenizerError, RequestError, RigError, DaemonError, BackendUnavailable, ValueError) as err:
+            raise click.ClickException(str(err)) from None
+        except OSError as err:
+            raise click.ClickException(f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")) from None
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            sys.exit(130)
+    return wrapper
+
+
+def config_option(command):
+    """--config FILE: the file's values fill every parameter the command line leaves out."""
+    return click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
+                        help="Rig config file (TOML, docs/config.md); flags given here override it.")(command)
+
+
+def require(value, flag: str, key: str) -> None:
+    """A usage error unless a required option came from the command line or the config file."""
+    if value is None:
+        raise click.UsageError(f"Missing option {flag} (or `{key}` in the --config file).")
+
+
+def given_on_command_line(name: str) -> bool:
+    return click.get_current_context().get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+
+
+def fill_from_file(params: dict, values: dict) -> None:
+    """Give every parameter the command line left out the file's value, if it has one. A flag
+    given on the command line also overrides the file's alternative to it (--hot, --placement)."""
+    for flag, alternative in (("hot", "placement"), ("placement", "hot")):
+        if given_on_command_line(flag):
+            values = {name: value for name, value in values.items() if name != alternative}
+    for name, value in values.items():
+        if name in params and not given_on_command_line(name):
+            params[name] = value
+
+
+def runtime_options(command):
+    """Flags shared by every command that loads a model: context, prefill chunking, the rig,
+    and --config. The command receives them all, plus `daemon_entries` and
+    `client_secret_key` from the file, to hand to open_runtime(model, **runtime_flags)."""
+    @functools.wraps(command)
+    @friendly_errors
+    def with_config_file(*args, config_file, **params):
+        values = load_config_file(config_file) if config_file else {}
+        daemons_from_file = "daemons" in values and not given_on_command_line("daemons")
+        fill_from_file(params, values)
+        params["daemon_entries"] = values["daemon_entries"] if daemons_from_file else ()
+        params["client_secret_key"] = values.get("client_secret_key")
+        return command(*args, **params)
+
+    decorated = with_config_file
+    for option in reversed([
+        config_option,
+        click.option("--device", default="cpu", show_default=True, metavar="DEVICE",
+                     help="The parent's device: cpu, cuda:N or hip:N."),
+        click.option("--graph/--no-graph", "graphs", default=True, show_default=True,
+                     help="Run GPU decode steps as CUDA graphs (--no-graph: eagerly)."),
+        click.option("--ctx", type=click.IntRange(min=1), default=None,
+                     help="Context length in tokens [default: the model's, at most 4096]."),
+        click.option("--kv-pool", type=click.IntRange(min=1), default=None,
+                     help="Hold at most this many tokens of KV cache (a sequence that outgrows it is an error)."),
+        click.option("--ubatch", type=click.IntRange(min=1), default=DEFAULT_UBATCH, show_default=True,
+                     help="Prefill chunk size in tokens."),
+        click.option("--daemon", "daemons", multiple=True, metavar="SPEC",
+                     help="Expert daemon: cpu, cuda:N or hip:N (spawned here) or ipc://PATH, tcp://HOST:PORT "
+                          "(running already). Repeatable."),
+        click.option("--hot", type=click.IntRange(min=0), default=None,
+                     help="Keep experts 0..N-1 of each layer on the parent, deal the rest to the daemons "
+                          "[default: experts per token]."),
+        click.option("--placement", default=None, metavar="FILE|auto",
+                     help="Placement JSON file (docs/placement.md), or auto: plan from the free memory now."),
+        click.option("--transport", type=click.Choice(RIG_TRANSPORTS), default="auto", show_default=True,
+                     help="device: GPU to GPU through CUDA/HIP IPC (same host, same vendor); shared: shared "
+                          "memory, pinned for GPUs (same host); stream: ZeroMQ frames; auto: the first that fits."),
+        click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
+                     help=f"batched: a whole prefill chunk per call; stream: {STREAM_SLICE_TOKENS} tokens per call."),
+        click.option("--batch-capacity", type=click.IntRange(1, MAX_BATCH_CAPACITY), default=1024,
+                     show_default=True, help="Most prefill tokens per daemon call in batched mode."),
+        click.option("--payload-dtype", type=click.Choice(tuple(PAYLOAD_DTYPES)), default="f32", show_default=True,
+                     help="Activations sent to daemons (replies are f32)."),
+        click.option("--daemon-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+                     show_default=True, help="Seconds a daemon may take per call before the parent computes "
+                                             "its experts itself."),
+        click.option("--require-daemons", is_flag=True,
+                     help="Stop with an error instead of computing a failed daemon's experts on the parent."),
+    ]):
+        decorated = option(decorated)
+    return decorated
+
+
+def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, daemons, hot, placement, transport, mode,
+                 batch_capacity, payload_dtype, daemon_timeout, require_daemons, daemon_entries,
+                 client_secret_key) -> Runtime:
+    rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
+                    batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
+                    require_daemons=require_daemons, device=device, graphs=graphs, daemon_entries=daemon_entries,
+                    client_secret_key=client_secret_key)
+    return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig)

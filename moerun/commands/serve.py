@@ -1,0 +1,68 @@
+"""`moerun serve`: the OpenAI-compatible HTTP server (docs/server.md).
+
+The server's libraries are the `server` extra; they are imported when the command runs,
+so the rest of the command line works without them.
+"""
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import click
+
+from moerun.commands.options import (
+    DEMO_DAEMONS,
+    friendly_errors,
+    open_runtime,
+    runtime_options,
+)
+
+SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long before they are cut
+
+
+@click.command()
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
+              help="GGUF model file [default: the built-in demo model].")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port to listen on.")
+@click.option("--served-model-name", default=None,
+              help="The model's id in the API [default: the file name without .gguf].")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="Longest prompt a request may send, in tokens [default: the context less one].")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Most tokens a request may generate; also the default max_tokens "
+                   "[default: what the context leaves after the prompt].")
+@click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests that may wait behind the one generating; more are refused with 429.")
+@runtime_options
+@friendly_errors
+def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, max_queue, **runtime_flags):
+    """Serve the OpenAI chat and completions API over HTTP, with /health and /metrics.
+
+    Requests queue in arrival order and are served one at a time. Without -m, serves the
+    built-in demo model with two CPU expert daemons."""
+    try:
+        import uvicorn
+
+        from moerun.server.app import create_app
+        from moerun.server.worker import Limits, Worker
+    except ImportError as err:
+        raise click.ClickException(f"moerun serve needs the server extra ({err.name} is missing): "
+                                   "pip install 'moerun[server]'") from None
+    if model is None:
+        from moerun.writers.demo import DESCRIPTION, demo_model_path
+        click.echo(DESCRIPTION, err=True)
+        model = demo_model_path()
+        runtime_flags["daemons"] = runtime_flags["daemons"] or DEMO_DAEMONS
+
+    def stop_serving() -> None:
+        server.should_exit = True
+
+    worker = Worker(partial(open_runtime, model, **runtime_flags),
+                    Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue),
+                    on_load_failure=stop_serving)
+    app = create_app(worker, served_model_name or Path(model).name.removesuffix(".gguf"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server.run()
+    if worker.load_error:
+        raise click.ClickException(worker.load_error)

@@ -1,0 +1,153 @@
+"""`moerun systemd --config FILE -o DIR`: systemd units that run a rig config (docs/systemd.md).
+
+One template, `moerun-daemon@.service`, runs every daemon: instance NAME reads its model,
+device, endpoint and CURVE key flags from `moerun-daemon-NAME.env`. `moerun.service` runs the parent's
+workload against those endpoints. All units share /run/moerun and /dev/shm, so the shared
+memory transport works between them.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from moerun.commands.launch import WORKLOAD_COMMANDS
+from moerun.commands.options import friendly_errors
+from moerun.config import load_config_file
+from moerun.rig.settings import ConfigError, DaemonEntry
+from moerun.rig.spawn import pinned_device
+
+DAEMON_TEMPLATE = "moerun-daemon@.service"
+PARENT_UNIT = "moerun.service"
+GPU_GROUPS_DROP_IN = "gpu-groups.conf"
+SHARED_SERVICE_SETTINGS = """\
+Restart=on-failure
+RestartSec=5
+# The parent and its daemons share sockets in /run/moerun and segments in /dev/shm.
+RuntimeDirectory=moerun
+RuntimeDirectoryPreserve=yes
+PrivateTmp=no
+RemoveIPC=no
+# Pinned host memory for GPU transfers.
+LimitMEMLOCK=infinity
+"""
+AMD_GPU_GROUPS = "SupplementaryGroups=render video\n"
+USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]*[$]?$")
+
+
+@click.command()
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="Rig config file (TOML, docs/config.md); every [[daemon]] needs a device and an endpoint.")
+@click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False), required=True,
+              help="Directory to write the units and environment files to.")
+@click.option("--env-dir", default="/etc/moerun", show_default=True,
+              help="Where the environment files will be installed; the units read them there.")
+@click.option("--user", default=None, help="Run the units as this user [default: root].")
+@friendly_errors
+def systemd(config_file, out_dir, env_dir, user):
+    """Write systemd units for the daemons and the parent of a rig config."""
+    if not env_dir.startswith("/"):
+        raise click.BadParameter(f"{env_dir!r}: systemd needs an absolute path", param_hint="--env-dir")
+    if user is not None and not USER_NAME.match(user):
+        raise click.BadParameter(f"{user!r} is not a user name", param_hint="--user")
+    files = render_units(Path(config_file).resolve(), load_config_file(config_file), env_dir, user)
+    for name, text in files.items():
+        path = Path(out_dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    click.echo("\n".join(str(Path(out_dir) / name) for name in files))
+    click.echo(f"install them as docs/systemd.md shows: units in /etc/systemd/system, *.env in {env_dir}", err=True)
+
+
+def render_units(config_path: Path, values: dict, env_dir: str, user: str | None) -> dict[str, str]:
+    """{file name: contents} of the daemon template, one environment file per daemon (with a
+    drop-in for AMD GPU daemons), and the parent's unit."""
+    if "model" not in values:
+        raise ConfigError(f"{config_path}: systemd units need `model`")
+    entries: tuple[DaemonEntry, ...] = values.get("daemon_entries", ())
+    for entry in entries:
+        if not (entry.device and entry.endpoint):
+            raise ConfigError(f"{config_path}: [[daemon]] {entry.name} needs a device and an endpoint "
+                              f"to run as a unit (e.g. endpoint = \"ipc:///run/moerun/{entry.name}.sock\")")
+    user_line = f"User={user}\n" if user else ""
+    files = {DAEMON_TEMPLATE: _daemon_template(env_dir, user_line)}
+    for entry in entries:
+        files[f"moerun-daemon-{entry.name}.env"] = _daemon_environment(config_path, values["model"], entry)
+        if entry.device.startswith("hip"):
+            files[f"moerun-daemon@{entry.name}.service.d/{GPU_GROUPS_DROP_IN}"] = f"[Service]\n{AMD_GPU_GROUPS}"
+    files[PARENT_UNIT] = _parent_unit(config_path, values, entries, user_line)
+    return files
+
+
+def _daemon_template(env_dir: str, user_line: str) -> str:
+    return f"""\
+[Unit]
+Description=moerun expert daemon %i
+After=network.target
+
+[Service]
+Type=exec
+EnvironmentFile={_specifiers(env_dir)}/moerun-daemon-%i.env
+ExecStart={_moerun()} daemon --model ${{MOERUN_MODEL}} --device ${{MOERUN_DEVICE}} --listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS
+{SHARED_SERVICE_SETTINGS}{user_line}
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _daemon_environment(config_path: Path, model: str, entry: DaemonEntry) -> str:
+    device, pinning = pinned_device(entry.device, environment={})   # units never inherit this shell's pinning
+    variables = {"MOERUN_MODEL": model, "MOERUN_DEVICE": device, "MOERUN_LISTEN": entry.listen or entry.endpoint,
+                 **pinning}
+    if entry.curve_flags:     # split at whitespace where the unit uses it, so no path may hold any
+        if any(re.search(r"\s", flag) for flag in entry.curve_flags):
+            raise ConfigError(f"{config_path}: [[daemon]] {entry.name}: CURVE key paths in a unit cannot "
+                              f"contain whitespace")
+        variables["MOERUN_CURVE_FLAGS"] = " ".join(entry.curve_flags)
+    where = f" on {entry.host}" if entry.host else ""
+    lines = [f"# moerun daemon {entry.name} ({entry.device}{where}) of {config_path}"]
+    lines += [f'{name}="{_env_quote(value)}"' for name, value in variables.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _parent_unit(config_path: Path, values: dict, entries: tuple[DaemonEntry, ...], user_line: str) -> str:
+    workload = values.get("workload", "generate")
+    local = " ".join(f"moerun-daemon@{entry.name}.service" for entry in entries if entry.runs_here())
+    remote = any(not entry.runs_here() for entry in entries)
+    ordering = "".join(f"{setting}={local}\n" for setting in ("Wants", "After") if local)
+    ordering += "Wants=network-online.target\nAfter=network-online.target\n" if remote else ""
+    groups = AMD_GPU_GROUPS if values.get("device", "cpu").startswith("hip") else ""
+    return f"""\
+[Unit]
+Description=moerun {workload}: {_specifiers(Path(values["model"]).name)}
+{ordering}
+[Service]
+Type=exec
+ExecStart={_moerun()} {WORKLOAD_COMMANDS[workload]} --config {_exec_quote(str(config_path))}
+# SIGTERM ends the parent through its shutdown path, with status 143.
+SuccessExitStatus=143
+{SHARED_SERVICE_SETTINGS}{groups}{user_line}
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _moerun() -> str:
+    """This Python running moerun, so the units use the installation that wrote them."""
+    return f"{_exec_quote(sys.executable)} -m moerun"
+
+
+def _exec_quote(arg: str) -> str:
+    """One ExecStart argument: specifiers and variables escaped, quoted if it needs it."""
+    arg = _specifiers(arg).replace("$", "$$")
+    return arg if re.fullmatch(r"[\w/.:@+=,%$-]+", arg) else '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _specifiers(text: str) -> str:
+    return text.replace("%", "%%")
+
+
+def _env_quote(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')

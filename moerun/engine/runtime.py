@@ -1,0 +1,192 @@
+"""Runtime: one loaded model and the loops that drive it — chunked prefill, decode, logits for
+every position — with their timing. It opens the backend, starts the rig when daemons are
+asked for (they load their experts while the parent loads the rest), loads the weights,
+builds the expert executor and hands it to the model.
+
+Shape legend: T prompt tokens, V vocab.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moerun.backends import open_backend
+from moerun.backends.protocol import KVCache
+from moerun.engine.model import MoEModel
+from moerun.engine.sampler import Sampler, SamplingParams
+from moerun.engine.weights import load_weights
+from moerun.gguf.reader import GGUFError, GGUFFile
+from moerun.gguf.tokenizer import Tokenizer, TokenizerError
+from moerun.models import load_spec
+from moerun.moe.executor import LocalExecutor, MoEStats
+from moerun.moe.hotness import RoutingCounter
+from moerun.moe.placement import PARENT
+from moerun.rig.settings import RigConfig
+from moerun.rig.supervisor import Rig
+
+DEFAULT_CONTEXT = 4096
+DEFAULT_UBATCH = 512
+DEFAULT_EXPERT_CACHE_BYTES = 4 << 30
+
+
+class RequestError(Exception):
+    """A request the loaded model cannot serve (prompt too long, bad token id, ...)."""
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_steps: int = 0        # single-token forward passes after the prompt
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "prefill_tokens_per_second": self.prefill_tokens_per_second,
+                "decode_tokens_per_second": self.decode_tokens_per_second}
+
+
+class Runtime:
+    def __init__(self, path: str | Path, *, ctx: int | None = None, kv_pool: int | None = None,
+                 ubatch: int = DEFAULT_UBATCH, expert_cache_bytes: int = DEFAULT_EXPERT_CACHE_BYTES,
+                 rig: RigConfig = RigConfig(), count_routing: bool = False):
+        """count_routing: count how often each expert is routed to (routing_counts())."""
+        if ubatch < 1:
+            raise RequestError(f"--ubatch must be at least 1 (got {ubatch})")
+        self.gguf = GGUFFile(path)
+        self.rig: Rig | None = None
+        self._tokenizer: Tokenizer | None = None
+        self.ubatch = ubatch
+        try:
+            self.spec = load_spec(self.gguf)
+            self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
+            self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
+            self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs)
+            if rig.daemons:    # the daemons load their experts while the parent loads the rest
+                self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=self.kv_pool or self.ctx)
+            held = self.rig.placement.experts_of(PARENT) if self.rig else None
+            weights = load_weights(self.gguf, self.spec, self.backend, held, expert_cache_bytes)
+            executor = (self.rig.executor(weights.experts, expert_cache_bytes) if self.rig
+                        else LocalExecutor(weights.experts))
+            routing = RoutingCounter(self.spec) if count_routing else None
+            self.model = MoEModel(self.spec, self.backend, weights, executor, routing)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def device(self) -> str:
+        """The parent's device: cpu, cuda:N or hip:N."""
+        return self.backend.name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Built on first use, so `logits --ids` works on files without a vocabulary."""
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+            except TokenizerError as err:
+                raise GGUFError(self.gguf.path, str(err)) from None
+        return self._tokenizer
+
+    def moe_stats(self) -> MoEStats:
+        """MoE layer calls and routed pairs so far, and how many left the parent (may wait for
+        the device)."""
+        return self.model.moe_stats()
+
+    def routing_counts(self) -> np.ndarray:
+        """int64 [L, E]: how often each expert was routed to (a Runtime made with count_routing)."""
+        return self.model.routing.counts
+
+    def close(self) -> None:
+        """Stop the daemons this runtime spawned and release the model file."""
+        if self.rig is not None:
+            self.rig.close()
+            self.rig = None
+        self.gguf.close()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def logits(self, ids: Sequence[int], stats: RunStats | None = None) -> np.ndarray:
+        """Float32 logits [T, V] for every position of a fresh sequence, prefilled
+        in chunks of `ubatch` tokens exactly as generation does."""
+        cache = self._new_cache(ids)
+        started = time.perf_counter()
+        chunks = [self.model.forward(chunk, cache, all_logits=True) for chunk in self._chunks(ids)]
+        if stats is not None:
+            stats.prompt_tokens, stats.prefill_seconds = len(ids), time.perf_counter() - started
+        return np.concatenate(chunks, axis=0).astype(np.float32)
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int] = frozenset(), stats: RunStats | None = None) -> Iterator[int]:
+        """Yield up to max_new_tokens sampled ids; a stop id ends generation and is
+        not yielded. Stops early, without error, when the context is full.
+        Time spent by the caller between tokens is not counted in `stats`."""
+        stats = stats if stats is not None else RunStats()
+        cache = self._new_cache(prompt)
+        sampler = Sampler(sampling)
+        history = list(prompt)
+
+        started = time.perf_counter()
+        for chunk in self._chunks(prompt):
+            logits = self.model.forward(chunk, cache, all_logits=False)
+        stats.prompt_tokens = len(prompt)
+        stats.prefill_seconds = time.perf_counter() - started
+
+        for _ in range(max_new_tokens):
+            token = sampler(logits[-1], history)
+            if token in stop_ids:
+                return
+            stats.generated_tokens += 1
+            yield token
+            history.append(token)
+            if stats.generated_tokens == max_new_tokens or cache.length >= self.ctx:
+                return
+            if cache.length >= cache.capacity:
+                raise RequestError(self._pool_full(cache.length + 1))
+            logits = self._decode(token, cache, stats)
+
+    def _decode(self, token: int, cache: KVCache, stats: RunStats) -> np.ndarray:
+        """One decode step: the token's forward pass, timed -> logits [1, V]."""
+        started = time.perf_counter()
+        logits = self.model.forward(np.array([token]), cache, all_logits=False)
+        stats.decode_seconds += time.perf_counter() - started
+        stats.decode_steps += 1
+        return logits
+
+    def _new_cache(self, ids: Sequence[int]) -> KVCache:
+        if len(ids) == 0:
+            raise RequestError("the prompt is empty: give at least one token")
+        if len(ids) > self.ctx:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the context is {self.ctx}; raise --ctx")
+        if self.kv_pool is not None and len(ids) > self.kv_pool:
+            raise RequestError(self._pool_full(len(ids)))
+        bad = [i for i in ids if not 0 <= i < self.spec.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab - 1})")
+        return self.backend.new_cache(self.kv_pool or self.ctx)
+
+    def _pool_full(self, needed: int) -> str:
+        return (f"the sequence needs {needed} KV positions but the KV pool holds {self.kv_pool} "
+                f"(--kv-pool); raise --kv-pool, or drop it to reserve the whole --ctx {self.ctx}")
+
+    def _chunks(self, ids: Sequence[int]) -> Iterator[np.ndarray]:
+        array = np.asarray(ids, dtype=np.int64)
+        for start in range(0, len(array), self.ubatch):
+            yield array[start:start + self.ubatch]

@@ -1,0 +1,21 @@
+"""What distinguishes each supported architecture in the forward pass, as llama.cpp runs it.
+
+- qwen3moe: per-head q/k RMSNorm, NEOX rope, top-K weights always renormalised.
+- qwen2moe: q/k/v biases, NEOX rope, top-K weights not renormalised, and a shared expert
+  scaled by sigmoid(ffn_gate_inp_shexp · x).
+- olmoe: q/k RMSNorm over the whole projection, NEOX rope, top-K weights not renormalised.
+- Mixtral: GGUF architecture `llama` with expert tensors. The converter permutes Q/K rows so
+  that normal-style (adjacent pair) rope applies; top-K weights renormalised.
+"""
+from __future__ import annotations
+
+from moerun.models.spec import ArchRule
+
+QWEN3MOE = ArchRule(family="qwen3moe", gguf_arch="qwen3moe", rope_style="neox", renormalize_topk=True)
+QWEN2MOE = ArchRule(family="qwen2moe", gguf_arch="qwen2moe", rope_style="neox", renormalize_topk=False,
+                    gated_shared_expert=True)
+OLMOE = ArchRule(family="olmoe", gguf_arch="olmoe", rope_style="neox", renormalize_topk=False)
+MIXTRAL = ArchRule(family="mixtral", gguf_arch="llama", rope_style="norm", renormalize_topk=True)
+
+RULES: dict[str, ArchRule] = {rule.gguf_arch: rule for rule in (QWEN3MOE, QWEN2MOE, OLMOE, MIXTRAL)}
+SUPPORTED = "qwen3moe, qwen2moe, olmoe and Mixtral (llama with experts)"

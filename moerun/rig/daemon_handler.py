@@ -1,0 +1,142 @@
+"""The expert daemon's request handling: it holds the experts a parent assigns it and computes
+them on request, on the CPU (experts dequantized to float32 from its own mmap) or on a GPU
+(daemon_gpu.py). The protocol and the session rules live in moerun.ipc.server, which calls
+this as its Handler; moerun.daemons.daemon runs the process.
+
+Shape legend: T tokens, H hidden, P routed pairs (token, expert), F expert FFN width.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from moerun.backends.devices import gpu_module, parse_device
+from moerun.backends.numpy_backend import load_expert
+from moerun.backends.numpy_ops import ExpertWeights, grouped_ffn
+from moerun.gguf.reader import GGUFFile
+from moerun.ipc.shm import Arena
+from moerun.models import load_spec
+from moerun.rig.daemon_gpu import GpuExpertSet
+from moerun.units import available_host_bytes
+
+IPC_HANDLE_BYTES = 64
+
+
+def check_device(device: str) -> str:
+    """The backend name for a device string (numpy, cuda or hip); ValueError for a malformed
+    one, BackendUnavailable saying what is missing for one this machine cannot drive."""
+    parsed = parse_device(device)
+    if parsed.platform != "cpu":
+        gpu_module(parsed)
+    return "numpy" if parsed.platform == "cpu" else parsed.platform
+
+
+class ExpertDaemon:
+    """The Handler behind moerun.ipc.server.Server for one model file on one device."""
+
+    def __init__(self, model_path: str, device: str):
+        self.backend = check_device(device)
+        self.device = device
+        self.gguf = GGUFFile(model_path)
+        self.spec = load_spec(self.gguf)
+        self._fingerprint = self.gguf.fingerprint()
+        self.assigned: dict[int, np.ndarray] = {}                  # layer -> global ids, index = local id
+        self.weights: dict[tuple[int, int], ExpertWeights] = {}    # on the CPU
+        self.gpu = None if device == "cpu" else GpuExpertSet(device, self.gguf, self.spec)
+        self.calls = self.tokens = self.pairs = 0
+        self.compute_seconds = 0.0
+
+    def info(self) -> dict:
+        return {"fingerprint": self._fingerprint, "device": self.device, "backend": self.backend,
+                "model": str(self.gguf.path), "n_layers": self.spec.n_layers,
+                "n_experts": self.spec.n_experts, "hidden": self.spec.hidden,
+                "free_bytes": available_host_bytes()}
+
+    def assign(self, experts: dict[int, list[int]], progress: Callable[[int, int], None]) -> None:
+        """Load exactly these experts (global ids per layer) from this daemon's own mmap."""
+        self._check_assignment(experts)
+        self.assigned.clear()             # the attached arena stays: a new ASSIGN replaces only experts
+        self.weights.clear()
+        if self.gpu is not None:
+            self.gpu.load(experts, progress)
+            self.assigned = {layer: np.asarray(ids, np.int64) for layer, ids in experts.items()}
+            return
+        total = sum(len(ids) for ids in experts.values())
+        done = 0
+        for layer, ids in sorted(experts.items()):
+            for expert in ids:
+                self.weights[(layer, expert)] = load_expert(self.gguf, self.spec, layer, expert)
+                done += 1
+                progress(done, total)
+            self.assigned[layer] = np.asarray(ids, np.int64)
+
+    def _check_assignment(self, experts: dict[int, list[int]]) -> None:
+        for layer, ids in experts.items():
+            if not 0 <= layer < self.spec.n_layers or not self.spec.moe_layers[layer]:
+                raise ValueError(f"layer {layer} is not a MoE layer of this model")
+            if len(set(ids)) != len(ids) or not all(0 <= e < self.spec.n_experts for e in ids):
+                raise ValueError(f"layer {layer}: expert ids must be distinct and in 0..{self.spec.n_experts - 1}")
+
+    def compute(self, layer: int, x: np.ndarray, counts: np.ndarray, local_ids: np.ndarray,
+                weights: np.ndarray) -> np.ndarray:
+        """out[t] = Σ weights · FFN(x[t]) over token t's experts here.  x [T, H] -> [T, H]"""
+        started = time.perf_counter()
+        experts = self._experts_of(layer)
+        if local_ids.size and (local_ids.min() < 0 or local_ids.max() >= len(experts)):
+            raise IndexError(f"layer {layer}: local expert ids must be in 0..{len(experts) - 1}")
+        if self.gpu is not None:
+            out = self.gpu.compute(layer, x, counts, local_ids, weights)
+        else:
+            rows = np.repeat(np.arange(len(counts)), counts)                          # [P]
+            out = grouped_ffn(x, rows, experts[local_ids], weights, lambda e: self.weights[(layer, e)])
+        self.calls += 1
+        self.tokens += len(counts)
+        self.pairs += len(local_ids)
+        self.compute_seconds += time.perf_counter() - started
+        return out
+
+    def _experts_of(self, layer: int) -> np.ndarray:
+        """The global ids of `layer`'s experts here (index = local id); KeyError if none."""
+        if layer not in self.assigned:
+            raise KeyError(f"no experts of layer {layer} are assigned to this daemon")
+        return self.assigned[layer]
+
+    def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None]:
+        """A parent's arena: a GPU daemon serves padded requests in place (from its device
+        buffers with transport "device", else from the pinned arena); a CPU one gets them
+        from the server as ragged requests."""
+        if self.gpu is None:
+            if transport == "device":
+                raise ValueError("the device transport needs a GPU daemon; this one computes on the CPU "
+                                 "(use --transport shared)")
+            return {}, None
+        incoming = header.get("incoming", [])
+        if transport == "device" and (not isinstance(incoming, list) or len(incoming) != arena.layout.slots
+                                      or not all(isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES
+                                                 for h in incoming)):
+            raise ValueError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event "
+                             f"handles of {IPC_HANDLE_BYTES} bytes")
+        fields = self.gpu.attach(arena, transport, incoming)
+        return fields, self._compute_slot
+
+    def _compute_slot(self, index: int, layer: int, dtype: str, tokens: int) -> None:
+        started = time.perf_counter()
+        self._experts_of(layer)
+        self.gpu.compute_slot(index, layer, dtype, tokens)
+        self.calls += 1
+        self.tokens += tokens
+        self.compute_seconds += time.perf_counter() - started
+
+    def release(self) -> None:
+        self.assigned.clear()
+        self.weights.clear()
+        if self.gpu is not None:
+            self.gpu.release()
+
+    def stats(self) -> dict:
+        compute_seconds = self.gpu.device_seconds() if self.gpu is not None else self.compute_seconds
+        return {"calls": self.calls, "tokens": self.tokens, "pairs": self.pairs,
+                "compute_seconds": compute_seconds,
+                "experts_loaded": sum(len(ids) for ids in self.assigned.values())}

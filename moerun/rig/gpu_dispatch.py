@@ -1,0 +1,178 @@
+"""A GPU parent with expert daemons: each MoE layer's routed pairs split on the device.
+
+A kernel maps the routed ids to the parent's own experts (-1: on a daemon) and counts the
+pairs; for every daemon a kernel packs its request (x in the payload dtype, the ids as
+that daemon's local ids, -1: not there) straight where its channel wants it
+(moerun.rig.gpu_channels), and a host action posts it. The parent's hot experts run
+meanwhile on its stream; the finish collects each reply and adds it in. Kernels run in the
+graph segments of a captured decode step, the posting and collecting between them.
+A daemon that fails is marked down and its pairs computed here on the CPU from the mmap
+(in a replayed step: the step runs again eagerly, which rewrites the same cache rows).
+Its counts stay on the device (a replayed step adds to them too) until counts() reads them.
+Shape legend: T tokens, H hidden, K experts per token, E experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moerun.backends.gpu_experts import GpuExperts
+from moerun.backends.gpu_graphs import StepRetry
+from moerun.backends.gpu_kernels import BLOCK
+from moerun.backends.numpy_backend import CpuExperts
+from moerun.moe.executor import RemoteCounts
+from moerun.moe.placement import PARENT
+from moerun.rig.gpu_channels import (
+    ArenaChannel,
+    GpuAttachments,
+    HostChannel,
+    RemoteCall,
+)
+from moerun.rig.links import DaemonLink
+
+
+class GpuDispatcher:
+    def __init__(self, backend, experts: GpuExperts, rig, gpu: GpuAttachments, fallback: CpuExperts):
+        """experts: the parent's own (local ids); fallback: every expert on the CPU (global ids)."""
+        self.backend, self.experts, self.rig, self.gpu, self.fallback = backend, experts, rig, gpu, fallback
+        cupy = backend.cupy
+        placement = rig.placement
+        self.homes = placement.homes
+        self.parent_local = {layer: cupy.asarray(placement.local_ids(layer, PARENT)) for layer in self.homes}  # [E]
+        self.daemon_local = {(link.index, layer): cupy.asarray(placement.local_ids(layer, link.index))
+                             for link in rig.links for layer in self.homes}
+        self.counters = cupy.zeros(2, cupy.uint64)    # remote pairs, layer calls with some remote
+        self.fallback_pairs = 0
+        self._channels: dict[int, Any] = {}
+
+    def counts(self) -> RemoteCounts:
+        remote_pairs, remote_layers = (int(n) for n in self.backend.to_host(self.counters))
+        return RemoteCounts(remote_layer_calls=remote_layers, remote_pairs=remote_pairs,
+                            fallback_pairs=self.fallback_pairs)
+
+    def graph_key(self) -> tuple | None:
+        """What a captured step depends on: every link up, in its current session."""
+        if not all(link.up for link in self.rig.links):
+            return None
+        return tuple((link.index, link.session) for link in self.rig.links)
+
+    def begin(self, layer: int, x: Any, ids: Any, weights: Any) -> "PendingRemote":
+        """x [T, H], ids/weights [T, K] on the device: every daemon's request first, then
+        the parent's own experts."""
+        if self.rig.config.require_daemons:
+            self.rig.check()
+        backend, cupy = self.backend, self.backend.cupy
+        n_tokens = ids.shape[0]
+        pending = PendingRemote(self, layer, x, ids, weights)
+        for link in self.rig.links:
+            channel = self._channel(link)
+            if channel is None:
+                pending.calls.append(RemoteCall(None, layer, 0, n_tokens, failed=True, link=link))
+                continue
+            for row0 in range(0, n_tokens, channel.capacity):
+                call = RemoteCall(channel, layer, row0, min(channel.capacity, n_tokens - row0), link=link)
+                call.slot, outstanding = channel.next_slot()
+                if outstanding is not None:       # its slot is needed again: take its reply first
+                    self._collect([outstanding], pending.spill(), x, ids, weights)
+                self._pack(call, x, ids, weights)
+                backend.cut(lambda call=call: self._post(call))
+                pending.calls.append(call)
+        parent_ids = cupy.empty_like(ids)
+        backend.kernels["split_parent_ids"]((1,), (BLOCK,), (ids, np.int32(ids.size), self.parent_local[layer],
+                                                             parent_ids, self.counters))
+        if self.experts.layers.get(layer) is not None:
+            pending.hot = self.experts.compute(layer, x, parent_ids, weights)
+        return pending
+
+    def _channel(self, link: DaemonLink):
+        """The link's channel for its current session; None while it is down."""
+        if not link.up:
+            return None
+        channel = self._channels.get(link.index)
+        if channel is None or channel.session != link.session:
+            attached = self.gpu.attached.get(link.index)
+            if link.transport == "stream" or attached is None:
+                channel = HostChannel(self.backend, self.rig, link)
+            else:
+                channel = ArenaChannel(self.backend, self.rig, link, attached)
+            self._channels[link.index] = channel
+        return channel
+
+    def _pack(self, call: RemoteCall, x: Any, ids: Any, weights: Any) -> None:
+        backend, spec = self.backend, self.backend.spec
+        x_to, ids_to, weights_to = call.channel.destinations(call)
+        backend.kernels.elementwise("pack_remote", call.tokens * spec.hidden, (
+            x, ids, weights, np.int32(call.row0), np.int32(call.tokens), np.int32(spec.hidden),
+            np.int32(spec.n_experts_used), self.daemon_local[(call.link.index, call.layer)],
+            np.int32(call.channel.payload_code), np.uint64(x_to), np.uint64(ids_to), np.uint64(weights_to)))
+
+    def _post(self, call: RemoteCall) -> None:
+        if not call.channel.post(call):
+            self._failed()
+
+    def _collect(self, calls: list[RemoteCall], replies: Any, x: Any, ids: Any, weights: Any) -> None:
+        """Each call's reply added into replies [T, H] (computed here for a failed one)."""
+        live = [call for call in calls if not call.failed]
+        self.backend.cut(lambda: self._receive(live))
+        spec = self.backend.spec
+        for call in calls:
+            call.done = True
+            if call.failed:
+                self._fall_back(call, replies, x, ids, weights)
+                continue
+            n = call.tokens * spec.hidden
+            self.backend.kernels.elementwise("add_reply_rows", n, (
+                replies, np.uint64(call.channel.reply_address(call)), np.int32(call.row0), np.int32(spec.hidden),
+                np.int64(n)))
+
+    def _receive(self, calls: list[RemoteCall]) -> None:
+        for call in calls:
+            if not call.channel.collect(call):
+                self._failed()
+
+    def _failed(self) -> None:
+        """A daemon failed (now marked down); inside a recorded step the step starts over."""
+        self.rig.check()
+        if self.backend.graph_step:
+            raise StepRetry()
+
+    def _fall_back(self, call: RemoteCall, replies: Any, x: Any, ids: Any, weights: Any) -> None:
+        """The call's pairs computed here on the CPU from the mapped file."""
+        cupy = self.backend.cupy
+        rows = slice(call.row0, call.row0 + call.tokens)
+        host_ids = self.backend.to_host(ids[rows])
+        mask = self.homes[call.layer][host_ids] == call.link.index                     # [T, K]
+        self.fallback_pairs += int(mask.sum())
+        call.link.fallback_calls += 1
+        out = self.fallback.compute(call.layer, self.backend.to_host(x[rows]), np.where(mask, host_ids, -1),
+                                    self.backend.to_host(weights[rows]))
+        replies[rows] += cupy.asarray(out)
+
+
+@dataclass
+class PendingRemote:
+    dispatcher: GpuDispatcher
+    layer: int
+    x: Any
+    ids: Any
+    weights: Any
+    calls: list[RemoteCall] = field(default_factory=list)
+    hot: Any | None = None         # [T, H] the parent's experts; None when it holds none of this layer
+    replies: Any | None = None     # [T, H] replies taken early (their slot was needed again)
+
+    def spill(self) -> Any:
+        if self.replies is None:
+            cupy = self.dispatcher.backend.cupy
+            self.replies = cupy.zeros((self.ids.shape[0], self.dispatcher.backend.spec.hidden), cupy.float32)
+        return self.replies
+
+    def finish(self) -> Any:
+        """The routed-expert output [T, H]: the parent's experts plus every daemon's reply,
+        added into the parent's output in place."""
+        out = self.hot if self.hot is not None else self.spill()
+        self.dispatcher._collect([call for call in self.calls if not call.done], out, self.x, self.ids, self.weights)
+        if self.hot is not None and self.replies is not None:
+            out = self.dispatcher.backend.add(out, self.replies)
+        return out

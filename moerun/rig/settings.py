@@ -1,0 +1,96 @@
+"""RigConfig: where the parent runs and how it spreads experts over daemons, as the
+command-line flags or a config file (moerun.config) give it, checked once, here. The rig's
+allowed values (transports with auto, modes) build on the ones the layers below define
+(payload dtypes, batch capacity and endpoints in moerun.ipc, devices in moerun.backends).
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from moerun.backends.devices import DEVICE_PATTERN
+from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, TRANSPORTS
+from moerun.ipc.sockets import ENDPOINT
+
+AUTO = "auto"                    # --transport, --mode auto: the first that fits; --placement auto: plan at start-up
+RIG_TRANSPORTS = (AUTO, *TRANSPORTS)
+MODES = (AUTO, "batched", "stream")
+STREAM_SLICE_TOKENS = 4          # --mode stream: prefill tokens per call per daemon
+
+
+class ConfigError(ValueError):
+    """A flag or config-file value moerun cannot use; the message names the flag or key."""
+
+
+@dataclass(frozen=True)
+class DaemonEntry:
+    """One [[daemon]] table of a config file."""
+    name: str
+    device: str | None = None            # cpu | cuda:N | hip:N: the device it computes on
+    endpoint: str | None = None          # ipc://… | tcp://…: where the parent reaches it [None: spawned]
+    listen: str | None = None            # where it binds when moerun starts it [default: endpoint]
+    host: str | None = None              # the host it runs on [default: the parent's]
+    transport: str | None = None         # this daemon's transport [default: the rig's]
+    memory: str | None = None            # its memory for `moerun plan`, e.g. 16GiB
+    curve_public_key: str | None = None  # its CURVE public key file, for the parent
+    curve_secret_key: str | None = None  # its CURVE secret key file, on its host
+    curve_authorized_keys: str | None = None   # the public key file (or directory) of the parents it serves
+
+    @property
+    def spec(self) -> str:
+        """The daemon as --daemon names it: the endpoint to connect to, else the device to spawn on."""
+        return self.endpoint or self.device
+
+    @property
+    def curve_flags(self) -> tuple[str, ...]:
+        """The `moerun daemon` flags that give it its CURVE keys, if it has them."""
+        if self.curve_secret_key is None:
+            return ()
+        return ("--curve-secret-key", self.curve_secret_key, "--curve-authorized-keys", self.curve_authorized_keys)
+
+    def runs_here(self) -> bool:
+        """Whether it runs on this host: no host given, localhost, or this host's name."""
+        return self.host in (None, "localhost", socket.gethostname()) or self.host == socket.getfqdn()
+
+
+@dataclass(frozen=True)
+class RigConfig:
+    daemons: tuple[str, ...] = ()        # cpu | cuda:N | hip:N (spawned) or ipc://… | tcp://… (connected)
+    hot: int | None = None               # --hot N; None = the model's experts-per-token
+    placement: str | None = None         # --placement FILE, or "auto"
+    transport: str = "auto"
+    mode: str = "auto"
+    batch_capacity: int = 1024
+    payload_dtype: str = "f32"
+    daemon_timeout_s: float = 30.0
+    require_daemons: bool = False
+    device: str = "cpu"                  # the parent's: cpu | cuda:N | hip:N
+    graphs: bool = True                  # --no-graph: GPU decode steps run eagerly instead of as CUDA graphs
+    daemon_entries: tuple[DaemonEntry, ...] = ()   # the config file's [[daemon]] tables behind `daemons`, if any
+    client_secret_key: str | None = None           # the parent's CURVE secret key file ([auth])
+
+    def __post_init__(self) -> None:
+        for spec in self.daemons:
+            if not (DEVICE_PATTERN.match(spec) or ENDPOINT.match(spec)):
+                raise ConfigError(f"--daemon {spec!r}: expected cpu, cuda:N, hip:N, ipc://PATH or tcp://HOST:PORT")
+        checks = [
+            (bool(DEVICE_PATTERN.match(self.device)), f"--device {self.device!r}: expected cpu, cuda:N or hip:N"),
+            (self.transport in RIG_TRANSPORTS, f"--transport must be one of {', '.join(RIG_TRANSPORTS)}"),
+            (self.mode in MODES, f"--mode must be one of {', '.join(MODES)}"),
+            (self.payload_dtype in PAYLOAD_DTYPES, f"--payload-dtype must be one of {', '.join(PAYLOAD_DTYPES)}"),
+            (1 <= self.batch_capacity <= MAX_BATCH_CAPACITY,
+             f"--batch-capacity must be between 1 and {MAX_BATCH_CAPACITY} (got {self.batch_capacity})"),
+            (self.daemon_timeout_s > 0, f"--daemon-timeout must be > 0 (got {self.daemon_timeout_s})"),
+            (self.hot is None or self.hot >= 0, f"--hot must be >= 0 (got {self.hot})"),
+            (not (self.hot is not None and self.placement), "give --hot or --placement, not both"),
+            (not self.daemon_entries or tuple(entry.spec for entry in self.daemon_entries) == self.daemons,
+             "the [[daemon]] tables do not match the --daemon list"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @property
+    def tokens_per_call(self) -> int:
+        """Most tokens one prefill call to a daemon carries."""
+        return STREAM_SLICE_TOKENS if self.mode == "stream" else self.batch_capacity

@@ -1,0 +1,254 @@
+"""The single worker that owns the Runtime and serves queued requests one at a time.
+
+The runtime is synchronous, so one thread loads the model, then takes jobs from a
+first-in first-out queue and generates each one, handing its text to the waiting async
+handler through that handler's event loop. A job whose client has gone stops between two
+tokens; a job cancelled while it waits is skipped.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from moerun.engine.runtime import RequestError, RunStats, Runtime
+from moerun.gguf.chat import ChatTemplateError, render_messages
+from moerun.gguf.tokenizer import TokenizerError
+from moerun.server.metrics import ServerMetrics
+from moerun.server.schemas import ApiError, Generation
+from moerun.server.stops import StopMatcher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int | None = None   # None: the context less one token
+    max_tokens: int | None = None          # None: whatever the context leaves after the prompt
+    max_queue: int = 256                   # requests waiting, beyond the one generating
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str                            # "stop" (end of sequence or stop sequence) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ApiError
+
+
+class Job:
+    """One request: its prompt and options, and the way back to the handler that waits for it."""
+
+    def __init__(self, prompt_ids: list[int], max_tokens: int, generation: Generation):
+        self.prompt_ids = prompt_ids
+        self.max_tokens = max_tokens
+        self.generation = generation
+        self.arrived = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Piece | Finished | Failed] = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """The client is gone: stop at the next token, or skip the job if it has not started."""
+        self._cancelled.set()
+
+    def send(self, event: Piece | Finished | Failed) -> None:
+        """From the worker thread: queue an event for the handler."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:           # the event loop has closed: nobody is listening
+            self.cancel()
+
+    async def events(self) -> AsyncIterator[Piece | Finished | Failed]:
+        """Pieces of text, then one Finished or Failed."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if not isinstance(event, Piece):
+                return
+
+
+class Worker:
+    def __init__(self, open_runtime: Callable[[], Runtime], limits: Limits = Limits(),
+                 metrics: ServerMetrics | None = None, on_load_failure: Callable[[], None] = lambda: None):
+        self.limits = limits
+        self.metrics = metrics or ServerMetrics()
+        self.runtime: Runtime | None = None
+        self.load_error: str | None = None
+        self._open_runtime = open_runtime
+        self._on_load_failure = on_load_failure
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._current: Job | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._work, name="moerun-worker", daemon=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.runtime is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Cancel what runs and waits, then close the runtime (and its daemons)."""
+        self._stopping = True
+        if self._current is not None:
+            self._current.cancel()
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def context(self) -> int:
+        """Tokens one sequence may hold: the KV pool when there is one, else the context."""
+        runtime = self._loaded()
+        return runtime.kv_pool or runtime.ctx
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, as `moerun run --chat` does."""
+        try:
+            text = render_messages(self._loaded().tokenizer, messages)
+        except ChatTemplateError as err:
+            raise ApiError(400, str(err), param="messages") from None
+        return self._tokens(text, "messages")
+
+    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self._tokens(prompt, "prompt")
+        vocab = self._loaded().spec.vocab
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        return self._checked_prompt(prompt, "prompt")
+
+    def submit(self, prompt_ids: list[int], generation: Generation) -> Job:
+        """Queue a request behind those already waiting; call from the handler's event loop."""
+        room = self.context - len(prompt_ids)
+        max_tokens = generation.max_tokens
+        if max_tokens is not None and self.limits.max_tokens is not None and max_tokens > self.limits.max_tokens:
+            raise ApiError(400, f"max_tokens is {max_tokens}, more than the {self.limits.max_tokens} this server "
+                                "allows", param="max_tokens", code="invalid_value")
+        if max_tokens is None:
+            max_tokens = min(room, self.limits.max_tokens or room)
+        elif max_tokens > room:
+            raise ApiError(400, f"the context holds {self.context} tokens: the prompt takes {len(prompt_ids)}, "
+                                f"which leaves {room}, but max_tokens is {max_tokens}",
+                           param="max_tokens", code="context_length_exceeded")
+        if self._jobs.qsize() >= self.limits.max_queue:
+            raise ApiError(429, f"{self.limits.max_queue} requests are waiting already; try again later",
+                           type="server_busy_error", code="queue_full")
+        job = Job(prompt_ids, max_tokens, generation)
+        self.metrics.queued.inc()
+        self._jobs.put(job)
+        return job
+
+    def _loaded(self) -> Runtime:
+        if self.runtime is None:
+            message = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
+            raise ApiError(503, message, type="server_error", code="model_not_ready")
+        return self.runtime
+
+    def _tokens(self, text: str, param: str) -> list[int]:
+        try:
+            ids = self._loaded().tokenizer.encode(text)
+        except TokenizerError as err:
+            raise ApiError(400, str(err), param=param) from None
+        return self._checked_prompt(ids, param)
+
+    def _checked_prompt(self, ids: list[int], param: str) -> list[int]:
+        limit = min(self.limits.max_prompt_tokens or self.context, self.context - 1)
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param=param)
+        if len(ids) > limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {limit} "
+                                f"(context {self.context} tokens)", param=param, code="context_length_exceeded")
+        return ids
+
+    def _work(self) -> None:
+        try:
+            runtime = self._open_runtime()
+            runtime.tokenizer                  # built here, before handlers read it from other threads
+        except Exception as err:
+            self.load_error = str(err)
+            logger.info(f"the model failed to load: {err}")
+            self._on_load_failure()
+            return
+        self.metrics.watch(runtime)
+        self.runtime = runtime
+        logger.info(f"ready to serve {runtime.gguf.path}")
+        try:
+            while (job := self._jobs.get()) is not None:
+                self.metrics.queued.dec()
+                self._serve(job)
+        finally:
+            runtime.close()
+
+    def _serve(self, job: Job) -> None:
+        if job.cancelled or self._stopping:
+            self.metrics.requests.labels("cancelled").inc()
+            return
+        self._current = job
+        self.metrics.running.inc()
+        try:
+            outcome = self._generate(job)
+        except RequestError as err:
+            outcome = "failed"
+            job.send(Failed(ApiError(400, str(err))))
+        except Exception as err:
+            outcome = "failed"
+            logger.info(f"generation failed:\n{traceback.format_exc()}")
+            job.send(Failed(ApiError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error")))
+        finally:
+            self.metrics.running.dec()
+            self._current = None
+        self.metrics.requests.labels(outcome).inc()
+
+    def _generate(self, job: Job) -> str:
+        """Stream one job's text; return its outcome: stop, length or cancelled."""
+        runtime, metrics, stats = self.runtime, self.metrics, RunStats()
+        decoder = runtime.tokenizer.stream_decoder(skip_special=True)
+        stops = StopMatcher(job.generation.stop)
+        tokens = runtime.generate(job.prompt_ids, job.max_tokens, job.generation.sampling,
+                                  runtime.tokenizer.stop_ids, stats)
+        for token in tokens:
+            if stats.generated_tokens == 1:
+                metrics.time_to_first_token.observe(time.monotonic() - job.arrived)
+            metrics.generation_tokens.inc()
+            self._send_text(job, stops.push(decoder.push(token)))
+            if stops.stopped or job.cancelled:
+                tokens.close()
+                break
+        else:
+            self._send_text(job, stops.push(decoder.flush()) + stops.flush())
+        metrics.prompt_tokens.inc(stats.prompt_tokens)
+        metrics.prompt_tokens_per_second.set(stats.prefill_tokens_per_second)
+        if stats.decode_steps:
+            metrics.generation_tokens_per_second.set(stats.decode_tokens_per_second)
+        metrics.request_duration.observe(time.monotonic() - job.arrived)
+        if job.cancelled:
+            return "cancelled"
+        reason = "stop" if stops.stopped or stats.generated_tokens < job.max_tokens else "length"
+        job.send(Finished(reason, stats.prompt_tokens, stats.generated_tokens))
+        return reason
+
+    @staticmethod
+    def _send_text(job: Job, text: str) -> None:
+        if text:
+            job.send(Piece(text))

@@ -1,0 +1,329 @@
+"""Benchmark GGUF files: real model dimensions, random but valid quantized weights.
+
+    python scripts/make_bench_model.py -o /tmp/qwen3-30b-a3b-q4_k_m.gguf                  # ~18 GiB
+    python scripts/make_bench_model.py -o /tmp/q8.gguf --mix q8_0 --layers 4
+    python scripts/make_bench_model.py -o /tmp/tiny.gguf --preset tiny
+
+The file has the tensor names, shapes and types of a real qwen3moe model, so every
+kernel reads the same bytes it would read for the real one, and a small vocabulary
+(a byte-level BPE padded with unused tokens to the real size) so `moerun run` and
+`moerun bench` work on it. Its text is gibberish: only its speed means anything.
+
+The q4_k_m mix simplifies llama.cpp's Q4_K_M: every attn_v and ffn_down_exps is Q6_K (llama.cpp
+picks about half of them), so the Qwen3-30B-A3B file is 18.4 GiB where a real Q4_K_M is 17.3 GiB.
+
+Quantized blocks are random bytes with their scale fields overwritten by small valid
+values, chosen so every type dequantizes to weights of mean ~0 and std WEIGHT_STD.
+Data is generated and written a few MiB at a time, so a file of any size needs
+little memory.
+
+Shape legend: V vocab, H hidden, E experts, F expert FFN width, NH/NKV heads, D head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+
+from moerun.gguf.quants import tensor_nbytes
+from moerun.gguf.vocab import bpe_metadata, byte_level_bpe, pad_vocabulary
+from moerun.gguf.writing import write_metadata
+from moerun.writers.demo import demo_corpus
+from moerun.writers.synthetic import write_qwen3moe_hparams
+
+Q = GGMLQuantizationType
+ARCH = "qwen3moe"
+WEIGHT_STD = 0.02       # every quantized matrix, the embedding and the LM head included
+NORM_STD = 0.05         # norm weights are 1 + N(0, NORM_STD)
+ROUTER_STD = 0.05       # router logits get std ~ROUTER_STD * sqrt(H)
+CHUNK_BYTES = 2 << 20   # quantized data is generated and written this much at a time
+MAX_PENDING_WRITES = 4
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    name: str
+    n_layers: int           # L
+    hidden: int             # H
+    n_heads: int            # NH
+    n_kv_heads: int         # NKV
+    head_dim: int           # D
+    n_experts: int          # E
+    n_experts_used: int     # K
+    expert_ff: int          # F
+    vocab: int              # V
+    context: int
+    rope_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+
+
+PRESETS: dict[str, BenchShape] = {
+    "qwen3-30b-a3b": BenchShape(name="Qwen3-30B-A3B", n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4,
+                                head_dim=128, n_experts=128, n_experts_used=8, expert_ff=768, vocab=151936,
+                                context=40960),
+    # the same structure at a size tests run in milliseconds
+    "tiny": BenchShape(name="tiny-qwen3moe", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                       n_experts=8, n_experts_used=2, expert_ff=256, vocab=1024, context=4096),
+}
+
+
+@dataclass(frozen=True)
+class QuantMix:
+    """Which GGML type each matrix gets; norms and routers are always F32."""
+    label: str
+    file_type: LlamaFileType
+    default: GGMLQuantizationType
+    by_role: Mapping[str, GGMLQuantizationType]   # role = tensor name without "blk.N." and ".weight"
+
+
+MIXES: dict[str, QuantMix] = {
+    "q4_k_m": QuantMix("Q4_K_M", LlamaFileType.MOSTLY_Q4_K_M, Q.Q4_K,
+                       {"attn_v": Q.Q6_K, "ffn_down_exps": Q.Q6_K, "output": Q.Q6_K}),
+    "q5_k_m": QuantMix("Q5_K_M", LlamaFileType.MOSTLY_Q5_K_M, Q.Q5_K,
+                       {"attn_v": Q.Q6_K, "ffn_down_exps": Q.Q6_K, "output": Q.Q6_K}),
+    "q8_0": QuantMix("Q8_0", LlamaFileType.MOSTLY_Q8_0, Q.Q8_0, {}),
+}
+F32_ROLES = frozenset({"attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate_inp", "output_norm"})
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]   # numpy order: rows along the last axis
+    ggml_type: GGMLQuantizationType
+
+    @property
+    def role(self) -> str:
+        return tensor_role(self.name)
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.ggml_type, self.shape)
+
+
+def tensor_role(name: str) -> str:
+    """The name without "blk.N." and ".weight": attn_v, ffn_down_exps, output, ..."""
+    return name.removesuffix(".weight").split(".")[-1]
+
+
+def tensor_plan(shape: BenchShape, mix: QuantMix) -> list[TensorPlan]:
+    """Every tensor of the file in writing order; ValueError when a row does not fit its type's blocks."""
+    s = shape
+    q_dim, kv_dim = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (s.vocab, s.hidden)}            # [V, H]
+    for i in range(s.n_layers):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (s.hidden,),
+            f"blk.{i}.attn_q.weight": (q_dim, s.hidden),
+            f"blk.{i}.attn_k.weight": (kv_dim, s.hidden),
+            f"blk.{i}.attn_v.weight": (kv_dim, s.hidden),
+            f"blk.{i}.attn_output.weight": (s.hidden, q_dim),
+            f"blk.{i}.attn_q_norm.weight": (s.head_dim,),
+            f"blk.{i}.attn_k_norm.weight": (s.head_dim,),
+            f"blk.{i}.ffn_norm.weight": (s.hidden,),
+            f"blk.{i}.ffn_gate_inp.weight": (s.n_experts, s.hidden),                           # [E, H]
+            f"blk.{i}.ffn_gate_exps.weight": (s.n_experts, s.expert_ff, s.hidden),             # [E, F, H]
+            f"blk.{i}.ffn_up_exps.weight": (s.n_experts, s.expert_ff, s.hidden),
+            f"blk.{i}.ffn_down_exps.weight": (s.n_experts, s.hidden, s.expert_ff),             # [E, H, F]
+        }
+    shapes |= {"output_norm.weight": (s.hidden,), "output.weight": (s.vocab, s.hidden)}       # [V, H]
+
+    plan = []
+    for name, dims in shapes.items():
+        role = tensor_role(name)
+        ggml_type = Q.F32 if role in F32_ROLES else mix.by_role.get(role, mix.default)
+        try:
+            tensor_nbytes(ggml_type, dims)
+        except ValueError as err:
+            raise ValueError(f"{name} {list(dims)} cannot be stored as {ggml_type.name}: {err}") from None
+        plan.append(TensorPlan(name, dims, ggml_type))
+    return plan
+
+
+# ---- random valid blocks -------------------------------------------------------------------------
+#
+# Random bytes make the quants uniform over their levels; only the scale fields are set:
+#   Q8_0  34 B / 32:  d f16 | qs int8[32]                  w = d * q, d of random sign
+#   Q4_K 144 B / 256: d | dmin | scales 12 B | qs 128 B     w = d * sc * q - dmin * m   (8 sub-blocks of 32)
+#   Q5_K 176 B / 256: d | dmin | scales 12 B | qh 32 B | qs 128 B
+#   Q6_K 210 B / 256: ql 128 B | qh 64 B | scales int8[16] | d   w = d * sc * (q - 32)  (16 sub-blocks of 16)
+# K-quant sub-block scales are drawn from a small range; Q4_K/Q5_K mins equal their scales and
+# dmin = d * (mean quant level), so each sub-block has mean 0; Q6_K scales have random signs.
+
+K_SCALES = np.arange(16, 32)     # 6-bit Q4_K/Q5_K sub-block scales: 16 + a random nibble
+Q6_SCALES = np.arange(8, 16)     # int8 Q6_K sub-block scale magnitudes: 8 + 3 random bits, random sign
+
+
+def _uniform_sd(levels: int) -> float:
+    """Std of an integer drawn uniformly from `levels` consecutive values."""
+    return float(np.sqrt((levels**2 - 1) / 12))
+
+
+def _rms(values: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(values.astype(np.float64) ** 2)))
+
+
+def _set_f16(blocks: np.ndarray, offset: int, value: float) -> None:
+    blocks[:, offset:offset + 2].view("<u2")[:] = np.float16(value).view(np.uint16)
+
+
+def _set_k_scales(packed: np.ndarray) -> None:
+    """packed [N, 12] random bytes -> 8 scales and 8 equal mins, each 16..31, as ggml packs them:
+    bytes 0-3: scale j (6 bits) | high 2 bits of scale j+4 << 6;  bytes 4-7: the same for the mins;
+    bytes 8-11: low nibble of scale j+4 | low nibble of min j+4 << 4.
+    Every value is 16 + a random nibble, so its high 2 bits are 01. Worked on 4 bytes at a time."""
+    words = packed.view("<u4")                                     # [N, 3]
+    words[:, 0] = (words[:, 0] & 0x0F0F0F0F) | 0x50505050          # 0x40: high bits 01 of scale j+4
+    words[:, 1] = words[:, 0]
+    words[:, 2] = (words[:, 2] & 0x0F0F0F0F) * 0x11
+
+
+def _fill_q8_0(blocks: np.ndarray, std: float) -> None:
+    d_bits = blocks[:, 0:2].view("<u2")
+    d_bits &= 0x8000                                     # keep a random sign: expected mean 0
+    d_bits |= np.float16(std / _uniform_sd(256)).view(np.uint16)
+
+
+def _fill_q4_k(blocks: np.ndarray, std: float) -> None:
+    d = std / (_rms(K_SCALES) * _uniform_sd(16))
+    _set_f16(blocks, 0, d)
+    _set_f16(blocks, 2, 7.5 * d)                         # mean nibble 7.5
+    _set_k_scales(blocks[:, 4:16])
+
+
+def _fill_q5_k(blocks: np.ndarray, std: float) -> None:
+    d = std / (_rms(K_SCALES) * _uniform_sd(32))
+    _set_f16(blocks, 0, d)
+    _set_f16(blocks, 2, 15.5 * d)                        # mean 5-bit level 15.5
+    _set_k_scales(blocks[:, 4:16])
+
+
+def _fill_q6_k(blocks: np.ndarray, std: float) -> None:
+    words = blocks[:, 192:208].view("<u4")                         # [N, 4]: 16 int8 scales
+    negative = (words >> 7) & 0x01010101                           # 1 in each byte whose sign bit is set
+    magnitude = (words & 0x07070707) | 0x08080808                  # 8..15
+    words[:] = (magnitude ^ (negative * 0xFF)) + negative          # two's complement per byte: -15..-8
+    _set_f16(blocks, 208, std / (_rms(Q6_SCALES) * _uniform_sd(64)))
+
+
+BLOCK_FILLERS: dict[GGMLQuantizationType, Callable[[np.ndarray, float], None]] = {
+    Q.Q8_0: _fill_q8_0, Q.Q4_K: _fill_q4_k, Q.Q5_K: _fill_q5_k, Q.Q6_K: _fill_q6_k,
+}
+
+
+def random_blocks(ggml_type: GGMLQuantizationType, n_blocks: int, rng: np.random.Generator,
+                  std: float = WEIGHT_STD) -> np.ndarray:
+    """n_blocks random valid blocks of `ggml_type`, uint8 [n_blocks, block bytes]."""
+    fill = BLOCK_FILLERS.get(ggml_type)
+    if fill is None:
+        raise ValueError(f"no random block writer for {ggml_type.name} (have {', '.join(t.name for t in BLOCK_FILLERS)})")
+    type_size = GGML_QUANT_SIZES[ggml_type][1]
+    nbytes = n_blocks * type_size
+    words = rng.bit_generator.random_raw(-(-nbytes // 8))      # 64 random bits at a time: the fastest source
+    blocks = words.view(np.uint8)[:nbytes].reshape(n_blocks, type_size)
+    fill(blocks, std)
+    return blocks
+
+
+def _tensor_data(tensor: TensorPlan, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """The tensor's bytes, CHUNK_BYTES or so at a time."""
+    if tensor.ggml_type == Q.F32:
+        if tensor.role == "ffn_gate_inp":
+            yield rng.normal(0.0, ROUTER_STD, tensor.shape).astype(np.float32)
+        else:
+            yield (1.0 + rng.normal(0.0, NORM_STD, tensor.shape)).astype(np.float32)
+        return
+    block_size, type_size = GGML_QUANT_SIZES[tensor.ggml_type]
+    n_blocks = prod(tensor.shape) // block_size
+    per_chunk = max(1, CHUNK_BYTES // type_size)
+    for start in range(0, n_blocks, per_chunk):
+        yield random_blocks(tensor.ggml_type, min(per_chunk, n_blocks - start), rng)
+
+
+# ---- the file ------------------------------------------------------------------------------------
+
+def write_bench_model(path: str | Path, shape: BenchShape, mix: QuantMix, seed: int = 0,
+                      progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write the model atomically (temp file + rename) and return its path.
+    `progress(bytes_generated, total_bytes)` is called after every tensor."""
+    path = Path(path)
+    plan = tensor_plan(shape, mix)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        writer = gguf.GGUFWriter(partial, arch=ARCH)
+        _write_hparams(writer, shape, mix)
+        write_metadata(writer, vocabulary_metadata(shape.vocab))
+        for tensor in plan:
+            writer.add_tensor_info(tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes,
+                                   raw_dtype=tensor.ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        writer.close()
+        # GGUFWriter wants each tensor whole in memory; the data section is streamed instead.
+        _append_tensor_data(partial, plan, np.random.default_rng(seed), writer.data_alignment, progress)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _append_tensor_data(path: Path, plan: list[TensorPlan], rng: np.random.Generator, alignment: int,
+                        progress: Callable[[int, int], None] | None) -> None:
+    """Each tensor starts aligned, as the tensor index says. A writer thread writes one chunk
+    while the next is generated; at most MAX_PENDING_WRITES chunks wait in memory."""
+    total = sum(t.nbytes for t in plan)
+    generated = 0
+    with path.open("ab") as out, ThreadPoolExecutor(max_workers=1) as writer:
+        position = out.tell()
+        pending: deque[Future] = deque()
+
+        def write(data: np.ndarray | bytes) -> None:
+            nonlocal position
+            pending.append(writer.submit(out.write, data))
+            position += memoryview(data).nbytes
+            if len(pending) > MAX_PENDING_WRITES:
+                pending.popleft().result()
+
+        for tensor in plan:
+            write(bytes(-position % alignment))
+            for chunk in _tensor_data(tensor, rng):
+                write(chunk)
+            generated += tensor.nbytes
+            if progress is not None:
+                progress(generated, total)
+        write(bytes(-position % alignment))
+        for done in pending:
+            done.result()
+
+
+def with_layers(shape: BenchShape, n_layers: int) -> BenchShape:
+    if n_layers < 1:
+        raise ValueError(f"--layers must be at least 1 (got {n_layers})")
+    return dataclasses.replace(shape, n_layers=n_layers)
+
+
+def vocabulary_metadata(vocab: int) -> dict:
+    """tokenizer.ggml.* keys: a byte-level BPE trained on moerun's small default corpus (at most
+    `vocab` tokens), padded with unused [PAD<id>] tokens to `vocab` ids. No chat template."""
+    corpus = demo_corpus()
+    return pad_vocabulary(bpe_metadata(byte_level_bpe(corpus, vocab, SPECIALS), pre="qwen2", bos=None,
+                                       eos="<|endoftext|>", chat_template=None), vocab)
+
+
+def _write_hparams(writer: gguf.GGUFWriter, s: BenchShape, mix: QuantMix) -> None:
+    writer.add_string("general.name", f"{s.name} bench")
+    writer.add_uint32("general.file_type", int(mix.file_type))
+    writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
+    write_qwen3moe_hparams(writer, s, s.rope_base, s.rms_eps)

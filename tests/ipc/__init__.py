@@ -1,0 +1,1 @@
+"""The wire: protocol, shared-memory arenas and doorbells, ZeroMQ sessions and deadlines, CURVE, against a fake daemon."""

@@ -1,0 +1,106 @@
+"""Padded slot requests (what a GPU parent writes from the device: ids and weights [T, K],
+-1 for no expert) through a real arena to a real daemon process that computes on the host:
+the daemon serves them as the equivalent ragged requests. And the ATTACH refusals of the
+device-direct transport where it cannot work. Shape legend: T tokens, H hidden, K slots."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from moerun.ipc.client import DaemonClient, DaemonError
+from moerun.ipc.shm import ArenaLayout
+
+from moerun.engine.runtime import Runtime
+from moerun.rig.links import RigError
+from moerun.rig.settings import RigConfig
+from tests.support.daemon_fixtures import tiny_daemon_model
+from tests.support.fake_daemon import (
+    FINGERPRINT,
+    HIDDEN,
+    daemon_process,
+    expected_output,
+    ramp,
+)
+
+TOP_K = 4
+LOCAL_EXPERTS = {1: [5, 2, 7]}
+
+
+@pytest.fixture
+def client():
+    with daemon_process("--capacity", "64") as daemon:
+        client = DaemonClient(daemon.endpoint, connect_timeout_s=10)
+        client.hello(FINGERPRINT)
+        client.assign(LOCAL_EXPERTS)
+        yield client
+        client.close()
+
+
+def write_padded(client: DaemonClient, slot: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                 dtype: str = "f32") -> None:
+    """What the parent's pack kernel does, from the host: frames straight into the slot."""
+    frames = client.arena.slots[slot]
+    frames._x[dtype][:len(x)] = x
+    frames._local_ids[:ids.size] = ids.reshape(-1)
+    frames._weights[:weights.size] = weights.reshape(-1)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_a_padded_request_equals_its_ragged_form(client, tokens):
+    client.attach_shared(batch_capacity=64, hidden=HIDDEN, max_pairs_per_token=TOP_K)
+    rng = np.random.default_rng(tokens)
+    x = ramp(tokens, seed=tokens)
+    ids = np.where(rng.random((tokens, TOP_K)) < 0.5, rng.integers(0, 3, (tokens, TOP_K)), -1).astype(np.int32)
+    ids[0] = -1                                                   # a token with nothing here
+    weights = rng.random((tokens, TOP_K)).astype(np.float32)
+    write_padded(client, 2, x, ids, weights)
+    request = client.post(2, 1, "f32", tokens)
+    client.collect(request, timeout_s=10)
+    present = ids >= 0
+    want = expected_output(1, x, present.sum(axis=1), ids[present], weights[present])
+    np.testing.assert_allclose(client.arena.slots[2].read_result(tokens), want, rtol=1e-6)
+    assert client.slot_idle(2)
+
+
+def test_a_padded_request_with_a_bad_local_id_is_an_error_reply(client):
+    client.attach_shared(batch_capacity=8, hidden=HIDDEN, max_pairs_per_token=TOP_K)
+    ids = np.full((2, TOP_K), -1, np.int32)
+    ids[1, 0] = 3                                                 # the daemon holds 3 experts of layer 1
+    write_padded(client, 0, ramp(2), ids, np.ones((2, TOP_K), np.float32))
+    request = client.post(0, 1, "f32", 2)
+    with pytest.raises(DaemonError, match="local expert id"):
+        client.collect(request, timeout_s=10)
+    assert client.slot_idle(0)                                    # and the slot is free again
+
+
+def test_a_cpu_daemon_refuses_the_device_transport(client):
+    with pytest.raises(DaemonError, match="device transport needs a GPU daemon"):
+        client.attach_shared(batch_capacity=8, hidden=HIDDEN, max_pairs_per_token=TOP_K, transport="device",
+                             incoming=[bytes(64)] * 4)
+    assert client.arena is None
+
+
+def test_a_padded_request_must_carry_t_times_k_pairs(client):
+    from moerun.ipc import shm
+    from moerun.ipc.protocol import ProtocolError
+    layout = ArenaLayout(1, 8, HIDDEN, TOP_K)
+    buffer = bytearray(8192)
+    shm.write_request_header(buffer, 9, 1, "f32", 3, 5, HIDDEN, padded=True)
+    with pytest.raises(ProtocolError, match="tokens \\* 4 pairs"):
+        shm.read_request_header(buffer, layout)
+    shm.write_request_header(buffer, 9, 1, "f16", 3, 12, HIDDEN, padded=True)
+    assert shm.read_request_header(buffer, layout) == (1, "f16", 3, 12, True)
+
+
+def test_device_transport_needs_a_gpu_parent(tmp_path):
+    rig = RigConfig(daemons=("cpu",), transport="device", daemon_timeout_s=30)
+    with pytest.raises(RigError, match="--transport device needs both on GPUs of one vendor"):
+        Runtime(tiny_daemon_model(tmp_path), rig=rig)
+
+
+def test_a_daemon_table_names_its_own_transport(tmp_path):
+    """[[daemon]] transport = "stream" beside the rig's shared one: each link gets its own."""
+    from moerun.rig.settings import DaemonEntry
+    entries = (DaemonEntry(name="a", device="cpu", transport="stream"), DaemonEntry(name="b", device="cpu"))
+    rig = RigConfig(daemons=("cpu", "cpu"), daemon_entries=entries, transport="shared", hot=1, daemon_timeout_s=30)
+    with Runtime(tiny_daemon_model(tmp_path), rig=rig) as runtime:
+        assert [link.transport for link in runtime.rig.links] == ["stream", "shared"]

@@ -1,0 +1,1 @@
+"""Parents with real daemon processes: equivalence with all-local, faults and supervision, placement, launch and systemd."""

@@ -1,0 +1,252 @@
+"""`moerun launch` with real daemon processes: it starts the daemons of a config, runs the
+workload through them, names a daemon that fails to start with its stderr, and never leaves
+a daemon behind, even when the launch itself is killed."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from moerun.engine.runtime import Runtime
+from moerun.engine.sampler import SamplingParams
+from moerun.gguf.chat import render_messages
+from moerun.writers.demo import demo_model_path
+from tests.support.daemon_fixtures import shm_segments
+from tests.support.live_processes import child_pids, exited, free_port, healthy
+
+EXIT_WITHIN_S = 5.0
+START_WITHIN_S = 60.0
+
+
+def write_config(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "rig.toml"
+    path.write_text(f'model = "{demo_model_path()}"\nctx = 128\nhot = 1\n{body}')
+    return path
+
+
+def greedy_text(prompt: str, n: int) -> str:
+    with Runtime(demo_model_path(), ctx=128) as runtime:
+        ids = runtime.tokenizer.encode(prompt)
+        return runtime.tokenizer.decode(list(runtime.generate(ids, n, SamplingParams(temperature=0.0),
+                                                              runtime.tokenizer.stop_ids)))
+
+
+GENERATE = '[generate]\nprompt = "The rig"\nn_predict = 12\ntemp = 0.0\n'
+
+
+def test_launch_starts_the_daemons_and_generates_through_them(moerun, tmp_path):
+    own_socket = tmp_path / "sockets" / "own.sock"
+    config = write_config(tmp_path, f"""workload = "generate"
+[[daemon]]
+device = "cpu"
+[[daemon]]
+name = "own"
+device = "cpu"
+endpoint = "ipc://{own_socket}"
+{GENERATE}stats_json = "stats.json"
+""")
+    result = moerun("launch", "--config", config)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == greedy_text("The rig", 12) + "\n"
+    daemons = json.loads((tmp_path / "stats.json").read_text())["daemons"]
+    assert [daemon["endpoint"] for daemon in daemons][1] == f"ipc://{own_socket}"
+    assert all(daemon["calls"] > 0 and daemon["state"] == "up" for daemon in daemons)
+    assert own_socket.parent.is_dir() and not own_socket.exists()       # made by launch, left by the daemon
+
+
+def test_flags_after_the_config_go_to_the_workload_and_override_the_file(moerun, tmp_path):
+    blocker = tmp_path / "taken.sock"
+    blocker.write_text("not a socket")
+    config = write_config(tmp_path, f'[[daemon]]\nname = "never"\ndevice = "cpu"\nendpoint = "ipc://{blocker}"\n'
+                                    f'{GENERATE}')
+    result = moerun("launch", "--config", config, "--daemon", "cpu", "-n", "4")
+    assert result.exit_code == 0, result.output       # the file's daemon was replaced, so never started
+    assert result.stdout == greedy_text("The rig", 4) + "\n"
+
+
+def test_a_started_daemon_that_never_listens_is_named_with_its_stderr(moerun, tmp_path):
+    blocker = tmp_path / "taken.sock"
+    blocker.write_text("not a socket")
+    config = write_config(tmp_path, f'[[daemon]]\nname = "blocked"\ndevice = "cpu"\nendpoint = "ipc://{blocker}"\n'
+                                    f'{GENERATE}')
+    started = time.monotonic()
+    result = moerun("launch", "--config", config)
+    assert result.exit_code == 1
+    assert time.monotonic() - started < START_WITHIN_S
+    first, *stderr_tail = result.stderr.strip().splitlines()
+    assert first == (f"Error: daemon blocked (cpu on ipc://{blocker}) exited while starting (status 1); "
+                     f"the end of its stderr:")
+    assert any(f"{blocker} exists and is not a socket" in line for line in stderr_tail)
+
+
+def test_a_spawned_daemon_that_cannot_open_its_device_is_named_with_its_stderr(moerun, tmp_path):
+    config = write_config(tmp_path, f'[[daemon]]\ndevice = "cuda:99"\n{GENERATE}')
+    result = moerun("launch", "--config", config)
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("Error: daemon cuda:99 ")
+    assert any(line.startswith("Error: ") for line in lines[1:])       # the daemon's own error line
+
+
+# -- the launch process as users run it ---------------------------------------------------------
+
+def read_line(process: subprocess.Popen, timeout_s: float) -> str:
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    assert ready, "no output in time"
+    return process.stdout.readline()
+
+
+def test_killing_the_launch_kills_its_daemons_and_leaves_no_shared_memory(tmp_path):
+    own_socket = tmp_path / "own.sock"
+    config = write_config(tmp_path, f"""transport = "shared"
+[[daemon]]
+device = "cpu"
+[[daemon]]
+name = "own"
+device = "cpu"
+endpoint = "ipc://{own_socket}"
+[generate]
+chat = true
+n_predict = 4
+temp = 0.0
+""")
+    segments_before = shm_segments()
+    process = subprocess.Popen([sys.executable, "-m", "moerun", "launch", "--config", str(config)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        process.stdin.write("hello\n")
+        process.stdin.flush()
+        read_line(process, START_WITHIN_S)             # one chat turn answered: both daemons at work
+        daemons = child_pids(process.pid)
+        assert len(daemons) == 2 and own_socket.exists()
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        deadline = time.monotonic() + EXIT_WITHIN_S
+        while not all(exited(pid) for pid in daemons) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(exited(pid) for pid in daemons)
+        assert not own_socket.exists()
+        assert shm_segments() <= segments_before
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_started_daemon_that_dies_is_started_again_and_rejoins(tmp_path):
+    own_socket = tmp_path / "own.sock"
+    config = write_config(tmp_path, f"""daemon_timeout = 2
+[[daemon]]
+name = "own"
+device = "cpu"
+endpoint = "ipc://{own_socket}"
+[generate]
+chat = true
+n_predict = 6
+temp = 0.0
+stats_json = "stats.json"
+""")
+    process = subprocess.Popen([sys.executable, "-m", "moerun", "launch", "--config", str(config)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(process.stderr), daemon=True).start()
+    try:
+        process.stdin.write("hello\n")
+        process.stdin.flush()
+        replies = [read_line(process, START_WITHIN_S)]
+        (first,) = child_pids(process.pid)
+        os.kill(first, signal.SIGKILL)
+        second = wait_for(lambda: next(iter(child_pids(process.pid) - {first}), None), process, stderr)
+        process.stdin.write("again\n")                   # its first call finds the new daemon without experts
+        process.stdin.flush()
+        replies.append(read_line(process, START_WITHIN_S))
+        wait_for(lambda: any("rejoined" in line for line in stderr), process, stderr)
+        process.stdin.close()
+        assert process.wait(START_WITHIN_S) == 0, "".join(stderr)
+    finally:
+        process.kill()
+        process.wait()
+    assert second != first
+    assert f"daemon own (cpu on ipc://{own_socket}) exited with status -9" in "".join(stderr)
+    (daemon,) = json.loads((tmp_path / "stats.json").read_text())["daemons"]
+    assert daemon["rejoins"] == 1 and daemon["fallback_calls"] > 0 and daemon["state"] == "up"
+    assert replies == [reply + "\n" for reply in chat_replies(["hello", "again"], 6)]
+
+
+def wait_for(condition, process: subprocess.Popen, stderr: list[str]):
+    deadline = time.monotonic() + START_WITHIN_S
+    while not (result := condition()):
+        assert time.monotonic() < deadline and process.poll() is None, "".join(stderr)
+        time.sleep(0.05)
+    return result
+
+
+def chat_replies(turns: list[str], n: int) -> list[str]:
+    """Greedy replies of the demo model to a conversation, as `moerun run --chat` holds it."""
+    replies, messages = [], []
+    with Runtime(demo_model_path(), ctx=128) as runtime:
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            ids = runtime.tokenizer.encode(render_messages(runtime.tokenizer, messages))
+            tokens = list(runtime.generate(ids, n, SamplingParams(temperature=0.0), runtime.tokenizer.stop_ids))
+            replies.append(runtime.tokenizer.decode(tokens))
+            messages.append({"role": "assistant", "content": replies[-1]})
+    return replies
+
+
+def test_launch_serves_with_the_files_server_settings(tmp_path):
+    port = free_port()
+    config = write_config(tmp_path, f"""workload = "serve"
+[[daemon]]
+device = "cpu"
+[server]
+port = {port}
+served_model_name = "rig-model"
+""")
+    log = tmp_path / "launch.log"
+    with log.open("w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "moerun", "launch", "--config", str(config)],
+                                   stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_WITHIN_S
+        while not healthy(url):
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        daemons = child_pids(process.pid)
+        assert len(daemons) == 1
+        assert [model["id"] for model in httpx.get(f"{url}/v1/models").json()["data"]] == ["rig-model"]
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "rig-model", "prompt": "The rig",
+                                                          "max_tokens": 12, "temperature": 0}, timeout=30)
+        assert reply.json()["choices"][0]["text"] == greedy_text("The rig", 12)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 128 + signal.SIGTERM          # the orderly way out, as systemd stops it
+        assert all(exited(pid) for pid in daemons)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_launch_needs_a_config(moerun):
+    result = moerun("launch")
+    assert result.exit_code == 2 and "Missing option '--config'" in result.stderr
+
+
+def test_child_pids_sees_only_live_children(tmp_path):
+    """The helper the kill test relies on: it finds a child and tells when it is gone."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in child_pids(os.getpid()) and not exited(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert exited(child.pid)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: request parsing, the worker, a live server."""

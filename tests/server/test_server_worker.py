@@ -1,0 +1,159 @@
+"""The server's worker in-process: loading and /health, arrival order, cancellation between tokens."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from moerun.engine.runtime import Runtime
+from moerun.engine.sampler import SamplingParams
+from moerun.gguf.reader import GGUFError
+from moerun.server.app import create_app
+from moerun.server.schemas import ApiError, Generation
+from moerun.server.worker import Failed, Finished, Limits, Piece, Worker
+from moerun.writers.demo import demo_model_path
+
+GREEDY = SamplingParams(temperature=0.0)
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+        "temperature": 0}   # greedy: the demo model gives 4 tokens here without a stop
+
+
+def generation(max_tokens: int | None = None, stop: tuple[str, ...] = ()) -> Generation:
+    return Generation(model="demo", max_tokens=max_tokens, sampling=GREEDY, stop=stop, stream=True,
+                      include_usage=False)
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def sample(worker: Worker, name: str, **labels) -> float:
+    return worker.metrics.registry.get_sample_value(name, labels)
+
+
+@pytest.fixture(scope="module")
+def demo_path():
+    return demo_model_path()
+
+
+def test_health_is_503_while_loading_and_200_when_ready(demo_path):
+    release = threading.Event()
+
+    def slow_open() -> Runtime:
+        assert release.wait(30)
+        return Runtime(demo_path)
+
+    with TestClient(create_app(Worker(slow_open), "demo")) as client:
+        assert client.get("/health").status_code == 503
+        early = client.post("/v1/chat/completions", json=CHAT)
+        assert early.status_code == 503 and "loading" in early.json()["error"]["message"]
+        release.set()
+        wait_until(lambda: client.get("/health").status_code == 200)
+        assert client.get("/health").json() == {"status": "ok"}
+        reply = client.post("/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_model_that_fails_to_load_says_why(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    stopped = threading.Event()
+
+    def failing_open() -> Runtime:
+        raise GGUFError(missing, "not a GGUF file")
+
+    with TestClient(create_app(Worker(failing_open, on_load_failure=stopped.set), "demo")) as client:
+        assert stopped.wait(10)
+        health = client.get("/health")
+        assert health.status_code == 503 and "not a GGUF file" in health.json()["message"]
+        assert "failed to load" in client.post("/v1/chat/completions", json=CHAT).json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def worker(demo_path):
+    worker = Worker(lambda: Runtime(demo_path), Limits(max_queue=3))
+    worker.start()
+    wait_until(lambda: worker.ready)
+    yield worker
+    worker.stop()
+
+
+async def drain(job) -> list:
+    return [event async for event in job.events()]
+
+
+def test_jobs_run_one_at_a_time_in_arrival_order(worker):
+    async def scenario():
+        ids = worker.text_prompt("The rig")
+        jobs = [worker.submit(ids, generation(max_tokens=3)) for _ in range(3)]
+        finished_order = []
+
+        async def follow(index, job):
+            await drain(job)
+            finished_order.append(index)
+        await asyncio.gather(*(follow(i, job) for i, job in enumerate(jobs)))
+        return finished_order
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == [0, 1, 2]
+
+
+def test_a_cancelled_job_stops_between_tokens(worker):
+    tokens_before = sample(worker, "moerun_generation_tokens_total")
+    cancelled_before = sample(worker, "moerun_requests_total", outcome="cancelled")
+
+    async def scenario():
+        job = worker.submit(worker.text_prompt("The rig"), generation(max_tokens=3000))
+        waiting = worker.submit(worker.text_prompt("The rig"), generation(max_tokens=3000))
+        waiting.cancel()                                           # skipped when its turn comes
+        events = job.events()
+        assert isinstance(await events.__anext__(), Piece)
+        job.cancel()
+        follow_up = worker.submit(worker.text_prompt("The rig"), generation(max_tokens=2))
+        assert isinstance((await drain(follow_up))[-1], Finished)
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert sample(worker, "moerun_generation_tokens_total") - tokens_before < 200     # of 6002 asked for
+    assert sample(worker, "moerun_requests_total", outcome="cancelled") - cancelled_before == 2
+
+
+def test_stop_sequence_ends_with_finish_reason_stop(worker):
+    async def scenario(stop):
+        return await drain(worker.submit(worker.text_prompt("The rig"), generation(max_tokens=20, stop=stop)))
+    whole = asyncio.run(scenario(()))
+    text = "".join(e.text for e in whole if isinstance(e, Piece))
+    stop = text[len(text) // 2:][:3]
+    cut = asyncio.run(scenario((stop,)))
+    assert "".join(e.text for e in cut if isinstance(e, Piece)) == text[:text.index(stop)]
+    assert cut[-1].reason == "stop" and whole[-1].reason == "length"
+    assert cut[-1].completion_tokens < whole[-1].completion_tokens == 20
+
+
+def test_limits_and_a_full_queue_are_refused(demo_path):
+    worker = Worker(lambda: Runtime(demo_path, ctx=64), Limits(max_prompt_tokens=16, max_tokens=8, max_queue=0))
+    worker.start()
+    try:
+        wait_until(lambda: worker.ready)
+        with pytest.raises(ApiError, match="at most 16"):
+            worker.text_prompt("word " * 40)
+        with pytest.raises(ApiError, match="outside the vocabulary"):
+            worker.text_prompt([10**6])
+
+        async def submit(max_tokens):
+            return worker.submit([1, 2, 3], generation(max_tokens=max_tokens))
+        with pytest.raises(ApiError, match="allows"):
+            asyncio.run(submit(9))
+        with pytest.raises(ApiError) as full:
+            asyncio.run(submit(None))
+        assert full.value.status == 429
+    finally:
+        worker.stop()
+
+
+def test_generation_errors_become_failed_events(worker):
+    async def scenario():
+        return await drain(worker.submit([10**6], generation(max_tokens=2)))   # past the vocabulary
+    events = asyncio.run(scenario())
+    assert isinstance(events[-1], Failed) and events[-1].error.status == 400

@@ -1,0 +1,153 @@
+"""Benchmark model files: random K-quant and Q8_0 blocks decode to the intended weights, and the
+written files load and run in moerun with the tensor types their quant mix names."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from math import prod
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from moerun.engine.runtime import Runtime
+from moerun.gguf.reader import GGUFFile
+from moerun.models import load_spec
+from moerun.writers.bench_model import (
+    MIXES,
+    PRESETS,
+    WEIGHT_STD,
+    random_blocks,
+    tensor_plan,
+    vocabulary_metadata,
+    with_layers,
+    write_bench_model,
+)
+
+Q = GGMLQuantizationType
+SCRIPT = Path(__file__).parents[2] / "scripts" / "make_bench_model.py"
+
+
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0])
+def test_random_blocks_decode_to_small_centred_weights(ggml_type):
+    n_blocks = 8192 if ggml_type == Q.Q8_0 else 1024                 # ~260k weights either way
+    blocks = random_blocks(ggml_type, n_blocks, np.random.default_rng(1))
+    assert blocks.shape == (n_blocks, GGML_QUANT_SIZES[ggml_type][1])
+    weights = quants.dequantize(blocks, ggml_type)
+    assert np.isfinite(weights).all()
+    assert weights.std() == pytest.approx(WEIGHT_STD, rel=0.03)
+    # a scale or min bias shows up as a mean of a few percent of the std; sampling noise is ~0.2%
+    assert abs(weights.mean()) < 0.01 * WEIGHT_STD
+    assert np.abs(weights).max() < 5 * WEIGHT_STD
+
+
+def test_random_blocks_refuse_a_type_without_a_writer():
+    with pytest.raises(ValueError, match="no random block writer for Q3_K"):
+        random_blocks(Q.Q3_K, 1, np.random.default_rng(0))
+
+
+def test_the_qwen3_30b_preset_has_the_real_model_size():
+    """llama.cpp reports 30.53 B parameters for Qwen3-30B-A3B."""
+    plan = {t.name: t for t in tensor_plan(PRESETS["qwen3-30b-a3b"], MIXES["q4_k_m"])}
+    assert round(sum(prod(t.shape) for t in plan.values()) / 1e9, 2) == 30.53
+    assert plan["blk.47.ffn_gate_exps.weight"].shape == (128, 768, 2048)
+    assert plan["blk.47.ffn_down_exps.weight"].shape == (128, 2048, 768)
+    assert plan["blk.0.attn_q.weight"].shape == (32 * 128, 2048)
+    assert plan["blk.0.attn_k.weight"].shape == (4 * 128, 2048)
+    assert plan["token_embd.weight"].shape == (151936, 2048)
+
+
+def test_a_shape_whose_rows_do_not_fit_k_quant_blocks_is_refused():
+    shape = dataclasses.replace(PRESETS["tiny"], expert_ff=200)
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight .* cannot be stored as Q6_K"):
+        tensor_plan(shape, MIXES["q4_k_m"])
+
+
+@pytest.fixture(scope="module", params=["q4_k_m", "q5_k_m", "q8_0"])
+def tiny_file(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / f"tiny-{request.param}.gguf"
+    return request.param, write_bench_model(path, with_layers(PRESETS["tiny"], 1), MIXES[request.param], seed=3)
+
+
+def test_tiny_file_loads_with_the_preset_shape(tiny_file):
+    _, path = tiny_file
+    with GGUFFile(path) as gguf:
+        spec = load_spec(gguf)
+    tiny = PRESETS["tiny"]
+    assert (spec.family, spec.n_layers, spec.hidden, spec.vocab) == ("qwen3moe", 1, tiny.hidden, tiny.vocab)
+    assert (spec.n_experts, spec.n_experts_used, spec.expert_ff) == (8, 2, 256)
+    assert (spec.n_heads, spec.n_kv_heads, spec.head_dim_k) == (tiny.n_heads, tiny.n_kv_heads, tiny.head_dim)
+    assert (spec.rope_base, spec.rms_eps, spec.context_train) == (1e6, pytest.approx(1e-6), tiny.context)
+
+
+def test_tiny_file_runs_a_forward_pass_and_tokenizes(tiny_file):
+    _, path = tiny_file
+    with Runtime(path) as runtime:
+        ids = runtime.tokenizer.encode("The experts")
+        assert runtime.tokenizer.decode(ids) == "The experts"
+        logits = runtime.logits(ids + [5, 900, 1023])
+    assert logits.shape == (len(ids) + 3, PRESETS["tiny"].vocab)
+    assert np.isfinite(logits).all()
+    assert 0.1 < logits.std(axis=-1).min() and logits.std(axis=-1).max() < 100   # neither flat nor exploding
+    assert len(set(logits.argmax(axis=-1).tolist())) > 1                            # the input matters
+
+
+def test_tensor_types_follow_the_mix(tiny_file):
+    mix, path = tiny_file
+    with GGUFFile(path) as gguf:
+        types = {name: t.ggml_type for name, t in gguf.tensors.items()}
+        file_type = gguf.get("general.file_type")
+    assert file_type == int(MIXES[mix].file_type)
+    f32 = {n for n in types if n.endswith(("norm.weight", "ffn_gate_inp.weight"))}
+    assert {types[n] for n in f32} == {Q.F32}
+    assert len(f32) == 6                                        # 5 per layer, output_norm
+    if mix == "q8_0":
+        assert {t for n, t in types.items() if n not in f32} == {Q.Q8_0}
+    else:
+        six_bit = {"blk.0.attn_v.weight", "blk.0.ffn_down_exps.weight", "output.weight"}
+        most = Q.Q4_K if mix == "q4_k_m" else Q.Q5_K
+        assert {n for n, t in types.items() if t == Q.Q6_K} == six_bit
+        assert {types[n] for n in types if n not in f32 | six_bit} == {most}
+        assert types["token_embd.weight"] == most
+
+
+def test_the_seed_decides_the_bytes(tmp_path):
+    shape, mix = with_layers(PRESETS["tiny"], 1), MIXES["q4_k_m"]
+    first, again, other = (write_bench_model(tmp_path / f"{name}.gguf", shape, mix, seed=seed)
+                           for name, seed in (("first", 0), ("again", 0), ("other", 1)))
+    assert first.read_bytes() == again.read_bytes()
+    assert first.read_bytes() != other.read_bytes()
+    assert first.stat().st_size == other.stat().st_size
+
+
+@pytest.mark.parametrize("vocab", [300, 2000])
+def test_vocabulary_has_exactly_the_requested_size(vocab):
+    meta = vocabulary_metadata(vocab)
+    assert len(meta["tokenizer.ggml.tokens"]) == len(meta["tokenizer.ggml.token_type"]) == vocab
+    assert len(set(meta["tokenizer.ggml.tokens"])) == vocab
+    assert "<|endoftext|>" in meta["tokenizer.ggml.tokens"]
+
+
+def test_vocabulary_smaller_than_the_byte_alphabet_is_refused():
+    with pytest.raises(ValueError, match="no room for the 256 bytes"):
+        vocabulary_metadata(200)
+
+
+def test_script_writes_a_file_and_reports_its_size(tmp_path):
+    out = tmp_path / "tiny.gguf"
+    done = subprocess.run([sys.executable, SCRIPT, "-o", out, "--preset", "tiny", "--layers", "1", "--mix", "q8_0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out}" in done.stderr and "MB/s" in done.stderr
+    with GGUFFile(out) as gguf:
+        assert load_spec(gguf).n_layers == 1
+
+
+def test_script_refuses_zero_layers(tmp_path):
+    done = subprocess.run([sys.executable, SCRIPT, "-o", tmp_path / "x.gguf", "--layers", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--layers must be at least 1" in done.stderr
+    assert not (tmp_path / "x.gguf").exists()

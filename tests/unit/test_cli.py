@@ -1,0 +1,162 @@
+"""The moerun command line end to end, in-process through click's runner."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moerun.engine.runtime import Runtime
+from moerun.engine.sampler import SamplingParams
+from moerun.gguf.reader import GGUFFile
+from moerun.writers.demo import DESCRIPTION, demo_model_path
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    import os
+    os.environ["MOERUN_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    return demo_model_path()
+
+
+def test_run_without_arguments_uses_the_demo_model(moerun, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOERUN_CACHE", str(tmp_path / "fresh-cache"))
+    result = moerun("run", "-n", "24", "--seed", "1")
+    assert result.exit_code == 0, result.output
+    assert DESCRIPTION in result.stderr
+    assert len(result.stdout.strip()) > 0
+    assert (tmp_path / "fresh-cache").glob("*.gguf")
+
+
+def test_demo_model_is_deterministic(tmp_path):
+    import os
+    paths = []
+    for name in ("a", "b"):
+        os.environ["MOERUN_CACHE"] = str(tmp_path / name)
+        paths.append(demo_model_path())
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
+def test_demo_text_echoes_its_corpus(demo_model):
+    """The bigram head makes sampled text follow token pairs of the built-in text."""
+    from importlib.resources import files
+    runtime = Runtime(demo_model)
+    corpus = runtime.tokenizer.encode(files("moerun.writers").joinpath("demo_corpus.txt").read_text())
+    corpus_pairs = set(zip(corpus, corpus[1:]))
+    prompt = runtime.tokenizer.encode("The parent")
+    ids = prompt + list(runtime.generate(prompt, 60, SamplingParams(seed=3)))
+    pairs = list(zip(ids, ids[1:]))
+    assert sum(pair in corpus_pairs for pair in pairs) >= 0.9 * len(pairs)
+
+
+def test_greedy_run_streams_what_the_runtime_generates(demo_model, moerun):
+    result = moerun("run", "-m", demo_model, "-p", "The rig", "--temp", "0", "-n", "20")
+    assert result.exit_code == 0, result.output
+    runtime = Runtime(demo_model)
+    ids = runtime.tokenizer.encode("The rig")
+    expected = runtime.tokenizer.decode(list(runtime.generate(ids, 20, SamplingParams(temperature=0.0),
+                                                              runtime.tokenizer.stop_ids)))
+    assert result.stdout == expected + "\n"
+
+
+def test_seed_makes_sampling_reproducible(demo_model, moerun):
+    runs = [moerun("run", "-m", demo_model, "-n", "30", "--seed", str(seed)).stdout for seed in (5, 5, 6)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_stats_and_stats_json(demo_model, moerun, tmp_path):
+    path = tmp_path / "stats.json"
+    result = moerun("run", "-m", demo_model, "-n", "10", "--seed", "0", "--stats", "--stats-json", path)
+    assert result.exit_code == 0, result.output
+    assert "prefill:" in result.stderr and "tokens/s" in result.stderr
+    stats = json.loads(path.read_text())
+    assert stats["prompt_tokens"] > 0 and stats["seed"] == 0
+    assert stats["generated_tokens"] <= 10 and stats["decode_tokens_per_second"] > 0
+
+
+def test_chat_prompt_uses_the_template(demo_model, moerun):
+    result = moerun("run", "-m", demo_model, "--chat", "-p", "hello", "-n", "5", "--seed", "1")
+    assert result.exit_code == 0, result.output
+
+
+def test_chat_reads_turns_from_stdin(demo_model):
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+    result = CliRunner().invoke(main, ["run", "-m", str(demo_model), "--chat", "-n", "4", "--seed", "2"],
+                                input="first question\n\nsecond question\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("\n") == 2       # one reply line per non-empty turn
+
+
+def test_logits_writes_every_position(demo_model, moerun, tmp_path):
+    out = tmp_path / "logits.npy"
+    result = moerun("logits", "-m", demo_model, "--ids", "1,2,3,4", "-o", out)
+    assert result.exit_code == 0, result.output
+    logits = np.load(out)
+    with GGUFFile(demo_model) as gguf:
+        vocab = gguf.tensor("token_embd.weight").shape[0]
+    assert logits.shape == (4, vocab) and logits.dtype == np.float32
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--ids", "1,x,3"], "comma-separated integers"),
+    (["--ids", ""], "prompt is empty"),
+    (["--ids", "1,999999"], "outside the vocabulary"),
+    (["--ids", "1,2,3", "--ctx", "2"], "raise --ctx"),
+    (["--ids", "1,2", "--ubatch", "0"], "--ubatch"),
+])
+def test_logits_bad_arguments(demo_model, moerun, tmp_path, args, phrase):
+    result = moerun("logits", "-m", demo_model, "-o", tmp_path / "x.npy", *args)
+    assert result.exit_code != 0
+    assert phrase in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "x.npy").exists()
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--top-p", "0"], "top_p"),
+    (["--min-p", "2"], "min_p"),
+    (["-n", "-1"], "-n"),
+])
+def test_run_bad_sampling_flags(demo_model, moerun, args, phrase):
+    result = moerun("run", "-m", demo_model, *args)
+    assert result.exit_code != 0 and phrase in result.output and "Traceback" not in result.output
+
+
+def test_output_to_a_missing_directory_is_a_clear_error(demo_model, moerun, tmp_path):
+    result = moerun("logits", "-m", demo_model, "--ids", "1,2", "-o", tmp_path / "no" / "such" / "dir.npy")
+    assert result.exit_code == 1 and result.stderr.startswith("Error: ") and "Traceback" not in result.output
+
+
+def test_full_device_is_a_clear_error(demo_model, moerun):
+    """/dev/full fails every write with ENOSPC."""
+    result = moerun("logits", "-m", demo_model, "--ids", "1,2", "-o", "/dev/full")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.startswith("Error: ") and "No space left on device" in result.stderr
+
+
+def test_write_failure_leaves_no_partial_file(demo_model, tmp_path):
+    """A real failed write (file size limit, as on a full disk) keeps no torn or temp file."""
+    limit = 1000                                       # bytes; the logits need more
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+            "from moerun.cli import main; sys.argv[0] = 'moerun'; main()")
+    out = tmp_path / "logits.npy"
+    result = subprocess.run([sys.executable, "-c", code, "logits", "-m", str(demo_model), "--ids", "1,2,3",
+                             "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("Error: ") and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_reports_sizes(demo_model, moerun):
+    result = moerun("inspect", demo_model)
+    assert result.exit_code == 0, result.output
+    with GGUFFile(demo_model) as gguf:
+        per_expert = gguf.tensor("blk.0.ffn_down_exps.weight").nbytes * 3 // 8
+    assert "qwen3moe" in result.stdout and "8, 2 per token" in result.stdout
+    assert f"{per_expert / 1024:.2f} KiB" in result.stdout
+    kv_f16 = 4 * 2 * (64 + 64) * 2                    # layers * kv heads * (K + V head dims) * bytes
+    assert f"KV cache per token: {kv_f16 / 1024:.2f} KiB at f16" in result.stdout

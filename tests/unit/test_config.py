@@ -1,0 +1,308 @@
+"""Rig config files: every key checked, errors that name the key and its line, flags that
+override the file, and the example configs."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from moerun.commands.options import runtime_options
+from moerun.config import DAEMON, TABLES, TOP_LEVEL, key_lines, load_config_file
+from moerun.engine.runtime import Runtime
+from moerun.engine.sampler import SamplingParams
+from moerun.rig.settings import ConfigError, DaemonEntry, RigConfig
+from moerun.writers.demo import demo_model_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str, name: str = "rig.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@click.command()
+@click.option("-m", "--model", default=None)
+@runtime_options
+def show(model, **runtime_flags):
+    """Print what a command decorated with runtime_options receives."""
+    entries = [entry.name for entry in runtime_flags.pop("daemon_entries")]
+    click.echo(json.dumps({"model": model, "entries": entries, **runtime_flags}))
+
+
+def shown(*args) -> dict:
+    result = CliRunner().invoke(show, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+# -- the example configs ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_config_parses(path):
+    values = load_config_file(path)
+    assert values["workload"] in ("generate", "serve")
+    entries = values["daemon_entries"]
+    assert entries and values["daemons"] == tuple(entry.spec for entry in entries)
+    RigConfig(daemons=values["daemons"], daemon_entries=entries, device=values.get("device", "cpu"))
+
+
+def test_the_named_example_configs_exist():
+    names = {path.name for path in (REPO / "configs").glob("*.toml")}
+    assert {"cpu-demo.toml", "single-gpu.toml", "two-gpu.toml", "cuda-parent-hip-daemons.toml",
+            "two-hosts.toml"} <= names
+
+
+def test_every_key_is_documented_with_its_flag():
+    doc = (REPO / "docs" / "config.md").read_text()
+    keys = [*TOP_LEVEL, *(key for table in TABLES.values() for key in table), *DAEMON]
+    missing = [key for key in keys if f"| `{key}` |" not in doc]
+    assert missing == []
+    for table in (*TABLES, "[daemon]"):
+        assert f"`[{table}]`" in doc
+
+
+# -- errors name the key and its line -----------------------------------------------------------
+
+TYPO_CASES = [
+    ("ctx = 64\ntransprt = 'shared'\n", 2, "'transprt'", "'transport'"),
+    ("ctx = 64\n\n[server]\nport = 1\nhots = 'x'\n", 5, "'hots' in [server]", "'host'"),
+    ("[[daemon]]\ndevice = 'cpu'\n\n[[daemon]]\n# the second\ndevcie = 'cpu'\n", 6, "'devcie' in [[daemon]]",
+     "'device'"),
+    ("model = 'm.gguf'\n[servr]\nport = 1\n", 2, "'servr'", "'server'"),
+    ("[generate]\nprompt = '''\nn_predicts = 1\n'''\nn_predicts = 3\n", 5, "'n_predicts' in [generate]",
+     "'n_predict'"),
+]
+
+
+@pytest.mark.parametrize("text,line,named,suggested", TYPO_CASES)
+def test_a_typo_is_an_error_naming_the_key_and_its_line(moerun, tmp_path, text, line, named, suggested):
+    path = write(tmp_path, text)
+    result = moerun("run", "--config", path)
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"Error: {path}, line {line}: unknown key {named} "
+                                     f"(did you mean {suggested}?)")
+
+
+BAD_VALUES = [
+    ("transport = 'fast'", 2, "transport = 'fast': must be one of auto, device, shared, stream"),
+    ("batch_capacity = 5000", 2, "batch_capacity = 5000: must be between 1 and 4096"),
+    ("daemon_timeout = 0", 2, "daemon_timeout = 0: must be > 0"),
+    ("require_daemons = 'yes'", 2, "require_daemons = 'yes': must be true or false"),
+    ("ctx = 1.5", 2, "ctx = 1.5: must be an integer"),
+    ("hot = true", 2, "hot = True: must be an integer"),
+    ("device = 'gpu0'", 2, "device = 'gpu0': must be cpu, cuda:N or hip:N"),
+    ("memory = 'lots'", 2, "memory = 'lots': must be a size such as 24GiB, 512MiB or 64GB"),
+    ("workload = 'train'", 2, "workload = 'train': must be one of generate, serve"),
+    ("[server]\nport = 70000", 3, "port = 70000: must be between 0 and 65535"),
+    ("[[daemon]]\ndevice = 'cuda'", 3, "device = 'cuda': must be cpu, cuda:N or hip:N"),
+    ("[[daemon]]\nendpoint = 'tcp://host'", 3, "endpoint = 'tcp://host': must be ipc://PATH or tcp://HOST:PORT"),
+    ("[[daemon]]\ndevice = 'cpu'\nname = 'a b'", 4, "name = 'a b': must be letters, digits, _ and - only"),
+    ("server = 3", 2, "server must be a table ([server])"),
+    ("[daemon]\ndevice = 'cpu'", 2, "daemon must be a list of [[daemon]] tables"),
+]
+
+
+@pytest.mark.parametrize("text,line,message", BAD_VALUES)
+def test_a_bad_value_is_an_error_naming_the_key_and_its_line(moerun, tmp_path, text, line, message):
+    path = write(tmp_path, "# a rig\n" + text + "\n")
+    result = moerun("run", "--config", path)
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"Error: {path}, line {line}: {message}"
+
+
+RULES = [
+    ("hot = 2\nplacement = 'auto'\n", 3, "give hot or placement, not both"),
+    ("[[daemon]]\ndevice = 'cpu'\n[[daemon]]\nname = 'x'\n", 4, "[[daemon]] x needs a device, an endpoint or both"),
+    ("[[daemon]]\ndevice = 'cpu'\nlisten = 'ipc:///tmp/a.sock'\n", 4,
+     "[[daemon]] d0: listen needs a device and an endpoint"),
+    ("[[daemon]]\nname = 'a'\ndevice = 'cpu'\n[[daemon]]\nname = 'a'\ndevice = 'cpu'\n", 6,
+     "two [[daemon]] tables are named 'a'"),
+    ("[[daemon]]\nendpoint = 'tcp://h:1'\ncurve_secret_key = 'k'\n", 2,
+     "[[daemon]] d0: curve_secret_key and curve_authorized_keys go together"),
+    ("[[daemon]]\nendpoint = 'tcp://h:1'\ncurve_public_key = 'k'\n", 4,
+     "[[daemon]] d0: curve_public_key needs [auth] client_secret_key"),
+]
+
+
+@pytest.mark.parametrize("text,line,message", RULES)
+def test_keys_that_do_not_go_together(moerun, tmp_path, text, line, message):
+    path = write(tmp_path, "# a rig\n" + text)
+    result = moerun("logits", "--ids", "1", "-o", tmp_path / "out.npy", "--config", path)
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"Error: {path}, line {line}: {message}"
+
+
+def test_invalid_toml_names_the_file_and_where(moerun, tmp_path):
+    path = write(tmp_path, "ctx = 64\nmode = \n")
+    result = moerun("run", "--config", path)
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: {path}: not valid TOML: ")
+    assert "line 2" in result.stderr
+
+
+def test_key_lines_follow_tables_arrays_and_dotted_keys():
+    text = ('ctx = 1  # c\n"mode" = "auto"\nserver.port = 2\n[generate]\nprompt = """\nctx = 9\n"""\n'
+            'seed = 3\n[[daemon]]\ndevice = "cpu"\n[[daemon]]\n  device = "cpu"\n')
+    lines = key_lines(text)
+    assert lines[("ctx",)] == 1 and lines[("mode",)] == 2 and lines[("server", "port")] == 3
+    assert lines[("generate",)] == 4 and lines[("generate", "prompt")] == 5 and lines[("generate", "seed")] == 8
+    assert ("generate", "ctx") not in lines                 # inside a multi-line string
+    assert lines[("daemon", 0, "device")] == 10 and lines[("daemon", 1)] == 11
+    assert lines[("daemon", 1, "device")] == 12
+
+
+# -- values -------------------------------------------------------------------------------------
+
+def test_values_by_parameter_name_with_paths_from_the_file(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, """
+model = "models/m.gguf"
+placement = "auto"
+daemon_timeout = 5
+[generate]
+stats_json = "~/stats.json"
+[auth]
+client_secret_key = "keys/parent.key_secret"
+[[daemon]]
+device = "cuda:1"
+memory = "16GiB"
+[[daemon]]
+name = "far"
+endpoint = "tcp://box:7070"
+host = "box"
+transport = "stream"
+curve_public_key = "keys/box.key"
+""", name="sub/rig.toml")
+    values = load_config_file("sub/rig.toml")
+    assert values["model"] == str(tmp_path / "sub" / "models" / "m.gguf")
+    assert values["placement"] == "auto" and values["daemon_timeout"] == 5.0
+    assert values["stats_json"] == str(Path.home() / "stats.json")
+    assert values["client_secret_key"] == str(tmp_path / "sub" / "keys" / "parent.key_secret")
+    assert values["daemons"] == ("cuda:1", "tcp://box:7070")
+    assert values["daemon_entries"] == (
+        DaemonEntry(name="d0", device="cuda:1", memory="16GiB"),
+        DaemonEntry(name="far", endpoint="tcp://box:7070", host="box", transport="stream",
+                    curve_public_key=str(tmp_path / "sub" / "keys" / "box.key")))
+
+
+def test_rig_config_checks_the_parent_device_and_the_entries():
+    with pytest.raises(ConfigError, match="--device 'gpu': expected cpu, cuda:N or hip:N"):
+        RigConfig(device="gpu")
+    with pytest.raises(ConfigError, match="do not match"):
+        RigConfig(daemons=("cpu",), daemon_entries=(DaemonEntry(name="d0", device="cuda:0"),))
+    assert RigConfig(device="hip:1").device == "hip:1"
+
+
+# -- flags override the file --------------------------------------------------------------------
+
+RIG = """
+model = "m.gguf"
+device = "cuda:0"
+graphs = false
+ctx = 100
+transport = "stream"
+placement = "auto"
+require_daemons = true
+[[daemon]]
+name = "a"
+device = "cpu"
+[[daemon]]
+name = "b"
+endpoint = "ipc:///tmp/b.sock"
+"""
+
+
+def test_the_file_fills_the_flags_not_given(tmp_path):
+    path = write(tmp_path, RIG)
+    flags = shown("--config", path)
+    assert flags["model"] == str(tmp_path / "m.gguf") and flags["device"] == "cuda:0" and flags["graphs"] is False
+    assert flags["ctx"] == 100 and flags["transport"] == "stream" and flags["placement"] == "auto"
+    assert flags["require_daemons"] is True and flags["ubatch"] == 512    # not in the file: the default
+    assert flags["daemons"] == ["cpu", "ipc:///tmp/b.sock"] and flags["entries"] == ["a", "b"]
+
+
+def test_flags_given_override_the_file_even_when_they_spell_the_default(tmp_path):
+    path = write(tmp_path, RIG)
+    flags = shown("--config", path, "-m", "other.gguf", "--ctx", "50", "--transport", "auto", "--device", "cpu",
+                  "--graph")
+    assert flags["model"] == "other.gguf" and flags["ctx"] == 50 and flags["graphs"] is True
+    assert flags["transport"] == "auto" and flags["device"] == "cpu"
+    assert flags["placement"] == "auto"                                     # not given: from the file
+
+
+def test_daemon_flags_replace_the_files_daemons(tmp_path):
+    flags = shown("--config", write(tmp_path, RIG), "--daemon", "cpu")
+    assert flags["daemons"] == ["cpu"] and flags["entries"] == []
+
+
+def test_hot_on_the_command_line_replaces_the_files_placement(tmp_path):
+    flags = shown("--config", write(tmp_path, RIG), "--hot", "3")
+    assert flags["hot"] == 3 and flags["placement"] is None
+    flags = shown("--config", write(tmp_path, "hot = 2\n"), "--placement", "p.json")
+    assert flags["hot"] is None and flags["placement"] == "p.json"
+
+
+def test_without_a_file_every_flag_keeps_its_default():
+    flags = shown()
+    assert flags["daemons"] == [] and flags["entries"] == [] and flags["client_secret_key"] is None
+    assert flags["device"] == "cpu" and flags["transport"] == "auto"
+
+
+def test_run_takes_the_generation_from_the_file_and_flags_over_it(moerun, tmp_path):
+    model = demo_model_path()
+    path = write(tmp_path, f'model = "{model}"\nctx = 128\n[generate]\nprompt = "The rig"\nn_predict = 12\n'
+                           f'temp = 0.0\n')
+    with Runtime(model, ctx=128) as runtime:
+        ids = runtime.tokenizer.encode("The rig")
+        tokens = list(runtime.generate(ids, 12, SamplingParams(temperature=0.0), runtime.tokenizer.stop_ids))
+        expected = runtime.tokenizer.decode(tokens)
+        expected_short = runtime.tokenizer.decode(tokens[:4])
+    assert len(tokens) == 12 and expected != expected_short
+    assert moerun("run", "--config", path).stdout == expected + "\n"
+    assert moerun("run", "--config", path, "-n", "4").stdout == expected_short + "\n"
+
+
+def test_logits_takes_the_model_from_the_file(moerun, tmp_path):
+    path = write(tmp_path, f'model = "{demo_model_path()}"\n')
+    result = moerun("logits", "--config", path, "--ids", "1,2,3", "-o", tmp_path / "l.npy")
+    assert result.exit_code == 0, result.output
+    assert "wrote logits [3, " in result.stderr
+
+
+def test_logits_without_a_model_anywhere_is_a_usage_error(moerun, tmp_path):
+    result = moerun("logits", "--config", write(tmp_path, "ctx = 8\n"), "--ids", "1", "-o", tmp_path / "l.npy")
+    assert result.exit_code == 2
+    assert "Missing option -m/--model (or `model` in the --config file)" in result.stderr
+
+
+def test_a_bad_device_flag_is_one_error_line(moerun):
+    result = moerun("run", "--device", "tpu:0", "-n", "1")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == "Error: --device 'tpu:0': expected cpu, cuda:N or hip:N"
+
+
+# -- plan --------------------------------------------------------------------------------------
+
+def test_plan_reads_devices_memory_and_context_from_the_file(moerun, tmp_path):
+    path = write(tmp_path, f'model = "{demo_model_path()}"\ndevice = "cuda:0"\nmemory = "8MiB"\nctx = 64\n'
+                           f'[[daemon]]\nname = "g"\ndevice = "cuda:1"\nmemory = "1GiB"\n')
+    out = tmp_path / "placement.json"
+    result = moerun("plan", "--config", path, "--safety", "0", "--workspace", "0", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["daemons"] == ["cuda:1"]
+    assert re.search(r"parent cuda:0\s+8\.0 MiB", result.stdout)
+
+
+def test_plan_needs_memory_for_every_daemon_of_the_file(moerun, tmp_path):
+    path = write(tmp_path, 'model = "m.gguf"\nmemory = "1GiB"\nctx = 64\n[[daemon]]\ndevice = "cpu"\n')
+    result = moerun("plan", "--config", path, "-o", tmp_path / "p.json")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (f"Error: {path}: moerun plan needs `memory` in every [[daemon]] "
+                                     f"(missing in d0), or --daemon SPEC=SIZE flags")

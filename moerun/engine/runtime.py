@@ -1,7 +1,7 @@
 """Runtime: one loaded model and the loops that drive it — chunked prefill, decode, logits for
 every position — with their timing. It opens the backend, starts the rig when daemons are
-asked for (they load their experts while the parent loads the rest), loads the weights,
-builds the expert executor and hands it to the model.
+asked for (they load their experts first, all at once), loads the parent's weights (only
+its own experts), builds the expert executor and hands it to the model.
 
 Shape legend: T prompt tokens, V vocab.
 """
@@ -74,7 +74,7 @@ class Runtime:
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
             self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
             self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs)
-            if rig.daemons:    # the daemons load their experts while the parent loads the rest
+            if rig.daemons:
                 self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=self.kv_pool or self.ctx)
             held = self.rig.placement.experts_of(PARENT) if self.rig else None
             weights = load_weights(self.gguf, self.spec, self.backend, held, expert_cache_bytes)

@@ -95,10 +95,10 @@ def load_placement(path: str | Path, spec: ModelSpec, daemon_specs: list[str], f
     moe_layers = {i for i, is_moe in enumerate(spec.moe_layers) if is_moe}
     homes = {}
     for key, row in layers.items():
-        if not key.isdigit() or int(key) not in moe_layers:
+        if not (key.isascii() and key.isdigit() and str(int(key)) == key) or int(key) not in moe_layers:
             fail(f"layer {key!r} is not a MoE layer of this model")
         if not isinstance(row, list) or len(row) != spec.n_experts or \
-                not all(isinstance(h, int) and PARENT <= h < len(specs) for h in row):
+                not all(type(h) is int and PARENT <= h < len(specs) for h in row):
             fail(f"layer {key}: expected {spec.n_experts} homes, each -1 (parent) or a daemon index "
                  f"0..{len(specs) - 1}")
         homes[int(key)] = np.array(row, np.int16)

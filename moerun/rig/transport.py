@@ -56,13 +56,14 @@ def choose_transport(facts: Facts, device_failure: str | None = None) -> Transpo
                        f"{facts.parent_platform}: --transport device needs both on GPUs of one vendor (use shared)")
     if facts.asked == "stream" or (facts.asked == AUTO and not facts.same_host):
         return TransportChoice("stream", THROUGH_HOST)
-    note = None
-    if device_failure is not None:
+    if facts.asked == "device" or (facts.asked == AUTO and gpus_alike):
+        if device_failure is None:
+            return TransportChoice("device", THROUGH_DEVICE_BUFFERS)
         if facts.asked == "device":
             raise RigError(f"daemon {facts.daemon}: --transport device: {device_failure}")
         note = f"daemon {facts.daemon}: device-direct transport unavailable ({device_failure}); host-staged instead"
-    elif facts.asked == "device" or (facts.asked == AUTO and gpus_alike):
-        return TransportChoice("device", THROUGH_DEVICE_BUFFERS)
+    else:
+        note = None
     if facts.parent_platform == "cpu":
         return TransportChoice("shared", THROUGH_HOST, note)
     if facts.parent_maps_arena:

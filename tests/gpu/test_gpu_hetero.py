@@ -53,7 +53,7 @@ def test_two_gpus_match_all_local(model, all_local, transport, mode):
         stats = runtime.moe_stats()
         link = runtime.rig.links[0]
         calls = link.client.counters.calls
-        parent_experts = {layer: experts.down.experts for layer, experts in runtime.model.moe.experts.layers.items()}
+        parent_experts = {layer: experts.down.experts for layer, experts in runtime.model.weights.experts.layers.items()}
     assert link.transport == transport
     assert relative_error(got, want_logits) <= PREFILL_BOUND["f32"]
     assert tokens == want_tokens

@@ -1,0 +1,104 @@
+"""The package layering of docs/architecture.md, read from the source with `ast`: no import cycle
+between moerun's packages, no layer importing one above it, ipc importing nothing of moerun but
+itself, and backends knowing nothing of engine, rig or server."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ROOTS = {"moerun": REPO / "moerun", "moerun.ipc": REPO / "ipc", "moerun.daemons": REPO / "daemons"}
+# Top to bottom; a package may import only from its own layer's lower entries and the layers below.
+LAYERS = [
+    ("__main__", "cli", "commands", "config", "server", "daemons"),
+    ("engine",),
+    ("rig", "moe"),          # rig imports moe, never the other way
+    ("backends",),
+    ("writers", "models", "gguf"),
+    ("log", "units"),        # leaf modules: import nothing of moerun
+    ("ipc",),
+]
+RANK = {unit: (layer, position) for layer, units in enumerate(LAYERS) for position, unit in enumerate(units)}
+
+
+def unit_of(module: str) -> str | None:
+    """The package (or top-level module) of a moerun module: moerun.rig.links -> rig."""
+    parts = module.split(".")
+    if parts[0] != "moerun" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def module_name(path: Path) -> str:
+    for package, root in sorted(ROOTS.items(), key=lambda item: -len(item[0])):
+        if path.is_relative_to(root):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            return ".".join([package, *parts[:-1]] if parts[-1] == "__init__" else [package, *parts])
+    raise AssertionError(path)
+
+
+def imports() -> dict[tuple[str, str], list[str]]:
+    """(importing unit, imported unit) -> the importing modules, for every moerun import."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for root in ROOTS.values():
+        for path in root.rglob("*.py"):
+            source = module_name(path)
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    targets = [node.module] if node.module != "moerun" else [f"moerun.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                else:
+                    continue
+                for target in targets:
+                    importer, imported = unit_of(source), unit_of(target)
+                    if imported is not None and importer not in (None, imported):
+                        edges.setdefault((importer, imported), []).append(source)
+    return edges
+
+
+EDGES = imports()
+
+
+def test_every_package_and_top_level_module_has_a_layer():
+    units = {unit for edge in EDGES for unit in edge}
+    units |= {path.stem for path in (REPO / "moerun").glob("*.py") if path.stem != "__init__"}
+    units |= {path.name for path in (REPO / "moerun").iterdir() if (path / "__init__.py").exists()}
+    assert units - set(RANK) == set(), "give every new package or module a place in LAYERS (and the docs)"
+
+
+@pytest.mark.parametrize("edge", sorted(EDGES), ids=lambda edge: f"{edge[0]}->{edge[1]}")
+def test_no_layer_imports_upward(edge):
+    importer, imported = edge
+    assert RANK[imported] > RANK[importer], f"{importer} imports {imported} in {sorted(set(EDGES[edge]))}"
+
+
+def test_no_import_cycle_between_packages():
+    graph: dict[str, set[str]] = {}
+    for importer, imported in EDGES:
+        graph.setdefault(importer, set()).add(imported)
+    done: set[str] = set()
+
+    def visit(unit: str, path: tuple[str, ...]) -> None:
+        assert unit not in path, f"import cycle: {' -> '.join((*path, unit))}"
+        if unit not in done:
+            for imported in graph.get(unit, ()):
+                visit(imported, (*path, unit))
+            done.add(unit)
+
+    for unit in graph:
+        visit(unit, ())
+
+
+def test_ipc_imports_nothing_of_moerun_but_itself():
+    assert [edge for edge in EDGES if edge[0] == "ipc"] == []
+
+
+def test_backends_import_neither_engine_rig_nor_server():
+    assert [edge for edge in EDGES if edge[0] == "backends" and edge[1] in ("engine", "rig", "server", "moe")] == []
+
+
+def test_leaf_modules_import_nothing_of_moerun():
+    assert [edge for edge in EDGES if edge[0] in ("log", "units")] == []

@@ -12,7 +12,13 @@ import json
 import numpy as np
 import pytest
 
-from moerun.moe.placement import PARENT, Placement, PlacementError, hot_placement, load_placement
+from moerun.moe.placement import (
+    PARENT,
+    Placement,
+    PlacementError,
+    hot_placement,
+    load_placement,
+)
 from tests.support.gpu import small_spec
 
 FINGERPRINT = "ab" * 32

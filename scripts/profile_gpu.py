@@ -86,7 +86,7 @@ def decode_bytes(runtime: Runtime) -> int:
     weights, spec = runtime.model.weights, runtime.spec
     total = weights.output.data.nbytes + weights.token_embd.row_bytes
     for layer in weights.layers:
-        for matrix in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output, layer.ffn_gate_inp):
+        for matrix in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_qkv, layer.attn_output, layer.ffn_gate_inp):
             total += 0 if matrix is None else matrix.data.nbytes
     for experts in weights.experts.layers.values():
         per_expert = experts.gate_up.expert_bytes + experts.down.expert_bytes

@@ -153,6 +153,7 @@ class GpuBackend:
         return out
 
     def rms_norm(self, x: Any, weight: Any) -> Any:
+        x = self.cupy.ascontiguousarray(x)      # the kernel reads whole rows: a column slice is copied
         out = self.cupy.empty_like(x)
         width = x.shape[-1]
         self.kernels["rms_norm"]((x.size // width,), (BLOCK,), (x, weight, out, i32(width), np.float32(self.spec.rms_eps)))
@@ -179,6 +180,9 @@ class GpuBackend:
                     cache: GpuKVCache, layer: int, positions: Any) -> Any:
         spec = self.spec
         n_tokens = q.shape[0]
+        # The kernel reads rows of NH*D, NKV*D and NKV*Dv floats and rotates q in place: column
+        # slices of a fused qkv [T, N] are copied out when T > 1 (one row is contiguous already).
+        q, k, v = (self.cupy.ascontiguousarray(a) for a in (q, k, v))
         self.kernels["qk_norm_rope_append"](
             (n_tokens, spec.n_heads + spec.n_kv_heads), (spec.head_dim_k // 2,),
             (q, k, v, pointer(q_norm), pointer(k_norm), np.float32(spec.rms_eps), positions, self.inv_freq,

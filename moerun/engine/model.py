@@ -62,10 +62,7 @@ class MoEModel:
 
     def _attention(self, i: int, w: LayerWeights, x: Any, cache: KVCache, positions: Any) -> Any:
         backend, spec = self.backend, self.spec
-        h = backend.rms_norm(x, w.attn_norm)
-        q = backend.linear(h, w.attn_q, w.attn_q_bias)                                 # [T, NH*D]
-        k = backend.linear(h, w.attn_k, w.attn_k_bias)                                 # [T, NKV*D]
-        v = backend.linear(h, w.attn_v, w.attn_v_bias)                                 # [T, NKV*Dv]
+        q, k, v = self._qkv(w, backend.rms_norm(x, w.attn_norm))
         q_norm, k_norm = w.attn_q_norm, w.attn_k_norm
         if q_norm is not None and q_norm.shape[0] != spec.head_dim_k:   # olmoe: over the whole projection
             q, k = backend.rms_norm(q, q_norm), backend.rms_norm(k, k_norm)
@@ -73,6 +70,18 @@ class MoEModel:
         q = backend.rope_append(q, k, v, q_norm, k_norm, cache, i, positions)           # [T, NH, D]
         attended = backend.attention(q, cache, i, positions)                           # [T, NH*Dv]
         return backend.linear(attended, w.attn_output, residual=x)                     # [T, H]
+
+    def _qkv(self, w: LayerWeights, h: Any) -> tuple[Any, Any, Any]:
+        """q [T, NH*D], k [T, NKV*D], v [T, NKV*Dv]: three linears, or one over the fused
+        attn_qkv cut into column views (rows strided when T > 1; the backends take them so)."""
+        backend, spec = self.backend, self.spec
+        if w.attn_qkv is None:
+            return (backend.linear(h, w.attn_q, w.attn_q_bias), backend.linear(h, w.attn_k, w.attn_k_bias),
+                    backend.linear(h, w.attn_v, w.attn_v_bias))
+        qkv = backend.linear(h, w.attn_qkv, w.attn_qkv_bias)                          # [T, q + k + v]
+        q_end = spec.n_heads * spec.head_dim_k
+        k_end = q_end + spec.n_kv_heads * spec.head_dim_k
+        return qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
 
     def _ffn(self, i: int, w: LayerWeights, x: Any) -> Any:
         backend = self.backend

@@ -21,14 +21,18 @@ FFNWeights = tuple[Matrix, Matrix, Matrix]  # gate [F, H], up [F, H], down [H, F
 
 @dataclass
 class LayerWeights:
+    """The attention projections come either as attn_q/k/v, or fused as attn_qkv (llama.cpp's
+    converter with --fuse-qkv): the q, k and v rows stacked in that order; the others None."""
     attn_norm: Vector                     # [H]
-    attn_q: Matrix                        # [NH*D, H]
-    attn_k: Matrix                        # [NKV*D, H]
-    attn_v: Matrix                        # [NKV*Dv, H]
+    attn_q: Matrix | None                 # [NH*D, H]
+    attn_k: Matrix | None                 # [NKV*D, H]
+    attn_v: Matrix | None                 # [NKV*Dv, H]
+    attn_qkv: Matrix | None               # [NH*D + NKV*D + NKV*Dv, H]
     attn_output: Matrix                   # [H, NH*Dv]
     attn_q_bias: Vector | None            # [NH*D]      (qwen2moe)
     attn_k_bias: Vector | None
     attn_v_bias: Vector | None
+    attn_qkv_bias: Vector | None          # [NH*D + NKV*D + NKV*Dv] (qwen2moe, fused)
     attn_q_norm: Vector | None            # [D] per head (qwen3moe) or [NH*D] whole row (olmoe)
     attn_k_norm: Vector | None
     ffn_norm: Vector                      # [H]
@@ -78,16 +82,19 @@ def load_layer(gguf: GGUFFile, spec: ModelSpec, i: int, backend: Backend) -> Lay
                 matrix(f"ffn_down{suffix}.weight"))
 
     is_moe = spec.moe_layers[i]
+    fused_qkv = gguf.has_tensor(f"blk.{i}.attn_qkv.weight")
     has_shared_gate = gguf.has_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight")
     return LayerWeights(
         attn_norm=vector("attn_norm.weight"),
-        attn_q=matrix("attn_q.weight"),
-        attn_k=matrix("attn_k.weight"),
-        attn_v=matrix("attn_v.weight"),
+        attn_q=None if fused_qkv else matrix("attn_q.weight"),
+        attn_k=None if fused_qkv else matrix("attn_k.weight"),
+        attn_v=None if fused_qkv else matrix("attn_v.weight"),
+        attn_qkv=matrix("attn_qkv.weight") if fused_qkv else None,
         attn_output=matrix("attn_output.weight"),
         attn_q_bias=vector("attn_q.bias"),
         attn_k_bias=vector("attn_k.bias"),
         attn_v_bias=vector("attn_v.bias"),
+        attn_qkv_bias=vector("attn_qkv.bias"),
         attn_q_norm=vector("attn_q_norm.weight"),
         attn_k_norm=vector("attn_k_norm.weight"),
         ffn_norm=vector("ffn_norm.weight"),

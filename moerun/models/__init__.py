@@ -33,6 +33,9 @@ def load_spec(gguf: GGUFFile) -> ModelSpec:
     fused = gguf.has_tensor(f"blk.{first_moe}.ffn_gate_up_exps.weight")
     down = gguf.tensor(f"blk.{first_moe}.ffn_down_exps.weight").shape  # (E, H, F)
     rope_scale = _rope_scale(gguf, arch)
+    head_dim_k = int(key("attention.key_length", hidden // n_heads))
+    head_dim_v = int(key("attention.value_length", hidden // n_heads))
+    _check_fused_qkv(gguf, n_layers, (n_heads * head_dim_k, n_kv_heads * head_dim_k, n_kv_heads * head_dim_v))
     return ModelSpec(
         rule=rule,
         name=str(gguf.get("general.name", gguf.path.stem)),
@@ -41,8 +44,8 @@ def load_spec(gguf: GGUFFile) -> ModelSpec:
         vocab=gguf.tensor("token_embd.weight").shape[0],
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
-        head_dim_k=int(key("attention.key_length", hidden // n_heads)),
-        head_dim_v=int(key("attention.value_length", hidden // n_heads)),
+        head_dim_k=head_dim_k,
+        head_dim_v=head_dim_v,
         context_train=int(key("context_length")),
         rope_base=float(key("rope.freq_base", 10000.0)),
         rope_scale=rope_scale,
@@ -76,6 +79,28 @@ def _check_dense_layout(gguf: GGUFFile, arch: str, moe_layers: tuple[bool, ...])
         if not is_moe and not gguf.has_tensor(f"blk.{i}.ffn_down.weight"):
             raise GGUFError(gguf.path, f"layer {i} has neither expert tensors (blk.{i}.ffn_gate_inp.weight) "
                             f"nor a dense FFN (blk.{i}.ffn_down.weight)")
+
+
+def _check_fused_qkv(gguf: GGUFFile, n_layers: int, widths: tuple[int, int, int]) -> None:
+    """A layer's fused attn_qkv (llama.cpp's converter with --fuse-qkv) stands instead of
+    attn_q/k/v, weights and biases alike, and holds the q, k and v rows in that order: the
+    forward pass splits it by these widths."""
+    rows = sum(widths)
+    for i in range(n_layers):
+        weight, bias = f"blk.{i}.attn_qkv.weight", f"blk.{i}.attn_qkv.bias"
+        if not gguf.has_tensor(weight):
+            if gguf.has_tensor(bias):
+                raise GGUFError(gguf.path, f"'{bias}' without '{weight}'")
+            continue
+        separate = [name for p in "qkv" for suffix in ("weight", "bias")
+                    if gguf.has_tensor(name := f"blk.{i}.attn_{p}.{suffix}")]
+        if separate:
+            raise GGUFError(gguf.path, f"layer {i} has both '{weight}' and '{separate[0]}'")
+        for name in (weight, bias):
+            if gguf.has_tensor(name) and gguf.tensor(name).shape[0] != rows:
+                raise GGUFError(gguf.path, f"'{name}' has {gguf.tensor(name).shape[0]} rows; q, k and v need "
+                                f"{' + '.join(map(str, widths))} = {rows} (from attention.head_count, "
+                                f"head_count_kv, key_length and value_length)")
 
 
 def _first_dim(gguf: GGUFFile, suffix: str, n_layers: int, axis: int) -> int:

@@ -121,6 +121,15 @@ class TokenizerError(Exception):
     """The GGUF tokenizer metadata is missing, malformed or of a kind moerun does not read."""
 
 
+class TooManyTokens(Exception):
+    """Text that encodes to more tokens than the caller allows (``encode(..., max_tokens=N)``)."""
+
+    def __init__(self, count: int, limit: int):
+        super().__init__(f"the text has {count} tokens, more than the {limit} allowed")
+        self.count = count
+        self.limit = limit
+
+
 class StreamDecoder:
     """Text of ids that arrive one at a time, as soon as it is complete.
 
@@ -222,19 +231,27 @@ class Tokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
         )
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``; special tokens written in it become their ids.
 
         ``add_bos=None`` follows the file (``self.add_bos``). BOS is never doubled: text that already
         starts with the BOS token (a chat template writing ``bos_token``) gets no second one.
+        With ``max_tokens``, more tokens than that raise TooManyTokens before any list of ids is made.
+        The Rust tokenizer runs without holding the GIL, so other threads go on meanwhile.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos if add_bos is None else add_bos:
-            if self.bos_id is None:
-                raise TokenizerError("this vocabulary has no BOS token to add")
-            if ids[:1] != [self.bos_id]:
-                ids.insert(0, self.bos_id)
-        return ids
+        encoding = self._backend.encode_batch_fast([text], add_special_tokens=False)[0]
+        bos = self._bos_to_add(text, self.add_bos if add_bos is None else add_bos)
+        count = len(bos) + len(encoding)
+        if max_tokens is not None and count > max_tokens:
+            raise TooManyTokens(count, max_tokens)
+        return bos + encoding.ids
+
+    def _bos_to_add(self, text: str, add_bos: bool) -> list[int]:
+        if not add_bos:
+            return []
+        if self.bos_id is None:
+            raise TokenizerError("this vocabulary has no BOS token to add")
+        return [] if text.startswith(self._tokens[self.bos_id]) else [self.bos_id]
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of ``ids``; ``skip_special`` leaves out control and unknown tokens."""

@@ -1,6 +1,11 @@
 """The ASGI app: OpenAI's chat and text completions (whole or streamed as server-sent events),
 the model list, /health and /metrics. Every refusal is an OpenAI error body with a 4xx or 503
-status; nothing answers with a traceback."""
+status; nothing answers with a traceback.
+
+The event loop only moves bytes: a body over --max-body is refused before it is read, and
+parsing, chat templates and tokenization run in threads (at most PREPARING_AT_ONCE requests at
+a time, which bounds the memory big prompts take), so /health and /metrics answer at once
+whatever the other requests are."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +14,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -23,9 +29,13 @@ from moerun.server.responses import Reply, model_list
 from moerun.server.schemas import ApiError, Generation, parse_chat, parse_completion
 from moerun.server.worker import Failed, Finished, Job, Piece, Worker
 
+PREPARING_AT_ONCE = 2          # requests parsed and tokenized at the same time; the others wait their turn
+T = TypeVar("T")
 
-def create_app(worker: Worker, model_id: str) -> Starlette:
-    """The app serves `worker` under the name `model_id`; it starts the worker and stops it on shutdown."""
+
+def create_app(worker: Worker, model_id: str, max_body: int) -> Starlette:
+    """The app serves `worker` under the name `model_id` and refuses request bodies over
+    `max_body` bytes; it starts the worker and stops it on shutdown."""
     @asynccontextmanager
     async def lifespan(app: Starlette):
         worker.start()
@@ -49,17 +59,21 @@ def create_app(worker: Worker, model_id: str) -> Starlette:
     app.state.worker = worker
     app.state.model_id = model_id
     app.state.created = int(time.time())
+    app.state.max_body = max_body
+    app.state.preparing = anyio.CapacityLimiter(PREPARING_AT_ONCE)
     return app
 
 
 async def chat_completions(request: Request) -> Response:
-    chat = parse_chat(await json_body(request))
+    body = await read_body(request)
+    chat = await off_loop(request, lambda: parse_chat(json_value(body)))
     worker: Worker = request.app.state.worker
     return await complete(request, chat.generation, partial(worker.chat_prompt, chat.messages), chat=True)
 
 
 async def completions(request: Request) -> Response:
-    completion = parse_completion(await json_body(request))
+    body = await read_body(request)
+    completion = await off_loop(request, lambda: parse_completion(json_value(body)))
     worker: Worker = request.app.state.worker
     return await complete(request, completion.generation, partial(worker.text_prompt, completion.prompt), chat=False)
 
@@ -72,7 +86,7 @@ async def complete(request: Request, generation: Generation, prompt_ids: Callabl
         raise ApiError(404, f"the model '{generation.model}' does not exist; this server runs '{model_id}'",
                        param="model", code="model_not_found")
     worker: Worker = request.app.state.worker
-    job = worker.submit(await run_in_threadpool(prompt_ids), generation)
+    job = worker.submit(await off_loop(request, prompt_ids), generation)
     reply = Reply(model_id, chat)
     if generation.stream:
         return StreamingResponse(event_stream(job, reply, generation.include_usage), media_type="text/event-stream")
@@ -145,11 +159,38 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def json_body(request: Request) -> Any:
+async def read_body(request: Request) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over --max-body: by its
+    Content-Length before any of it is read, else (chunked) once the bytes read pass the limit.
+    What the client still sends after a refusal is dropped as it arrives."""
+    limit = request.app.state.max_body
+    declared = request.headers.get("content-length")       # the HTTP parser has checked it is a number
+    if declared is not None and int(declared) > limit:
+        raise body_too_large(f"{int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(f"over {limit} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def body_too_large(size: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is {size}; this server accepts at most {limit} bytes (--max-body)",
+                    code="request_too_large")
+
+
+def json_value(body: bytes) -> Any:
     try:
-        return json.loads(await request.body())
+        return json.loads(body)
     except (ValueError, RecursionError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from None
+
+
+async def off_loop(request: Request, work: Callable[[], T]) -> T:
+    """Run `work` in a thread, PREPARING_AT_ONCE requests at a time, so the event loop stays free."""
+    return await anyio.to_thread.run_sync(work, limiter=request.app.state.preparing)
 
 
 async def models(request: Request) -> Response:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from moerun.engine.runtime import RequestError, RunStats, Runtime
 from moerun.gguf.chat import ChatTemplateError, render_messages
-from moerun.gguf.tokenizer import TokenizerError
+from moerun.gguf.tokenizer import TokenizerError, TooManyTokens
 from moerun.server.metrics import ServerMetrics
 from moerun.server.schemas import ApiError, Generation
 from moerun.server.stops import StopMatcher
@@ -40,7 +40,7 @@ class Piece:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str                            # "stop" (end of sequence or stop sequence) or "length"
+    reason: str                            # "stop" (end of sequence or stop sequence), "length" (max_tokens or a full context)
     prompt_tokens: int
     completion_tokens: int
 
@@ -122,7 +122,8 @@ class Worker:
         return runtime.kv_pool or runtime.ctx
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template, as `moerun run --chat` does."""
+        """Token ids of a conversation rendered with the model's chat template, as `moerun run --chat` does.
+        This and text_prompt take long on big prompts: call them off the event loop."""
         try:
             text = render_messages(self._loaded().tokenizer, messages)
         except ChatTemplateError as err:
@@ -132,11 +133,12 @@ class Worker:
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self._tokens(prompt, "prompt")
+        self._check_length(len(prompt), "prompt")
         vocab = self._loaded().spec.vocab
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-        return self._checked_prompt(prompt, "prompt")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+        return prompt
 
     def submit(self, prompt_ids: list[int], generation: Generation) -> Job:
         """Queue a request behind those already waiting; call from the handler's event loop."""
@@ -166,20 +168,28 @@ class Worker:
         return self.runtime
 
     def _tokens(self, text: str, param: str) -> list[int]:
+        """The text's ids; a text over the prompt limit is refused by its count, its ids never listed."""
         try:
-            ids = self._loaded().tokenizer.encode(text)
+            ids = self._loaded().tokenizer.encode(text, max_tokens=self._prompt_limit())
+        except TooManyTokens as err:
+            raise self._too_long(err.count, param) from None
         except TokenizerError as err:
             raise ApiError(400, str(err), param=param) from None
-        return self._checked_prompt(ids, param)
-
-    def _checked_prompt(self, ids: list[int], param: str) -> list[int]:
-        limit = min(self.limits.max_prompt_tokens or self.context, self.context - 1)
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param=param)
-        if len(ids) > limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {limit} "
-                                f"(context {self.context} tokens)", param=param, code="context_length_exceeded")
+        self._check_length(len(ids), param)
         return ids
+
+    def _prompt_limit(self) -> int:
+        return min(self.limits.max_prompt_tokens or self.context, self.context - 1)
+
+    def _check_length(self, count: int, param: str) -> None:
+        if count == 0:
+            raise ApiError(400, "the prompt is empty", param=param)
+        if count > self._prompt_limit():
+            raise self._too_long(count, param)
+
+    def _too_long(self, count: int, param: str) -> ApiError:
+        return ApiError(400, f"the prompt has {count} tokens; this server accepts at most {self._prompt_limit()} "
+                             f"(context {self.context} tokens)", param=param, code="context_length_exceeded")
 
     def _work(self) -> None:
         try:
@@ -244,7 +254,7 @@ class Worker:
         metrics.request_duration.observe(time.monotonic() - job.arrived)
         if job.cancelled:
             return "cancelled"
-        reason = "stop" if stops.stopped or stats.generated_tokens < job.max_tokens else "length"
+        reason = "stop" if stops.stopped or stats.finish == "stop" else "length"     # context full: length
         job.send(Finished(reason, stats.prompt_tokens, stats.generated_tokens))
         return reason
 

@@ -4,70 +4,23 @@ and a bounded load test."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.chat import render_messages
-from moerun.writers.demo import demo_model_path
-from tests.support.live_processes import child_pids, exited, free_port, healthy
+from tests.server.live import SERVE, TIMEOUT_S, live_server, metric, scrape
+from tests.support.live_processes import child_pids, exited, free_port
 
-SERVE = ["-m", "moerun", "serve"]
 MAX_PROMPT_TOKENS = 256
 REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 60
-
-
-@contextmanager
-def live_server(log_path: Path, *args):
-    """A `moerun serve` process; yields (url, process) once /health answers 200, stops it with SIGINT."""
-    port = free_port()
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, *SERVE, "--port", str(port), *map(str, args)],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not healthy(url):
-            assert process.poll() is None, f"the server exited:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"the server did not come up:\n{log_path.read_text()}"
-            time.sleep(0.1)
-        yield url, process
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def scrape(url: str) -> dict:
-    """Every sample on /metrics: {(name, ((label, value), ...)): value}."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def metric(samples: dict, name: str, **labels) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
-
-
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MOERUN_CACHE", str(tmp_path_factory.mktemp("cache")))
-        return demo_model_path()
 
 
 @pytest.fixture(scope="module")

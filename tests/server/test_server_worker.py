@@ -14,11 +14,11 @@ from moerun.gguf.reader import GGUFError
 from moerun.server.app import create_app
 from moerun.server.schemas import ApiError, Generation
 from moerun.server.worker import Failed, Finished, Limits, Piece, Worker
-from moerun.writers.demo import demo_model_path
 
 GREEDY = SamplingParams(temperature=0.0)
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
         "temperature": 0}   # greedy: the demo model gives 4 tokens here without a stop
+MAX_BODY = 1 << 20
 
 
 def generation(max_tokens: int | None = None, stop: tuple[str, ...] = ()) -> Generation:
@@ -37,19 +37,14 @@ def sample(worker: Worker, name: str, **labels) -> float:
     return worker.metrics.registry.get_sample_value(name, labels)
 
 
-@pytest.fixture(scope="module")
-def demo_path():
-    return demo_model_path()
-
-
-def test_health_is_503_while_loading_and_200_when_ready(demo_path):
+def test_health_is_503_while_loading_and_200_when_ready(demo_model):
     release = threading.Event()
 
     def slow_open() -> Runtime:
         assert release.wait(30)
-        return Runtime(demo_path)
+        return Runtime(demo_model)
 
-    with TestClient(create_app(Worker(slow_open), "demo")) as client:
+    with TestClient(create_app(Worker(slow_open), "demo", MAX_BODY)) as client:
         assert client.get("/health").status_code == 503
         early = client.post("/v1/chat/completions", json=CHAT)
         assert early.status_code == 503 and "loading" in early.json()["error"]["message"]
@@ -67,7 +62,7 @@ def test_a_model_that_fails_to_load_says_why(tmp_path):
     def failing_open() -> Runtime:
         raise GGUFError(missing, "not a GGUF file")
 
-    with TestClient(create_app(Worker(failing_open, on_load_failure=stopped.set), "demo")) as client:
+    with TestClient(create_app(Worker(failing_open, on_load_failure=stopped.set), "demo", MAX_BODY)) as client:
         assert stopped.wait(10)
         health = client.get("/health")
         assert health.status_code == 503 and "not a GGUF file" in health.json()["message"]
@@ -75,8 +70,8 @@ def test_a_model_that_fails_to_load_says_why(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def worker(demo_path):
-    worker = Worker(lambda: Runtime(demo_path), Limits(max_queue=3))
+def worker(demo_model):
+    worker = Worker(lambda: Runtime(demo_model), Limits(max_queue=3))
     worker.start()
     wait_until(lambda: worker.ready)
     yield worker
@@ -131,8 +126,8 @@ def test_stop_sequence_ends_with_finish_reason_stop(worker):
     assert cut[-1].completion_tokens < whole[-1].completion_tokens == 20
 
 
-def test_limits_and_a_full_queue_are_refused(demo_path):
-    worker = Worker(lambda: Runtime(demo_path, ctx=64), Limits(max_prompt_tokens=16, max_tokens=8, max_queue=0))
+def test_limits_and_a_full_queue_are_refused(demo_model):
+    worker = Worker(lambda: Runtime(demo_model, ctx=64), Limits(max_prompt_tokens=16, max_tokens=8, max_queue=0))
     worker.start()
     try:
         wait_until(lambda: worker.ready)

@@ -21,6 +21,7 @@ from moerun.gguf.tokenizer import (
     USER_DEFINED,
     Tokenizer,
     TokenizerError,
+    TooManyTokens,
 )
 from moerun.gguf.vocab import bpe_metadata, byte_level_bpe
 from tests.support.vocabs import (
@@ -234,6 +235,23 @@ def test_add_bos_argument_overrides_the_file(llama, qwen, sp):
 
 def test_bos_is_not_doubled(llama, sp):
     assert llama.encode("<s>Hello") == [1] + sp.encode("Hello")
+
+
+@pytest.mark.parametrize("name", ["qwen", "llama"])
+def test_max_tokens_refuses_a_longer_text_by_its_count(request, name):
+    tokenizer = request.getfixturevalue(name)
+    text = "The river town woke slowly. " * 50
+    ids = tokenizer.encode(text)                     # llama: BOS included, and counted
+    assert tokenizer.encode(text, max_tokens=len(ids)) == ids
+    with pytest.raises(TooManyTokens) as refused:
+        tokenizer.encode(text, max_tokens=len(ids) - 1)
+    assert (refused.value.count, refused.value.limit) == (len(ids), len(ids) - 1)
+    assert f"has {len(ids)} tokens" in str(refused.value)
+
+
+def test_max_tokens_counts_no_second_bos(llama):
+    ids = llama.encode("<s>Hello")
+    assert llama.encode("<s>Hello", max_tokens=len(ids)) == ids
 
 
 def test_add_bos_without_a_bos_token_is_an_error(byte_level):

@@ -2,11 +2,13 @@
 
 load_config_file() checks every key and value and returns the values by the name of the
 command parameter each one sets; a command fills the flags not given on its command line
-from them. An unknown key or a bad value is a ConfigError naming the key and its line.
+from them. Every unknown key, bad value and rule broken is a message naming the key and its
+line; the reader collects them all and raises one ConfigError that lists them in file order.
 """
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import tomllib
 from collections.abc import Callable
@@ -54,12 +56,22 @@ def integer(low: int | None = None, high: int | None = None) -> Callable[[object
     return check
 
 
-def number(above: float | None = None) -> Callable[[object], float]:
+def number(low: float | None = None, high: float | None = None, *,
+           above: float | None = None) -> Callable[[object], float]:
+    """A number within low <= value <= high and value > above, each bound optional."""
+    if low is not None and high is not None and above is None:
+        bounds = f"between {low:g} and {high:g}"
+    else:
+        bounds = " and ".join([*([f"> {above:g}"] if above is not None else []),
+                               *([f">= {low:g}"] if low is not None else []),
+                               *([f"<= {high:g}"] if high is not None else [])])
+
     def check(value: object) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             raise ValueError("must be a number")
-        if above is not None and value <= above:
-            raise ValueError(f"must be > {above:g}")
+        if ((above is not None and value <= above) or (low is not None and value < low)
+                or (high is not None and value > high)):
+            raise ValueError(f"must be {bounds}")
         return float(value)
     return check
 
@@ -125,13 +137,13 @@ TABLES = {
         "prompt": Key(any_text),
         "chat": Key(boolean),
         "n_predict": Key(integer(0)),
-        "temp": Key(number()),
+        "temp": Key(number(0)),
         "top_k": Key(integer(0)),
-        "top_p": Key(number()),
-        "min_p": Key(number()),
-        "repeat_penalty": Key(number()),
+        "top_p": Key(number(above=0, high=1)),
+        "min_p": Key(number(0, 1)),
+        "repeat_penalty": Key(number(above=0)),
         "repeat_last_n": Key(integer(0)),
-        "seed": Key(integer()),
+        "seed": Key(integer(0, 2**32 - 1)),
         "stats": Key(boolean),
         "stats_json": Key(text, path=True),
     },
@@ -142,6 +154,7 @@ TABLES = {
         "max_prompt_tokens": Key(integer(1)),
         "max_tokens": Key(integer(1)),
         "max_queue": Key(integer(1)),
+        "max_body": Key(size),
     },
 }
 DAEMON = {
@@ -159,19 +172,25 @@ DAEMON = {
 TOP_LEVEL_NAMES = (*TOP_LEVEL, *TABLES, "daemon")
 
 
-def load_config_file(path: str | Path) -> dict[str, object]:
+def load_config_file(path: str | Path, *rules: Rule) -> dict[str, object]:
     """The file's values by parameter name: model, ctx, prompt, port, ... as the flags take
     them, plus `daemons` (the --daemon specs), `daemon_entries` (their [[daemon]] tables),
-    `client_secret_key`, `workload` and `memory`. Keys the file leaves out are absent."""
-    return _Reader(Path(path)).read()
+    `client_secret_key`, `workload` and `memory`. Keys the file leaves out are absent.
+
+    `rules` are a command's own checks: each is called with the values read so far (without
+    those that had a problem) and the reader, and reports through reader.problem(). One
+    ConfigError lists every problem of the reader and the rules, one a line in file order."""
+    return _Reader(Path(path)).read(rules)
 
 
 class _Reader:
     def __init__(self, path: Path):
         self.path = path
         self.lines: dict[tuple, int] = {}
+        self.problems: list[tuple[int, str]] = []     # (line to order by, message)
+        self.reported: list[tuple] = []                # where each problem is, and the key a typo meant
 
-    def read(self) -> dict[str, object]:
+    def read(self, rules: tuple[Rule, ...] = ()) -> dict[str, object]:
         try:
             text = self.path.read_text(encoding="utf-8")
             document = tomllib.loads(text)
@@ -183,75 +202,114 @@ class _Reader:
         values: dict[str, object] = {}
         for name, value in document.items():
             if name in TABLES:
-                values.update(self._table((name,), self._as_table(name, value), TABLES[name]))
+                if self._is_table(name, value):
+                    values.update(self._table((name,), value, TABLES[name]))
             elif name == "daemon":
                 entries = self._daemons(value)
-                values["daemons"] = tuple(entry.spec for entry in entries)
-                values["daemon_entries"] = entries
+                if entries is not None:
+                    values["daemons"] = tuple(entry.spec for entry in entries)
+                    values["daemon_entries"] = entries
             elif name in TOP_LEVEL:
                 values.update(self._table((), {name: value}, TOP_LEVEL))
             else:
-                raise self.error((name,), f"unknown key {name!r}{_suggestion(name, TOP_LEVEL_NAMES)}")
+                self._unknown((name,), TOP_LEVEL_NAMES)
         if "hot" in values and "placement" in values:
-            raise self.error(("placement",), "give hot or placement, not both")
-        for index, entry in enumerate(values.get("daemon_entries", ())):
-            if entry.curve_public_key and "client_secret_key" not in values:
-                raise self.error(("daemon", index, "curve_public_key"),
+            self.problem(("placement",), "give hot or placement, not both")
+        if "client_secret_key" not in values and not self.failed(("auth",)):
+            for index, entry in enumerate(values.get("daemon_entries", ())):
+                if entry.curve_public_key:
+                    self.problem(("daemon", index, "curve_public_key"),
                                  f"[[daemon]] {entry.name}: curve_public_key needs [auth] client_secret_key")
+        for rule in rules:
+            rule(values, self)
+        if self.problems:
+            in_file_order = sorted(self.problems, key=lambda problem: problem[0])
+            raise ConfigError("\n".join(message for _, message in in_file_order))
         return values
+
+    def problem(self, where: tuple, message: str, *, numbered: bool = True) -> None:
+        """Report a problem at `where` (("server", "port"), ("daemon", 1), () for the whole
+        file): "FILE, line N: message", or "FILE: message" where `numbered` is false (it still
+        takes its place in file order)."""
+        line = line_of(self.lines, where)
+        shown = f", line {line}" if line and numbered else ""
+        self.problems.append((line or 0, f"{self.path}{shown}: {message}"))
+        self.reported.append(where)
+
+    def failed(self, where: tuple) -> bool:
+        """Whether a problem was reported at `where` or within it, or a misspelt key was taken
+        for it: a rule about a key stays quiet when the key itself was already reported."""
+        return any(place[:len(where)] == where for place in self.reported)
+
+    def _unknown(self, where: tuple, keys) -> None:
+        name = where[-1]
+        close = difflib.get_close_matches(name, keys, n=1)
+        suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+        self.problem(where, f"unknown key {name!r}{_in(where[:-1])}{suggestion}")
+        if close:
+            self.reported.append(where[:-1] + (close[0],))
 
     def _table(self, where: tuple, table: dict, keys: dict[str, Key]) -> dict[str, object]:
         values = {}
         for name, value in table.items():
             key = keys.get(name)
             if key is None:
-                raise self.error(where + (name,), f"unknown key {name!r}{_in(where)}{_suggestion(name, keys)}")
+                self._unknown(where + (name,), keys)
+                continue
             try:
                 checked = key.check(value)
             except ValueError as err:
-                raise self.error(where + (name,), f"{name} = {value!r}: {err}") from None
+                self.problem(where + (name,), f"{name} = {value!r}: {err}")
+                continue
             if key.path and not (name == "placement" and checked == AUTO):
                 checked = str(self.path.parent.absolute() / Path(checked).expanduser())
             values[name] = checked
         return values
 
-    def _daemons(self, value: object) -> tuple[DaemonEntry, ...]:
+    def _daemons(self, value: object) -> tuple[DaemonEntry, ...] | None:
         if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-            raise self.error(("daemon",), "daemon must be a list of [[daemon]] tables")
+            self.problem(("daemon",), "daemon must be a list of [[daemon]] tables")
+            return None
         entries = []
         for index, table in enumerate(value):
             where = ("daemon", index)
-            fields = {"name": f"d{index}", **self._table(where, table, DAEMON)}
-            entry = DaemonEntry(**fields)
-            if entry.spec is None:
-                raise self.error(where, f"[[daemon]] {entry.name} needs a device, an endpoint or both")
-            if entry.listen and not (entry.endpoint and entry.device):
-                raise self.error(where + ("listen",), f"[[daemon]] {entry.name}: listen needs a device and an endpoint")
-            if (entry.curve_secret_key is None) != (entry.curve_authorized_keys is None):
-                raise self.error(where, f"[[daemon]] {entry.name}: curve_secret_key and curve_authorized_keys "
-                                        f"go together")
-            if entry.name in (other.name for other in entries):
-                raise self.error(where + ("name",), f"two [[daemon]] tables are named {entry.name!r}")
+            entry = DaemonEntry(**{"name": f"d{index}", **self._table(where, table, DAEMON)})
+            self._check_entry(where, entry, entries)
             entries.append(entry)
         return tuple(entries)
 
-    def _as_table(self, name: str, value: object) -> dict:
-        if not isinstance(value, dict):
-            raise self.error((name,), f"{name} must be a table ([{name}])")
-        return value
+    def _check_entry(self, where: tuple, entry: DaemonEntry, before: list[DaemonEntry]) -> None:
+        """The rules of one [[daemon]] table, each quiet where a key it reads had a bad value."""
+        def failed(*keys: str) -> bool:
+            return any(self.failed(where + (key,)) for key in keys)
 
-    def error(self, where: tuple, message: str) -> ConfigError:
-        line = line_of(self.lines, where)
-        return ConfigError(f"{self.path}{f', line {line}' if line else ''}: {message}")
+        def missing(*keys: str) -> bool:      # not in the table, nor reported as misspelt or bad
+            return any(getattr(entry, key) is None and not failed(key) for key in keys)
+
+        name = entry.name
+        if entry.spec is None and not failed("device", "endpoint"):
+            self.problem(where, f"[[daemon]] {name} needs a device, an endpoint or both")
+        if entry.listen and missing("device", "endpoint"):
+            self.problem(where + ("listen",), f"[[daemon]] {name}: listen needs a device and an endpoint")
+        if ((entry.curve_secret_key is None) != (entry.curve_authorized_keys is None)
+                and not failed("curve_secret_key", "curve_authorized_keys")):
+            self.problem(where, f"[[daemon]] {name}: curve_secret_key and curve_authorized_keys go together")
+        if not failed("name") and any(other.name == name and not self.failed(("daemon", number, "name"))
+                                      for number, other in enumerate(before)):
+            self.problem(where + ("name",), f"two [[daemon]] tables are named {name!r}")
+
+    def _is_table(self, name: str, value: object) -> bool:
+        if not isinstance(value, dict):
+            self.problem((name,), f"{name} must be a table ([{name}])")
+            return False
+        return True
+
+
+Rule = Callable[[dict, _Reader], None]
 
 
 def _in(where: tuple) -> str:
     return f" in [[{where[0]}]]" if len(where) == 2 else f" in [{where[0]}]" if where else ""
-
-
-def _suggestion(name: str, keys) -> str:
-    close = difflib.get_close_matches(name, keys, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # -- line numbers: tomllib gives none, so find each key in the text within its table ----------

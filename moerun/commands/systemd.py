@@ -16,7 +16,7 @@ import click
 from moerun.commands.launch import WORKLOAD_COMMANDS
 from moerun.commands.options import friendly_errors
 from moerun.config import load_config_file
-from moerun.rig.settings import ConfigError, DaemonEntry
+from moerun.rig.settings import DaemonEntry
 from moerun.rig.spawn import pinned_device
 
 DAEMON_TEMPLATE = "moerun-daemon@.service"
@@ -52,7 +52,8 @@ def systemd(config_file, out_dir, env_dir, user):
         raise click.BadParameter(f"{env_dir!r}: systemd needs an absolute path", param_hint="--env-dir")
     if user is not None and not USER_NAME.match(user):
         raise click.BadParameter(f"{user!r} is not a user name", param_hint="--user")
-    files = render_units(Path(config_file).resolve(), load_config_file(config_file), env_dir, user)
+    values = load_config_file(config_file, unit_rules)
+    files = render_units(Path(config_file).resolve(), values, env_dir, user)
     for name, text in files.items():
         path = Path(out_dir) / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,16 +62,27 @@ def systemd(config_file, out_dir, env_dir, user):
     click.echo(f"install them as docs/systemd.md shows: units in /etc/systemd/system, *.env in {env_dir}", err=True)
 
 
+def unit_rules(values: dict, reader) -> None:
+    """What units cannot run, reported with the config reader's own problems (load_config_file
+    rules): no model, a daemon without a device or an endpoint, CURVE key paths with whitespace."""
+    if "model" not in values and not reader.failed(("model",)):
+        reader.problem((), "systemd units need `model`")
+    for index, entry in enumerate(values.get("daemon_entries", ())):
+        where = ("daemon", index)
+        if any(getattr(entry, key) is None and not reader.failed(where + (key,)) for key in ("device", "endpoint")):
+            reader.problem(where, f"[[daemon]] {entry.name} needs a device and an endpoint to run as a unit "
+                                  f"(e.g. endpoint = \"ipc:///run/moerun/{entry.name}.sock\")", numbered=False)
+        keys = (entry.curve_secret_key, entry.curve_authorized_keys)
+        # the unit splits $MOERUN_CURVE_FLAGS at whitespace, so no path may hold any
+        if all(keys) and any(re.search(r"\s", key) for key in keys):
+            reader.problem(where, f"[[daemon]] {entry.name}: CURVE key paths in a unit cannot contain whitespace",
+                           numbered=False)
+
+
 def render_units(config_path: Path, values: dict, env_dir: str, user: str | None) -> dict[str, str]:
     """{file name: contents} of the daemon template, one environment file per daemon (with a
-    drop-in for AMD GPU daemons), and the parent's unit."""
-    if "model" not in values:
-        raise ConfigError(f"{config_path}: systemd units need `model`")
+    drop-in for AMD GPU daemons), and the parent's unit, from values that passed unit_rules."""
     entries: tuple[DaemonEntry, ...] = values.get("daemon_entries", ())
-    for entry in entries:
-        if not (entry.device and entry.endpoint):
-            raise ConfigError(f"{config_path}: [[daemon]] {entry.name} needs a device and an endpoint "
-                              f"to run as a unit (e.g. endpoint = \"ipc:///run/moerun/{entry.name}.sock\")")
     user_line = f"User={user}\n" if user else ""
     files = {DAEMON_TEMPLATE: _daemon_template(env_dir, user_line)}
     for entry in entries:
@@ -101,10 +113,7 @@ def _daemon_environment(config_path: Path, model: str, entry: DaemonEntry) -> st
     device, pinning = pinned_device(entry.device, environment={})   # units never inherit this shell's pinning
     variables = {"MOERUN_MODEL": model, "MOERUN_DEVICE": device, "MOERUN_LISTEN": entry.listen or entry.endpoint,
                  **pinning}
-    if entry.curve_flags:     # split at whitespace where the unit uses it, so no path may hold any
-        if any(re.search(r"\s", flag) for flag in entry.curve_flags):
-            raise ConfigError(f"{config_path}: [[daemon]] {entry.name}: CURVE key paths in a unit cannot "
-                              f"contain whitespace")
+    if entry.curve_flags:     # split at whitespace where the unit uses it (unit_rules)
         variables["MOERUN_CURVE_FLAGS"] = " ".join(entry.curve_flags)
     where = f" on {entry.host}" if entry.host else ""
     lines = [f"# moerun daemon {entry.name} ({entry.device}{where}) of {config_path}"]

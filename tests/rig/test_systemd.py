@@ -146,6 +146,84 @@ def test_units_need_a_model(moerun, tmp_path):
     assert result.exit_code == 1 and result.stderr.strip() == f"Error: {config}: systemd units need `model`"
 
 
+BROKEN_RIG = """\
+# a rig for units
+ctx = 0
+hot = 2
+placement = "auto"
+server = 3
+
+[generate]
+temp = -1
+seed = 4294967296
+
+[[daemon]]
+name = "gpu"
+device = "cuda:1"
+
+[[daemon]]
+devcie = "cpu"
+
+[[daemon]]
+name = "gpu"
+device = "cpu"
+endpoint = "tcp://h:1"
+curve_secret_key = "my key"
+curve_authorized_keys = "parents"
+"""
+
+
+def test_every_problem_of_a_config_is_one_error(moerun, tmp_path):
+    config = tmp_path / "rig.toml"
+    config.write_text(BROKEN_RIG)
+    result = moerun("systemd", "--config", config, "-o", tmp_path / "u")
+    assert result.exit_code == 1
+    assert result.stderr.count("Error:") == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [f"Error: {config}: {message}" if n == 0 else f"{config}{message}"
+                                                  for n, message in enumerate([
+        "systemd units need `model`",
+        ", line 2: ctx = 0: must be >= 1",
+        ", line 4: give hot or placement, not both",
+        ", line 5: server must be a table ([server])",
+        ", line 8: temp = -1: must be >= 0",
+        ", line 9: seed = 4294967296: must be between 0 and 4294967295",
+        ': [[daemon]] gpu needs a device and an endpoint to run as a unit '
+        '(e.g. endpoint = "ipc:///run/moerun/gpu.sock")',
+        ': [[daemon]] d1 needs a device and an endpoint to run as a unit '
+        '(e.g. endpoint = "ipc:///run/moerun/d1.sock")',
+        ", line 16: unknown key 'devcie' in [[daemon]] (did you mean 'device'?)",
+        ": [[daemon]] gpu: CURVE key paths in a unit cannot contain whitespace",
+        ", line 19: two [[daemon]] tables are named 'gpu'",
+    ])]
+    assert not (tmp_path / "u").exists()
+
+
+def test_every_problem_of_a_config_is_one_error_from_the_installed_command(tmp_path):
+    config = tmp_path / "rig.toml"
+    config.write_text('ctx = 0\n[[daemon]]\ndevice = "cpu"\n')
+    result = subprocess.run([sys.executable, "-m", "moerun", "systemd", "--config", str(config),
+                             "-o", str(tmp_path / "u")], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {config}: systemd units need `model`",
+        f"{config}, line 1: ctx = 0: must be >= 1",
+        f'{config}: [[daemon]] d0 needs a device and an endpoint to run as a unit '
+        f'(e.g. endpoint = "ipc:///run/moerun/d0.sock")']
+
+
+@pytest.mark.parametrize("text,message", [
+    ('modl = "m.gguf"\n', "line 1: unknown key 'modl' (did you mean 'model'?)"),
+    ('model = 3\n', "line 1: model = 3: must be a non-empty string"),
+    ('model = "m.gguf"\n[[daemon]]\ndevice = "cpu"\nendpoint = "tcp://h"\n',
+     "line 4: endpoint = 'tcp://h': must be ipc://PATH or tcp://HOST:PORT"),
+])
+def test_a_key_the_reader_reported_is_not_reported_again_for_units(moerun, tmp_path, text, message):
+    config = tmp_path / "rig.toml"
+    config.write_text(text)
+    result = moerun("systemd", "--config", config, "-o", tmp_path / "u")
+    assert result.exit_code == 1 and result.stderr.strip() == f"Error: {config}, {message}"
+
+
 @pytest.mark.tools
 @pytest.mark.parametrize("example", [None, "cuda-parent-hip-daemons.toml", "two-hosts.toml"],
                          ids=lambda name: name or "mixed-rig")

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import click
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -15,6 +16,7 @@ from moerun.config import DAEMON, TABLES, TOP_LEVEL, key_lines, load_config_file
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.rig.settings import ConfigError, DaemonEntry, RigConfig
+from moerun.units import parse_bytes
 from moerun.writers.demo import demo_model_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,6 +107,18 @@ BAD_VALUES = [
     ("[[daemon]]\ndevice = 'cpu'\nname = 'a b'", 4, "name = 'a b': must be letters, digits, _ and - only"),
     ("server = 3", 2, "server must be a table ([server])"),
     ("[daemon]\ndevice = 'cpu'", 2, "daemon must be a list of [[daemon]] tables"),
+    ("[generate]\ntemp = -0.5", 3, "temp = -0.5: must be >= 0"),
+    ("[generate]\ntemp = nan", 3, "temp = nan: must be a number"),
+    ("[generate]\ntop_p = 0", 3, "top_p = 0: must be > 0 and <= 1"),
+    ("[generate]\ntop_p = 1.5", 3, "top_p = 1.5: must be > 0 and <= 1"),
+    ("[generate]\nmin_p = -0.1", 3, "min_p = -0.1: must be between 0 and 1"),
+    ("[generate]\nmin_p = 1.01", 3, "min_p = 1.01: must be between 0 and 1"),
+    ("[generate]\nrepeat_penalty = 0", 3, "repeat_penalty = 0: must be > 0"),
+    ("[generate]\nrepeat_penalty = -1.5", 3, "repeat_penalty = -1.5: must be > 0"),
+    ("[generate]\nseed = -1", 3, "seed = -1: must be between 0 and 4294967295"),
+    ("[generate]\nseed = 4294967296", 3, "seed = 4294967296: must be between 0 and 4294967295"),
+    ("[server]\nmax_body = 'big'", 3, "max_body = 'big': must be a size such as 24GiB, 512MiB or 64GB"),
+    ("[server]\nmax_body = 4096", 3, "max_body = 4096: must be a size such as 24GiB, 512MiB or 64GB"),
 ]
 
 
@@ -114,6 +128,34 @@ def test_a_bad_value_is_an_error_naming_the_key_and_its_line(moerun, tmp_path, t
     result = moerun("run", "--config", path)
     assert result.exit_code == 1
     assert result.stderr.strip() == f"Error: {path}, line {line}: {message}"
+
+
+# the same values through `moerun run`'s flags: both refuse them before any model is loaded
+FLAG_TWINS = [("temp", "-0.5"), ("top_p", "0"), ("top_p", "1.5"), ("min_p", "-0.1"), ("min_p", "1.01"),
+              ("repeat_penalty", "0"), ("repeat_penalty", "-1.5"), ("seed", "-1"), ("seed", "4294967296")]
+
+
+@pytest.mark.parametrize("key,value", FLAG_TWINS)
+def test_generate_keys_refuse_what_their_flags_refuse(moerun, tmp_path, key, value):
+    flag = moerun("run", f"--{key.replace('_', '-')}", value)
+    assert flag.exit_code == 2 and "Invalid value for" in flag.stderr
+    path = write(tmp_path, f"[generate]\n{key} = {value}\n")
+    from_file = moerun("run", "--config", path)
+    assert from_file.exit_code == 1
+    assert from_file.stderr.startswith(f"Error: {path}, line 2: {key} = {value}: must be ")
+
+
+def test_generate_keys_take_the_values_at_their_bounds(tmp_path):
+    path = write(tmp_path, "[generate]\ntemp = 0\ntop_p = 1\nmin_p = 0\nrepeat_penalty = 0.01\nseed = 0\n")
+    assert load_config_file(path) == {"temp": 0.0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 0.01, "seed": 0}
+    path = write(tmp_path, "[generate]\ntemp = 2.5\ntop_p = 1e-9\nmin_p = 1\nseed = 4294967295\n")
+    assert load_config_file(path) == {"temp": 2.5, "top_p": 1e-9, "min_p": 1.0, "seed": 2**32 - 1}
+
+
+def test_max_body_is_the_size_as_the_flag_takes_it(tmp_path):
+    values = load_config_file(write(tmp_path, '[server]\nmax_body = "4MiB"\nport = 9000\n'))
+    assert values == {"max_body": "4MiB", "port": 9000}
+    assert parse_bytes(values["max_body"], "--max-body") == 4 * 2**20
 
 
 RULES = [
@@ -134,6 +176,77 @@ RULES = [
 def test_keys_that_do_not_go_together(moerun, tmp_path, text, line, message):
     path = write(tmp_path, "# a rig\n" + text)
     result = moerun("logits", "--ids", "1", "-o", tmp_path / "out.npy", "--config", path)
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"Error: {path}, line {line}: {message}"
+
+
+MANY_PROBLEMS = """\
+# a rig
+ctx = 0
+hot = 2
+transprt = "shared"
+placement = "auto"
+
+[generate]
+temp = -1
+top_p = 2
+seed = 3
+
+[server]
+prot = 80
+max_body = "lots"
+
+[[daemon]]
+device = "gpu"
+listen = "ipc:///tmp/a.sock"
+
+[[daemon]]
+name = "far"
+endpoint = "tcp://h:1"
+curve_public_key = "far.key"
+curve_secret_key = "far.key_secret"
+
+[[daemon]]
+name = "far"
+devcie = "cpu"
+"""
+
+
+def test_every_problem_of_a_file_is_reported_at_once_in_file_order(moerun, tmp_path):
+    path = write(tmp_path, MANY_PROBLEMS)
+    result = moerun("run", "--config", path)
+    assert result.exit_code == 1
+    assert result.stderr.count("Error:") == 1
+    assert result.stderr.strip().splitlines() == [f"Error: {path}, line 2: ctx = 0: must be >= 1", *(
+        f"{path}, line {line}: {message}" for line, message in [
+            (4, "unknown key 'transprt' (did you mean 'transport'?)"),
+            (5, "give hot or placement, not both"),
+            (8, "temp = -1: must be >= 0"),
+            (9, "top_p = 2: must be > 0 and <= 1"),
+            (13, "unknown key 'prot' in [server] (did you mean 'port'?)"),
+            (14, "max_body = 'lots': must be a size such as 24GiB, 512MiB or 64GB"),
+            (17, "device = 'gpu': must be cpu, cuda:N or hip:N"),
+            (18, "[[daemon]] d0: listen needs a device and an endpoint"),
+            (20, "[[daemon]] far: curve_secret_key and curve_authorized_keys go together"),
+            (23, "[[daemon]] far: curve_public_key needs [auth] client_secret_key"),
+            (27, "two [[daemon]] tables are named 'far'"),
+            (28, "unknown key 'devcie' in [[daemon]] (did you mean 'device'?)"),
+        ])]
+
+
+@pytest.mark.parametrize("text,line,message", [
+    # the daemon's device is reported; that it then has neither device nor endpoint is not
+    ("[[daemon]]\ndevice = 'gpu'\n", 3, "device = 'gpu': must be cpu, cuda:N or hip:N"),
+    # a misspelt key counts as the key it probably means
+    ("[[daemon]]\nendpont = 'tcp://h:1'\nlisten = 'tcp://0.0.0.0:1'\ndevice = 'cpu'\n", 3,
+     "unknown key 'endpont' in [[daemon]] (did you mean 'endpoint'?)"),
+    ("[auth]\nclient_secret = 'k'\n[[daemon]]\nendpoint = 'tcp://h:1'\ncurve_public_key = 'k'\n", 3,
+     "unknown key 'client_secret' in [auth] (did you mean 'client_secret_key'?)"),
+    ("hot = -1\nplacement = 'auto'\n", 2, "hot = -1: must be >= 0"),
+])
+def test_a_key_already_reported_breaks_no_rule_besides(moerun, tmp_path, text, line, message):
+    path = write(tmp_path, "# a rig\n" + text)
+    result = moerun("run", "--config", path)
     assert result.exit_code == 1
     assert result.stderr.strip() == f"Error: {path}, line {line}: {message}"
 
@@ -276,10 +389,12 @@ def test_logits_takes_the_model_from_the_file(moerun, tmp_path):
     assert "wrote logits [3, " in result.stderr
 
 
-def test_logits_without_a_model_anywhere_is_a_usage_error(moerun, tmp_path):
+def test_logits_without_a_model_anywhere_uses_the_demo_model(moerun, tmp_path):
+    """The one rule of every command that takes -m: without one, the built-in demo model (said)."""
     result = moerun("logits", "--config", write(tmp_path, "ctx = 8\n"), "--ids", "1", "-o", tmp_path / "l.npy")
-    assert result.exit_code == 2
-    assert "Missing option -m/--model (or `model` in the --config file)" in result.stderr
+    assert result.exit_code == 0, result.output
+    assert "built-in demo model" in result.stderr
+    assert np.load(tmp_path / "l.npy").shape[0] == 1
 
 
 def test_a_bad_device_flag_is_one_error_line(moerun):

@@ -1,6 +1,7 @@
 """The expert daemon process: `moerun daemon --model M --device D --listen ENDPOINT` serves the
 experts a parent assigns it (moerun.rig.daemon_handler, behind moerun.ipc.server) until
-SHUTDOWN, SIGTERM/SIGINT, or the death of the parent that spawned it."""
+SHUTDOWN, SIGTERM/SIGINT, or the death of the parent that spawned it (whose run directory it
+then removes, the parent being unable to)."""
 from __future__ import annotations
 
 import signal
@@ -13,6 +14,7 @@ from moerun.ipc.server import Server
 
 from moerun import log
 from moerun.rig.daemon_handler import ExpertDaemon
+from moerun.rig.spawn import remove_orphaned_run_dir
 
 
 def serve(model_path: str, device: str, listen: str, parent_pid: int | None,
@@ -32,6 +34,8 @@ def serve(model_path: str, device: str, listen: str, parent_pid: int | None,
         server.serve_forever()
     finally:
         daemon.gguf.close()
+        if parent_pid is not None:
+            remove_orphaned_run_dir(listen, parent_pid)
 
 
 def _stop_when_gone(pid: int, server: Server) -> None:

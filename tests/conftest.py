@@ -34,7 +34,7 @@ def moerun():
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu run only where CuPy sees a GPU (scripts/gpu_tests.sh runs them there)."""
-    gpu_items = [item for item in items if "gpu" in item.keywords]
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
     from tests.support.gpu import gpu_device

@@ -36,7 +36,13 @@ import click
 import numpy as np
 from gguf import LlamaFileType
 
-from moerun.commands.options import friendly_errors, open_runtime, runtime_options
+from moerun.commands.options import (
+    MODEL_HELP,
+    friendly_errors,
+    model_or_demo,
+    open_runtime,
+    runtime_options,
+)
 from moerun.engine.runtime import RequestError, RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.reader import GGUFFile
@@ -91,8 +97,7 @@ class ModelFacts:
 
 
 @click.command()
-@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file (required here or in --config).")
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None, help=MODEL_HELP)
 @click.option("-p", "--n-prompt", "prompt_sizes", type=TokenCounts(), default="512", show_default=True,
               help="Prompt tokens of each prefill test (pp<N>); 0: none.")
 @click.option("-n", "--n-gen", "gen_sizes", type=TokenCounts(), default="128", show_default=True,
@@ -105,8 +110,6 @@ class ModelFacts:
 @friendly_errors
 def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_flags):
     """Measure prefill (pp) and decode (tg) tokens/s, printed as llama-bench prints them."""
-    if model is None:
-        raise click.UsageError("Missing option -m/--model (or `model` in the --config file).")
     tests = [BenchTest("pp", n) for n in prompt_sizes] + [BenchTest("tg", n) for n in gen_sizes]
     if not tests:
         raise click.UsageError("Nothing to measure: -p and -n are both 0.")
@@ -117,7 +120,7 @@ def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_
             raise click.BadParameter(f"{given} is too small for {largest.name}, which needs {largest.positions} "
                                      f"positions; raise it or leave it out", param_hint=f"--{flag.replace('_', '-')}")
     runtime_flags["ctx"] = runtime_flags["ctx"] or largest.positions
-    with open_runtime(model, **runtime_flags) as runtime:
+    with open_runtime(model_or_demo(model), **runtime_flags) as runtime:
         facts = _model_facts(runtime)
         rig = runtime.rig
         columns = COLUMNS + DAEMON_COLUMNS if rig else COLUMNS

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import click
 
-from moerun.commands.options import friendly_errors
+from moerun.commands.options import MODEL_HELP, friendly_errors, model_or_demo
 from moerun.ipc.sockets import ENDPOINT
 
 
 @click.command()
-@click.option("-m", "--model", type=click.Path(dir_okay=False), required=True, help="GGUF model file.")
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None, help=MODEL_HELP)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or hip:N.")
 @click.option("--listen", required=True, metavar="ENDPOINT", help="ipc://PATH or tcp://HOST:PORT.")
 @click.option("--curve-secret-key", type=click.Path(dir_okay=False), default=None,
@@ -23,4 +23,4 @@ def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, paren
     from moerun.daemons.daemon import serve
     if not ENDPOINT.match(listen):
         raise click.BadParameter(f"expected ipc://PATH or tcp://HOST:PORT, got {listen!r}", param_hint="--listen")
-    serve(model, device, listen, parent_pid, curve_secret_key, curve_authorized_keys)
+    serve(model_or_demo(model), device, listen, parent_pid, curve_secret_key, curve_authorized_keys)

@@ -5,7 +5,7 @@ from collections import Counter
 
 import click
 
-from moerun.commands.options import friendly_errors
+from moerun.commands.options import friendly_errors, model_or_demo
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.models.spec import ModelSpec
@@ -13,11 +13,12 @@ from moerun.moe.planner import model_sizes
 
 
 @click.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), required=False)
 @friendly_errors
 def inspect(model):
-    """Print the architecture, hyper-parameters, tensor types and sizes of a GGUF model."""
-    click.echo(describe(model))
+    """Print the architecture, hyper-parameters, tensor types and sizes of a GGUF model
+    [default: the built-in demo model]."""
+    click.echo(describe(model_or_demo(model)))
 
 
 def describe(path) -> str:

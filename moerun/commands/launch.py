@@ -8,6 +8,7 @@ daemon started is a child that dies with this process (parent-death signal).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -75,6 +76,7 @@ class StartedDaemons:
         self.model = model
         self.cpu_threads = max(1, (os.cpu_count() or 1) // (1 + sum(entry.device == "cpu" for entry in entries)))
         self.run_dir = make_run_dir()
+        self.made_folders: list[Path] = []        # socket folders made here, removed at the end if empty
         self.daemons: dict[str, LocalDaemon] = {}
         self.stopping = threading.Event()
         self.watcher = threading.Thread(target=self._watch, name="moerun-launch-watch", daemon=True)
@@ -100,13 +102,26 @@ class StartedDaemons:
         for daemon in self.daemons.values():
             daemon.stop()
         remove_run_dir(self.run_dir)
+        for folder in reversed(self.made_folders):
+            with contextlib.suppress(OSError):      # not empty: someone else's files are there too
+                folder.rmdir()
 
     def _spawn(self, entry: DaemonEntry) -> None:
         listen = entry.listen or entry.endpoint
         if listen.startswith("ipc://"):
-            Path(listen.removeprefix("ipc://")).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._make_folder(Path(listen.removeprefix("ipc://")).parent)
         self.daemons[entry.name] = spawn_daemon(entry.device, self.model, listen, self.run_dir / f"{entry.name}.log",
                                                 self.cpu_threads, entry.curve_flags)
+
+    def _make_folder(self, folder: Path) -> None:
+        """The folder and its missing parents (0700), remembered to be removed at the end."""
+        missing = []
+        while not folder.exists():
+            missing.append(folder)
+            folder = folder.parent
+        for folder in reversed(missing):
+            folder.mkdir(mode=0o700, exist_ok=True)
+            self.made_folders.append(folder)
 
     def _watch(self) -> None:
         """Start again a daemon that exits: after RESTART_FIRST_S, twice as late each time it

@@ -6,9 +6,10 @@ from pathlib import Path
 import click
 
 from moerun.commands.options import (
+    MODEL_HELP,
     friendly_errors,
+    model_or_demo,
     open_runtime,
-    require,
     runtime_options,
 )
 from moerun.commands.output import npy_bytes, report_stats, write_atomic
@@ -17,8 +18,7 @@ from moerun.engine.runtime import RunStats
 
 
 @click.command()
-@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file (required here or in --config).")
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None, help=MODEL_HELP)
 @click.option("--ids", required=True, help="Comma-separated token ids, e.g. 1,2,3.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Output .npy file.")
 @runtime_options
@@ -27,7 +27,7 @@ from moerun.engine.runtime import RunStats
 @friendly_errors
 def logits(model, ids, output, stats, stats_json, **runtime_flags):
     """Write float32 logits [T, vocab] for every position of a token sequence."""
-    require(model, "-m/--model", "model")
+    model = model_or_demo(model)
     try:
         token_ids = [int(part) for part in ids.split(",") if part.strip()]
     except ValueError:

@@ -17,7 +17,8 @@ from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, DaemonError
 from moerun.rig.links import RigError
 from moerun.rig.settings import MODES, RIG_TRANSPORTS, STREAM_SLICE_TOKENS, RigConfig
 
-DEMO_DAEMONS = ("cpu", "cpu")   # the built-in demo runs with two CPU expert daemons
+DEMO_DAEMONS = ("cpu", "cpu")   # `moerun run` and `serve` run the built-in demo with two CPU expert daemons
+MODEL_HELP = "GGUF model file [default: the built-in demo model]."
 
 
 def friendly_errors(command):
@@ -41,6 +42,16 @@ def config_option(command):
     """--config FILE: the file's values fill every parameter the command line leaves out."""
     return click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
                         help="Rig config file (TOML, docs/config.md); flags given here override it.")(command)
+
+
+def model_or_demo(model: str | None) -> str:
+    """The model file given, else the built-in demo model (written on first use, said on stderr):
+    the one rule of every command that takes -m."""
+    if model is not None:
+        return model
+    from moerun.writers.demo import DESCRIPTION, demo_model_path
+    click.echo(DESCRIPTION, err=True)
+    return str(demo_model_path())
 
 
 def require(value, flag: str, key: str) -> None:

@@ -7,10 +7,12 @@ from pathlib import Path
 import click
 
 from moerun.commands.options import (
+    MODEL_HELP,
     config_option,
     fill_from_file,
     friendly_errors,
     given_on_command_line,
+    model_or_demo,
     require,
 )
 from moerun.commands.output import write_atomic
@@ -57,8 +59,7 @@ def _plan_values(config_file: str) -> dict:
 
 
 @click.command()
-@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file (required here or in --config).")
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None, help=MODEL_HELP)
 @click.option("--device", "parent_device", default=None, metavar="DEVICE=SIZE",
               help="The parent's device and memory, e.g. cuda:0=24GiB or cpu=64GiB "
                    "(required here or as device and memory in --config).")
@@ -78,7 +79,7 @@ def _plan_values(config_file: str) -> dict:
 @friendly_errors
 def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotness, safety, workspace, output):
     """Place every routed expert on the parent or a daemon within the devices' memory."""
-    require(model, "-m/--model", "model")
+    model = model_or_demo(model)
     require(parent_device, "--device DEVICE=SIZE", "memory")
     require(ctx, "--ctx", "ctx")
     parent_name, parent_bytes = _device_budget(parent_device, "--device")

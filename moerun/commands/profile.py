@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from moerun.commands.options import friendly_errors
+from moerun.commands.options import MODEL_HELP, friendly_errors, model_or_demo
 from moerun.engine.runtime import DEFAULT_UBATCH, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.chat import render_messages
@@ -13,7 +13,7 @@ from moerun.moe.hotness import write_hotness
 
 
 @click.command()
-@click.option("-m", "--model", type=click.Path(dir_okay=False), required=True, help="GGUF model file.")
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None, help=MODEL_HELP)
 @click.option("-f", "--file", "prompts_file", type=click.Path(dir_okay=False, exists=True), required=True,
               help="Prompts, one per line.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Routing-count CSV to write.")
@@ -28,7 +28,7 @@ def profile(model, prompts_file, output, n_predict, chat, ctx, ubatch):
     prompts = [line for line in Path(prompts_file).read_text().splitlines() if line.strip()]
     if not prompts:
         raise click.BadParameter("the file has no prompts", param_hint="-f")
-    with Runtime(model, ctx=ctx, ubatch=ubatch, count_routing=True) as runtime:
+    with Runtime(model_or_demo(model), ctx=ctx, ubatch=ubatch, count_routing=True) as runtime:
         tokens = 0
         for prompt in prompts:
             text = render_messages(runtime.tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt

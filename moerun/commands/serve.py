@@ -5,6 +5,8 @@ so the rest of the command line works without them.
 """
 from __future__ import annotations
 
+import errno
+import socket
 from functools import partial
 from pathlib import Path
 
@@ -12,17 +14,19 @@ import click
 
 from moerun.commands.options import (
     DEMO_DAEMONS,
+    MODEL_HELP,
     friendly_errors,
+    model_or_demo,
     open_runtime,
     runtime_options,
 )
+from moerun.units import parse_bytes
 
 SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long before they are cut
 
 
 @click.command()
-@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
-              help="GGUF model file [default: the built-in demo model].")
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None, help=MODEL_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port to listen on.")
 @click.option("--served-model-name", default=None,
@@ -34,9 +38,12 @@ SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long be
                    "[default: what the context leaves after the prompt].")
 @click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait behind the one generating; more are refused with 429.")
+@click.option("--max-body", default="4MiB", show_default=True, metavar="SIZE",
+              help="Largest request body, e.g. 4MiB or 500KB; larger ones are refused with 413 unread.")
 @runtime_options
 @friendly_errors
-def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, max_queue, **runtime_flags):
+def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, max_queue, max_body,
+          **runtime_flags):
     """Serve the OpenAI chat and completions API over HTTP, with /health and /metrics.
 
     Requests queue in arrival order and are served one at a time. Without -m, serves the
@@ -49,11 +56,13 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     except ImportError as err:
         raise click.ClickException(f"moerun serve needs the server extra ({err.name} is missing): "
                                    "pip install 'moerun[server]'") from None
+    max_body_bytes = parse_bytes(max_body, "--max-body")
+    if max_body_bytes < 1:
+        raise click.ClickException("--max-body must be at least 1 byte")
+    listening = bound_socket(host, port)      # a busy port ends the command before anything loads
     if model is None:
-        from moerun.writers.demo import DESCRIPTION, demo_model_path
-        click.echo(DESCRIPTION, err=True)
-        model = demo_model_path()
         runtime_flags["daemons"] = runtime_flags["daemons"] or DEMO_DAEMONS
+    model = model_or_demo(model)
 
     def stop_serving() -> None:
         server.should_exit = True
@@ -61,8 +70,23 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     worker = Worker(partial(open_runtime, model, **runtime_flags),
                     Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue),
                     on_load_failure=stop_serving)
-    app = create_app(worker, served_model_name or Path(model).name.removesuffix(".gguf"))
+    app = create_app(worker, served_model_name or Path(model).name.removesuffix(".gguf"), max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
-    server.run()
+    server.run(sockets=[listening])
     if worker.load_error:
         raise click.ClickException(worker.load_error)
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (uvicorn listens on it), or one `Error:` line saying why not."""
+    listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                              socket.IPPROTO_TCP)     # asyncio sets TCP_NODELAY on TCP sockets only
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+    except OSError as err:
+        listening.close()
+        hint = ("another program listens there: stop it or pick another --port" if err.errno == errno.EADDRINUSE
+                else "check --host and --port")
+        raise click.ClickException(f"cannot listen on {host}:{port}: {err.strerror or err} ({hint})") from None
+    return listening

@@ -1,6 +1,12 @@
 """Run telemetry: the `--stats` table and the `--stats-json` document (names in docs/stats.md)."""
 from __future__ import annotations
 
+import io
+import shutil
+
+from rich.console import Console
+from rich.table import Table
+
 from moerun.engine.runtime import RunStats, Runtime
 
 MIB = 1 << 20
@@ -23,7 +29,9 @@ def stats_document(runtime: Runtime, run: RunStats, **extra) -> dict:
             "daemons": daemons}
 
 
-def stats_table(doc: dict) -> str:
+def stats_table(doc: dict, width: int | None = None) -> str:
+    """The stats as text: throughput and MoE lines, then a table of the daemons laid out to
+    `width` columns (the terminal's by default)."""
     lines = [
         f"prefill: {doc['prompt_tokens']} tokens in {doc['prefill_seconds']:.3f} s "
         f"({doc['prefill_tokens_per_second']:.2f} tokens/s)",
@@ -34,14 +42,32 @@ def stats_table(doc: dict) -> str:
         f"{doc['fallback_pairs']} computed by the parent after a daemon failed",
     ]
     if doc["daemons"]:
-        header = f"{'daemon':<14}{'transport':<10}{'calls':>8}{'MiB sent':>10}{'MiB recv':>10}" \
-                 f"{'wait ms':>10}{'compute ms':>12}{'fallback':>10}{'down':>6}{'restarts':>10}{'rejoins':>9}  state"
-        lines += ["", header]
-        for d in doc["daemons"]:
-            lines.append(f"{d['name']:<14}{d['transport']:<10}{d['calls']:>8}{d['mib_sent']:>10.2f}"
-                         f"{d['mib_received']:>10.2f}{d['parent_wait_ms']:>10.1f}{d['daemon_compute_ms']:>12.1f}"
-                         f"{d['fallback_calls']:>10}{d['times_down']:>6}{d['restarts']:>10}{d['rejoins']:>9}"
-                         f"  {d['state']}")
+        lines += ["", _daemon_table(doc["daemons"], width)]
     if "seed" in doc:
         lines.append(f"seed:    {doc['seed']}")
     return "\n".join(lines)
+
+
+DAEMON_COLUMNS = (   # heading, document key, format
+    ("daemon", "name", "{}"), ("transport", "transport", "{}"), ("calls", "calls", "{}"),
+    ("MiB sent", "mib_sent", "{:.2f}"), ("MiB recv", "mib_received", "{:.2f}"),
+    ("wait ms", "parent_wait_ms", "{:.1f}"), ("compute ms", "daemon_compute_ms", "{:.1f}"),
+    ("fallback", "fallback_calls", "{}"), ("down", "times_down", "{}"), ("restarts", "restarts", "{}"),
+    ("rejoins", "rejoins", "{}"), ("state", "state", "{}"),
+)
+FOLDING_COLUMNS = {"daemon": 16, "state": 12}   # long texts fold within these widths at least; others never wrap
+
+
+def _daemon_table(daemons: list[dict], width: int | None) -> str:
+    table = Table(box=None, pad_edge=False, padding=(0, 1))
+    for heading, _, format_ in DAEMON_COLUMNS:
+        folds = heading in FOLDING_COLUMNS
+        table.add_column(heading, justify="left" if folds or heading == "transport" else "right",
+                         overflow="fold", no_wrap=not folds, min_width=FOLDING_COLUMNS.get(heading, len(heading)))
+    for daemon in daemons:
+        table.add_row(*(format_.format(daemon[key]) for _, key, format_ in DAEMON_COLUMNS))
+    narrowest = sum(FOLDING_COLUMNS.get(heading, len(heading)) + 2 for heading, _, _ in DAEMON_COLUMNS)
+    width = max(width or shutil.get_terminal_size((160, 24)).columns, narrowest)
+    console = Console(file=io.StringIO(), width=width, color_system=None, highlight=False)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines())

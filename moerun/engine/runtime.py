@@ -44,6 +44,7 @@ class RunStats:
     generated_tokens: int = 0
     decode_steps: int = 0        # single-token forward passes after the prompt
     decode_seconds: float = 0.0
+    finish: str = ""             # why generation ended: stop (a stop token), length (max tokens), context (full)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -136,8 +137,9 @@ class Runtime:
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), stats: RunStats | None = None) -> Iterator[int]:
         """Yield up to max_new_tokens sampled ids; a stop id ends generation and is
-        not yielded. Stops early, without error, when the context is full.
-        Time spent by the caller between tokens is not counted in `stats`."""
+        not yielded. Stops early, without error, when the context is full; stats.finish says
+        which of the three ended it. Time spent by the caller between tokens is not counted
+        in `stats`."""
         stats = stats if stats is not None else RunStats()
         cache = self._new_cache(prompt)
         sampler = Sampler(sampling)
@@ -149,14 +151,19 @@ class Runtime:
         stats.prompt_tokens = len(prompt)
         stats.prefill_seconds = time.perf_counter() - started
 
+        stats.finish = "length"
         for _ in range(max_new_tokens):
             token = sampler(logits[-1], history)
             if token in stop_ids:
+                stats.finish = "stop"
                 return
             stats.generated_tokens += 1
             yield token
             history.append(token)
-            if stats.generated_tokens == max_new_tokens or cache.length >= self.ctx:
+            if stats.generated_tokens == max_new_tokens:
+                return
+            if cache.length >= self.ctx:
+                stats.finish = "context"
                 return
             if cache.length >= cache.capacity:
                 raise RequestError(self._pool_full(cache.length + 1))

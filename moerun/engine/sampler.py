@@ -15,7 +15,7 @@ from moerun.backends.numpy_ops import softmax
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.8     # <= 0 means greedy
+    temperature: float = 0.8     # 0 means greedy
     top_k: int = 40              # 0 = off
     top_p: float = 0.95          # 1.0 = off
     min_p: float = 0.05          # 0.0 = off
@@ -25,6 +25,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
+            (self.temperature >= 0.0, "temperature must be >= 0 (0 is greedy)"),
             (self.top_k >= 0, "top_k must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
@@ -37,7 +38,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature == 0.0
 
 
 class Sampler:

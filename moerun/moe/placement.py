@@ -86,9 +86,11 @@ def load_placement(path: str | Path, spec: ModelSpec, daemon_specs: list[str], f
     if document.get("fingerprint") not in (None, fingerprint):
         fail("made for a different model file (fingerprint differs)")
     specs = document.get("daemons")
-    if not isinstance(specs, list) or len(specs) != len(daemon_specs):
-        fail(f"names {len(specs) if isinstance(specs, list) else 'no'} daemons "
-             f"but {len(daemon_specs)} --daemon were given")
+    if not isinstance(specs, list) or not all(isinstance(daemon, str) for daemon in specs):
+        fail("\"daemons\" must list the daemons the placement was made for")
+    if len(specs) != len(daemon_specs):
+        fail(f"was made for {_daemon_list(specs)} but the rig has {_daemon_list(daemon_specs)}: give the "
+             f"daemons it names, in that order, with --daemon (or [[daemon]] tables)")
     layers = document.get("layers")
     if not isinstance(layers, dict):
         fail("\"layers\" must map layer numbers to per-expert homes")
@@ -105,3 +107,7 @@ def load_placement(path: str | Path, spec: ModelSpec, daemon_specs: list[str], f
     if missing := sorted(moe_layers - homes.keys()):
         fail(f"no homes for MoE layers {missing}")
     return Placement(homes, tuple(daemon_specs))
+
+
+def _daemon_list(specs) -> str:
+    return f"{len(specs)} daemon{'' if len(specs) == 1 else 's'} ({', '.join(specs)})" if specs else "no daemon"

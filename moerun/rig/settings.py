@@ -83,6 +83,9 @@ class RigConfig:
             (self.daemon_timeout_s > 0, f"--daemon-timeout must be > 0 (got {self.daemon_timeout_s})"),
             (self.hot is None or self.hot >= 0, f"--hot must be >= 0 (got {self.hot})"),
             (not (self.hot is not None and self.placement), "give --hot or --placement, not both"),
+            (not (self.placement and not self.daemons),
+             f"--placement {self.placement} places experts on daemons, but no --daemon (or [[daemon]] table) "
+             f"was given: give the daemons it was made for, or drop --placement"),
             (not self.daemon_entries or tuple(entry.spec for entry in self.daemon_entries) == self.daemons,
              "the [[daemon]] tables do not match the --daemon list"),
         ]

@@ -66,6 +66,14 @@ def remove_run_dir(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def remove_orphaned_run_dir(listen: str, parent_pid: int) -> None:
+    """For a spawned daemon as it exits: when the parent whose run directory holds its socket is
+    gone (killed, so it could not clean up), remove that directory."""
+    folder = Path(listen.removeprefix("ipc://")).parent
+    if folder.name.startswith(f"{RUN_DIR_PREFIX}{parent_pid}-") and not pid_alive(parent_pid):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def sweep_stale_run_dirs() -> None:
     """Remove run directories left by parents that were killed (their pid is gone)."""
     for path in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):

@@ -19,12 +19,13 @@ from pathlib import Path
 import zmq
 from threadpoolctl import ThreadpoolController
 
-from moerun.backends.devices import DEVICE_PATTERN
+from moerun.backends.devices import DEVICE_PATTERN, BackendUnavailable
 from moerun.backends.numpy_backend import CpuExperts, ExpertStore
 from moerun.backends.protocol import Backend, Experts
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.client import DaemonClient
 from moerun.ipc.curve import CurveClientKeys
+from moerun.ipc.protocol import DaemonTimeout
 from moerun.ipc.shm import sweep_stale_segments
 from moerun.ipc.sockets import remove_socket_file
 from moerun.models.spec import ModelSpec
@@ -39,6 +40,7 @@ from moerun.moe.planner import (
     plan,
 )
 from moerun.rig.cpu_dispatch import CpuDispatcher
+from moerun.rig.daemon_handler import check_device
 from moerun.rig.gpu_channels import GpuAttachments
 from moerun.rig.gpu_dispatch import GpuDispatcher
 from moerun.rig.gpu_ipc import TransportUnavailable
@@ -62,6 +64,7 @@ from moerun.units import available_host_bytes
 SPAWN_TIMEOUT_S = 60.0
 GOODBYE_TIMEOUT_S = 2.0
 PROGRESS_EVERY_S = 1.0
+WAIT_NOTICE_S = 1.0          # a daemon not answering for this long at start is named while it is awaited
 HEARTBEAT_S = 1.0            # a daemon not heard from for this long gets a PING
 BACKOFF_FIRST_S = 0.5        # wait before the first try to bring a daemon back,
 BACKOFF_MAX_S = 30.0         # twice as long after each failed try, up to this
@@ -118,17 +121,18 @@ class Rig:
         locals_ = {i: self._spawn(i, spec) for i, spec in enumerate(self.config.daemons) if DEVICE_PATTERN.match(spec)}
         for i, spec in enumerate(self.config.daemons):
             local = locals_.get(i)
-            endpoint = local.endpoint if local else spec
-            if local:
-                self._wait_for_socket(local)
             connect_timeout = SPAWN_TIMEOUT_S if local else self.config.daemon_timeout_s
-            client = DaemonClient(endpoint, context=self.context, connect_timeout_s=connect_timeout,
-                                  curve=self._curve_keys(i))
-            link = DaemonLink(i, spec, client, local)
-            self.links.append(link)
-            self._handshake(link)
+            client = DaemonClient(local.endpoint if local else spec, context=self.context,
+                                  connect_timeout_s=connect_timeout, curve=self._curve_keys(i))
+            self.links.append(DaemonLink(i, spec, client, local))
+        self._greet_all()
         if self.placement is None:
             self.placement = self._auto_placement(gguf)
+        for link in self.links:
+            if not self.placement.experts_of(link.index):
+                why = f"--hot {self.config.hot} keeps" if self.config.hot is not None else "this placement keeps"
+                logger.info(f"daemon {link.name} holds no experts ({why} them all on the parent and the other "
+                            f"daemons): it stays idle")
         self._assign_all()
 
     def _entry(self, index: int) -> DaemonEntry | None:
@@ -162,9 +166,12 @@ class Rig:
         return result.placement
 
     def _spawn(self, index: int, spec: str) -> LocalDaemon:
+        """Start daemon `index` on this host; a device it could not drive is refused here, in one
+        message, rather than by the daemon's own error."""
         try:
+            check_device(spec)
             return spawn_local_daemon(spec, self.model_path, self.run_dir, index, self._cpu_threads)
-        except ValueError as err:      # a GPU this process cannot see
+        except (ValueError, BackendUnavailable) as err:      # a GPU this process cannot see or drive
             raise RigError(f"--daemon {err}") from None
 
     def _wait_for_socket(self, local: LocalDaemon) -> None:
@@ -184,11 +191,58 @@ class Rig:
         """For the client's waits: False once the daemon's process is gone or the rig closes."""
         return lambda: link.alive() and not self.closing.is_set()
 
+    def _greet_all(self) -> None:
+        """HELLO to every daemon at once (a spawned one once it listens), saying which ones it still
+        waits for, then attach each. A daemon started elsewhere that does not answer within
+        --daemon-timeout starts down: its experts run on the parent and its watcher keeps calling
+        it, as for a daemon lost later; unless --require-daemons is set, or --placement auto needs
+        its memory. Any other failure stops the start."""
+        failures: dict[int, Exception] = {}
+
+        def greet(link: DaemonLink) -> None:
+            try:
+                if link.local:
+                    self._wait_for_socket(link.local)
+                link.client.hello(self.fingerprint, self._alive(link))
+            except Exception as err:  # noqa: BLE001 - judged below, on this thread
+                failures[link.index] = err
+
+        threads = [threading.Thread(target=greet, args=(link,), daemon=True) for link in self.links]
+        for thread in threads:
+            thread.start()
+        self._say_waiting(threads)
+        for link in self.links:
+            err = failures.get(link.index)
+            if err is None:
+                try:
+                    link.transport = self._attach(link).transport
+                except Exception as attach_err:
+                    raise RigError(_startup_failure(link, attach_err)) from None
+            elif self._may_start_without(link, err):
+                with link.lock:
+                    self.mark_down(link, f"did not answer within {self.config.daemon_timeout_s:g} s at start")
+            else:
+                raise RigError(_startup_failure(link, err)) from None
+
+    def _say_waiting(self, threads: list[threading.Thread]) -> None:
+        """Until every greeting ends: after WAIT_NOTICE_S, one line for each daemon still awaited."""
+        started, said = time.monotonic(), set()
+        while any(thread.is_alive() for thread in threads):
+            if time.monotonic() - started >= WAIT_NOTICE_S:
+                for link, thread in zip(self.links, threads):
+                    if thread.is_alive() and link.index not in said:
+                        said.add(link.index)
+                        limit = SPAWN_TIMEOUT_S if link.local else self.config.daemon_timeout_s
+                        logger.info(f"waiting for daemon {link.name} to answer, up to {limit:g} s")
+            time.sleep(0.05)
+
+    def _may_start_without(self, link: DaemonLink, err: Exception) -> bool:
+        """A daemon started elsewhere that did not answer in time, when nothing needs it now."""
+        return (link.local is None and isinstance(err, DaemonTimeout) and not self.config.require_daemons
+                and self.config.placement != AUTO)
+
     def _handshake(self, link: DaemonLink) -> None:
-        try:
-            link.client.hello(self.fingerprint, self._alive(link))
-        except Exception as err:
-            raise RigError(_startup_failure(link, err)) from None
+        link.client.hello(self.fingerprint, self._alive(link))
         link.transport = self._attach(link).transport
 
     def _attach(self, link: DaemonLink) -> TransportChoice:
@@ -220,7 +274,7 @@ class Rig:
 
     def _assign_all(self) -> None:
         """Every daemon loads its experts at once; progress goes to stderr."""
-        assignments = {link.index: self.placement.experts_of(link.index) for link in self.links}
+        assignments = {link.index: self.placement.experts_of(link.index) for link in self.links if link.up}
         total = sum(len(ids) for experts in assignments.values() for ids in experts.values())
         done = dict.fromkeys(assignments, 0)
         failures: list[str] = []
@@ -242,14 +296,16 @@ class Rig:
             except Exception as err:
                 failures.append(_startup_failure(link, err))
 
-        threads = [threading.Thread(target=assign, args=(link,)) for link in self.links]
+        threads = [threading.Thread(target=assign, args=(link,)) for link in self.links if link.up]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
         if failures:
             raise RigError("; ".join(failures))
-        logger.info(f"{len(self.links)} daemon(s) ready with {total} experts in {time.monotonic() - started:.1f} s")
+        if assignments:
+            logger.info(f"{len(assignments)} daemon(s) ready with {total} experts in "
+                        f"{time.monotonic() - started:.1f} s")
 
     def mark_down(self, link: DaemonLink, reason: str) -> None:
         """Stop sending work to a daemon, say so once, and rouse its watcher. The caller holds

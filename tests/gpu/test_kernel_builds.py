@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,15 @@ SHARED = ("rms_norm", "qk_norm_rope_append", "attention_partial", "attention_com
 
 
 def compile_kernels(command: list[str], output: Path, env: dict | None = None) -> bytes:
+    """Compile with the compiler's scratch files in a folder of the test's own: hipcc leaves
+    empty moerun-XXXXXX folders in its temporary directory."""
+    scratch = output.parent / "scratch"
+    scratch.mkdir()
+    before = set(Path(tempfile.gettempdir()).glob("moerun-*"))
     result = subprocess.run([*command, "-c", str(KERNEL_DIR / "moerun.cu"), "-o", str(output)],
-                            capture_output=True, text=True, timeout=900, env=env)
+                            capture_output=True, text=True, timeout=900,
+                            env={**(env or os.environ), "TMPDIR": str(scratch)})
+    assert set(Path(tempfile.gettempdir()).glob("moerun-*")) == before, "the compile left files in /tmp"
     assert result.returncode == 0, result.stderr[-3000:]
     assert not [line for line in result.stderr.splitlines() if "warning" in line], result.stderr[-3000:]
     return output.read_bytes()

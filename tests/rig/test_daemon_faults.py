@@ -25,7 +25,13 @@ from tests.support.daemon_fixtures import (
     tiny_daemon_model,
 )
 from tests.support.hf_models import tiny_model
-from tests.support.live_processes import child_pids, exited
+from tests.support.live_processes import (
+    REJOIN_TIMEOUT_S,
+    child_pids,
+    exited,
+    tcp_endpoint,
+    wait_until,
+)
 from tests.support.to_gguf import write_gguf
 
 
@@ -111,7 +117,7 @@ def test_daemon_that_fails_to_start_shows_its_stderr(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_parent_signal_takes_its_daemons_along(model, signum):
     """kill -9, SIGTERM or Ctrl-C of the parent mid-generation: its spawned daemons exit,
-    no shared memory is left, and (except after kill -9) its run directory is gone."""
+    no shared memory is left, and its run directory is gone (after kill -9 the daemons remove it)."""
     parent = subprocess.Popen(
         [sys.executable, "-m", "moerun", "run", "-m", str(model), "--daemon", "cpu", "--daemon", "cpu", "--hot", "1",
          "-n", "100000", "--ctx", "512", "--temp", "0", "-p", "hello"],
@@ -128,17 +134,44 @@ def test_parent_signal_takes_its_daemons_along(model, signum):
             assert time.monotonic() < deadline, "daemons outlived their parent"
             time.sleep(0.05)
         assert not [s for s in shm_segments() if s.startswith(f"moerun-{parent.pid}-")]
-        if signum != signal.SIGKILL:
-            assert not list(Path(tempfile.gettempdir()).glob(f"moerun-run-{parent.pid}-*"))
+        assert not list(Path(tempfile.gettempdir()).glob(f"moerun-run-{parent.pid}-*"))
     finally:
         parent.kill()
         parent.wait()
 
 
-def test_unreachable_remote_daemon_is_a_clear_error(model, tmp_path):
+def test_a_daemon_unreachable_at_start_costs_speed_never_the_answer(model, local_tokens, capfd):
+    """Nothing listens at the daemon's address: after --daemon-timeout the parent starts on its own
+    experts, says so once, keeps calling, and takes the daemon in once one listens there."""
+    endpoint = tcp_endpoint()
     started = time.monotonic()
-    with pytest.raises(RigError, match="ipc://"):
-        Runtime(model, rig=RigConfig(daemons=(f"ipc://{tmp_path}/nobody.sock",), daemon_timeout_s=2))
+    with Runtime(model, rig=RigConfig(daemons=(endpoint,), hot=1, daemon_timeout_s=2)) as runtime:
+        assert time.monotonic() - started < 10
+        link = runtime.rig.links[0]
+        assert not link.up and "at start" in link.down_reason
+        assert list(runtime.generate(PROMPT, N_TOKENS, GREEDY)) == local_tokens
+        assert runtime.moe_stats().fallback_pairs > 0
+        daemon = subprocess.Popen([sys.executable, "-P", "-m", "moerun", "daemon", "-m", str(model),
+                                   "--listen", endpoint], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda: link.rejoins == 1, REJOIN_TIMEOUT_S, "rejoin of the daemon started late")
+            remote_before = runtime.moe_stats().remote_pairs
+            assert list(runtime.generate(PROMPT, N_TOKENS, GREEDY)) == local_tokens
+            assert runtime.moe_stats().remote_pairs > remote_before and link.up
+        finally:
+            runtime.close()
+            daemon.terminate()
+            daemon.wait(10)
+    log = capfd.readouterr().err
+    assert log.count(f"waiting for daemon d0 {endpoint} to answer, up to 2 s") == 1
+    assert log.count(f"daemon d0 {endpoint} did not answer within 2 s at start; the parent computes") == 1
+
+
+def test_with_require_daemons_an_unreachable_daemon_is_a_clear_error(model, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(RigError, match="ipc://.*no HELLO reply within 2 s"):
+        Runtime(model, rig=RigConfig(daemons=(f"ipc://{tmp_path}/nobody.sock",), daemon_timeout_s=2,
+                                     require_daemons=True))
     assert time.monotonic() - started < 10
 
 

@@ -177,10 +177,10 @@ def test_the_model_may_come_from_a_config_file(model, tmp_path):
     assert [row[4] for row in table_rows(result.stdout)[2:]] == ["pp8", "tg2"]
 
 
-def test_without_a_model_the_error_names_both_places():
-    result = run_bench("-p", "8")
-    assert result.exit_code == 2
-    assert "Missing option -m/--model (or `model` in the --config file)" in result.output
+def test_without_a_model_it_measures_the_demo_model():
+    result = run_bench("-p", "8", "-n", "0", "-r", "1")
+    assert result.exit_code == 0, result.output
+    assert "built-in demo model" in result.stderr and "pp8" in result.stdout
 
 
 def test_a_missing_model_is_one_error_line(tmp_path):

@@ -115,14 +115,19 @@ def test_logits_bad_arguments(demo_model, moerun, tmp_path, args, phrase):
     assert not (tmp_path / "x.npy").exists()
 
 
-@pytest.mark.parametrize("args, phrase", [
-    (["--top-p", "0"], "top_p"),
-    (["--min-p", "2"], "min_p"),
+@pytest.mark.parametrize("args, flag", [
+    (["--top-p", "0"], "--top-p"), (["--top-p", "2"], "--top-p"),
+    (["--min-p", "2"], "--min-p"), (["--min-p", "-0.1"], "--min-p"),
+    (["--repeat-penalty", "0"], "--repeat-penalty"),
+    (["--temp", "-1"], "--temp"),
+    (["--seed", "-5"], "--seed"), (["--seed", str(2**32)], "--seed"),
     (["-n", "-1"], "-n"),
 ])
-def test_run_bad_sampling_flags(demo_model, moerun, args, phrase):
+def test_run_bad_sampling_flags_are_refused_naming_the_flag(demo_model, moerun, args, flag):
+    """Before anything loads: one usage error that names the flag, no traceback."""
     result = moerun("run", "-m", demo_model, *args)
-    assert result.exit_code != 0 and phrase in result.output and "Traceback" not in result.output
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"Invalid value for '{flag}" in result.stderr
 
 
 def test_output_to_a_missing_directory_is_a_clear_error(demo_model, moerun, tmp_path):
@@ -160,3 +165,42 @@ def test_inspect_reports_sizes(demo_model, moerun):
     assert f"{per_expert / 1024:.2f} KiB" in result.stdout
     kv_f16 = 4 * 2 * (64 + 64) * 2                    # layers * kv heads * (K + V head dims) * bytes
     assert f"KV cache per token: {kv_f16 / 1024:.2f} KiB at f16" in result.stdout
+
+
+def test_a_full_context_is_said_not_silent(demo_model, moerun):
+    result = moerun("run", "-m", demo_model, "--ctx", "4", "-n", "10", "--temp", "0", "-p", "The")
+    assert result.exit_code == 0
+    assert "the context of 4 tokens is full (raise --ctx)" in result.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["inspect"],
+    ["profile", "-f", "{prompts}", "-o", "{out}/hotness.csv", "-n", "2"],
+    ["plan", "--device", "cpu=8GiB", "--daemon", "cpu=8GiB", "--ctx", "64", "-o", "{out}/placement.json"],
+])
+def test_every_command_without_a_model_uses_the_demo_model(demo_model, moerun, tmp_path, command):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The experts\n")
+    result = moerun(*[part.format(prompts=prompts, out=tmp_path) for part in command])
+    assert result.exit_code == 0, result.output
+    assert "built-in demo model" in result.stderr
+
+
+def test_hot_that_leaves_a_daemon_nothing_says_so(demo_model, moerun):
+    result = moerun("run", "-m", demo_model, "--hot", "99", "--daemon", "cpu", "-n", "1", "--stats")
+    assert result.exit_code == 0, result.output
+    assert ("daemon d0 cpu holds no experts (--hot 99 keeps them all on the parent and the other daemons): "
+            "it stays idle") in result.stderr
+
+
+def test_a_placement_file_without_its_daemons_is_refused(demo_model, moerun, tmp_path):
+    placement = tmp_path / "placement.json"
+    planned = moerun("plan", "-m", demo_model, "--device", "cpu=8GiB", "--daemon", "cpu=8GiB", "--ctx", "64",
+                     "-o", placement)
+    assert planned.exit_code == 0, planned.output
+    result = moerun("run", "-m", demo_model, "--placement", placement, "-n", "1")
+    assert result.exit_code == 1
+    assert f"--placement {placement} places experts on daemons, but no --daemon" in result.stderr
+    two = moerun("run", "-m", demo_model, "--placement", placement, "--daemon", "cpu", "--daemon", "cpu", "-n", "1")
+    assert two.exit_code == 1
+    assert "was made for 1 daemon (cpu) but the rig has 2 daemons (cpu, cpu)" in two.stderr

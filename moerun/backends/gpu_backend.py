@@ -1,7 +1,8 @@
 """The GPU backend (CUDA through CuPy, HIP through CuPy for ROCm): weights stay in
 their stored types on the device and every operation is a kernel of kernels/.
 
-Decode (T <= 8) multiplies by quantized GEMVs in f32; prefill dequantizes each
+Decode (T <= 8) multiplies quantized weights by activations converted once per input
+to two 8-bit planes (integer dot products, kernels/q8_dot.cuh) and float weights in f32; prefill dequantizes each
 matrix to f16 and multiplies on the matrix units with f32 accumulation and output
 (f32 matrices, the routers, stay f32), and attends with batched f32 products.
 Decode steps replay as captured CUDA graphs (with daemons: graph segments between
@@ -19,7 +20,13 @@ from moerun.backends.devices import Device, gpu_module
 from moerun.backends.gpu_blas import Blas
 from moerun.backends.gpu_experts import GpuExperts, load_experts
 from moerun.backends.gpu_graphs import GraphCache
-from moerun.backends.gpu_kernels import BLOCK, MAX_GEMV_TOKENS, Kernels
+from moerun.backends.gpu_kernels import (
+    BLOCK,
+    INT_KINDS,
+    MAX_GEMV_TOKENS,
+    UNITS_PER_LANE,
+    Kernels,
+)
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
@@ -78,6 +85,7 @@ class GpuBackend:
         self._kv_buffers: dict[int, tuple[list, list]] = {}
         self._uploader: Uploader | None = None
         self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)
+        self._last_q8: tuple[Any, Any] = (None, None)         # (activations, their 8-bit planes)
         self.inv_freq = cupy.asarray(rope_frequencies(spec.head_dim_k, spec.rope_base))
 
     # -- loading
@@ -153,17 +161,26 @@ class GpuBackend:
         return out
 
     def rms_norm(self, x: Any, weight: Any) -> Any:
+        """A few rows are written in 8-bit planes too, for the GEMVs that read them next."""
         x = self.cupy.ascontiguousarray(x)      # the kernel reads whole rows: a column slice is copied
         out = self.cupy.empty_like(x)
         width = x.shape[-1]
-        self.kernels["rms_norm"]((x.size // width,), (BLOCK,), (x, weight, out, i32(width), np.float32(self.spec.rms_eps)))
+        q, ds = self._planes_for(out)
+        self.kernels["rms_norm"]((x.size // width,), (BLOCK,),
+                                 (x, weight, out, i32(width), np.float32(self.spec.rms_eps), pointer(q), pointer(ds)))
         return out
 
     def linear(self, x: Any, weight: DeviceMatrix, bias: Any | None = None, residual: Any | None = None) -> Any:
         """x [T, K] · weight [N, K]ᵀ (+ bias [N]) (+ residual [T, N]) -> [T, N] f32"""
         n_tokens = x.shape[0]
         x = self.cupy.ascontiguousarray(x)
-        if n_tokens <= MAX_GEMV_TOKENS:
+        if n_tokens <= MAX_GEMV_TOKENS and weight.kind in INT_KINDS:
+            y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
+            q, ds = self.q8_of(x)
+            self.kernels.rows(f"gemv_q8_{weight.kind}", weight.rows, weight.cols // UNIT, 1,
+                              (weight.data, i64(weight.row_bytes), q, ds, i32(weight.cols), y, i32(weight.rows),
+                               i32(n_tokens), pointer(residual)), UNITS_PER_LANE)
+        elif n_tokens <= MAX_GEMV_TOKENS:
             y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
             self.kernels.rows(f"gemv_{weight.kind}", weight.rows, weight.cols // UNIT, 1,
                               (weight.data, i64(weight.row_bytes), x, i32(weight.cols), y, i32(weight.rows),
@@ -213,8 +230,10 @@ class GpuBackend:
              np.float32(1.0 / math.sqrt(spec.head_dim_k)),
              acc, max_sum))
         out = cupy.empty((n_tokens, spec.n_heads * spec.head_dim_v), cupy.float32)
+        q, ds = self._planes_for(out) if spec.head_dim_v % UNIT == 0 else (None, None)
         self.kernels["attention_combine"]((n_tokens, spec.n_heads), (128,),
-                                          (acc, max_sum, i32(splits), i32(spec.n_heads), i32(spec.head_dim_v), out))
+                                          (acc, max_sum, i32(splits), i32(spec.n_heads), i32(spec.head_dim_v), out,
+                                           pointer(q), pointer(ds)))
         return out
 
     def _prefill_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
@@ -263,7 +282,34 @@ class GpuBackend:
         self.kernels.elementwise("add_gated", out.size, (x, y, pointer(gate_logit), i32(x.shape[-1]), i64(x.size), out))
         return out
 
-    # -- prefill helpers
+    # -- activation forms
+    def q8_of(self, x: Any) -> tuple[Any, Any]:
+        """x [T, K] in two 8-bit planes, converted once when the same activations feed several
+        products: int8 [T, 2K] (per unit of 32: plane a, plane b) and per unit (d, sx) f32 [T, K/32, 2]."""
+        if self._last_q8[0] is not x:
+            self._last_q8 = (x, self.quantize_q8(x))
+        return self._last_q8[1]
+
+    def quantize_q8(self, x: Any) -> tuple[Any, Any]:
+        q, ds = self._planes(x)
+        n_units = x.size // UNIT
+        self.kernels.elementwise("quantize_q8", n_units, (x, i64(n_units), q, ds))
+        return q, ds
+
+    def _planes(self, x: Any) -> tuple[Any, Any]:
+        cupy = self.cupy
+        return (cupy.empty((*x.shape[:-1], 2 * x.shape[-1]), cupy.int8),
+                cupy.empty((*x.shape[:-1], x.shape[-1] // UNIT, 2), cupy.float32))
+
+    def _planes_for(self, out: Any) -> tuple[Any, Any]:
+        """Buffers for a kernel to write `out` [T, K] in 8-bit planes as well, remembered as its
+        planes; (None, None) where no GEMV would read them (many rows, or K not whole units)."""
+        if out.shape[0] > MAX_GEMV_TOKENS or out.shape[-1] % UNIT:
+            return None, None
+        planes = self._planes(out)
+        self._last_q8 = (out, planes)
+        return planes
+
     def _f16_of(self, x: Any) -> Any:
         """x as f16, converted once when the same activations feed several products (q, k, v)."""
         if self._last_f16[0] is not x:

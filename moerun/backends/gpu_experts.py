@@ -3,7 +3,7 @@ the ones a placement gave this process (a parent's hot ones, a GPU daemon's).
 
 A few tokens (decode): two launches per layer for all selected experts — gate and
 up with SwiGLU per (token, expert) pair, then down with the weighted sum over the
-token's experts. Many tokens (prefill): the pairs laid out by expert in tiles of
+token's experts (quantized experts: activations in 8-bit planes, integer dot products). Many tokens (prefill): the pairs laid out by expert in tiles of
 rows on the device, the experts with tokens dequantized to f16, one batched product
 per matrix over the tiles, the results gathered back with their weights — no host
 round trip, however skewed the routing.
@@ -18,10 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu_kernels import MAX_GEMV_TOKENS
+from moerun.backends.gpu_kernels import (
+    INT_KINDS,
+    MAX_GEMV_TOKENS,
+    UNITS_PER_LANE,
+    row_group,
+)
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.models.spec import ModelSpec
 
+GATE_UP_BLOCK = 256           # threads of the quantized gate/up kernel: 32 rows of 8 threads
+DOWN_WARPS = 8                # most warps of the quantized down kernel (one per expert slot)
+MAX_TOP_K = 32                # DOWN_SLOTS in gemv_q8.cu
 TILE_ROWS = 32                # rows per tile of an expert's tokens in the batched products
 MAX_EXPERTS = 1024            # MAX_EXPERTS in moe_prefill.cu
 
@@ -44,6 +52,9 @@ class GpuExperts:
     experts held of that layer, -1: none)."""
 
     def __init__(self, backend, spec: ModelSpec, layers: dict[int, LayerExperts]):
+        if spec.n_experts_used > MAX_TOP_K:
+            raise ValueError(f"the GPU experts sum at most {MAX_TOP_K} experts per token "
+                             f"(this model routes {spec.n_experts_used})")
         self.backend = backend
         self.spec = spec
         self.layers = layers
@@ -58,17 +69,32 @@ class GpuExperts:
         return self._grouped(experts, x, ids, weights, out)
 
     def _few_tokens(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None) -> Any:
+        """Quantized experts: gate/up with SwiGLU per pair writing the activations in 8-bit planes,
+        then down per token over its experts, integer dot products throughout. Float experts
+        (F32, F16, BF16): the same two steps in f32."""
         backend, spec = self.backend, self.spec
         cupy, kernels = backend.cupy, backend.kernels
         n_tokens, top_k = ids.shape
         hidden, ffn = spec.hidden, spec.expert_ff
-        stack = experts.gate_up
+        stack, down = experts.gate_up, experts.down
+        out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out    # [T, H]
+        if stack.kind in INT_KINDS and down.kind in INT_KINDS:
+            xq, xds = backend.q8_of(x)
+            aq = cupy.empty((n_tokens * top_k, 2 * ffn), cupy.int8)                 # [P, 2F]
+            ads = cupy.empty((n_tokens * top_k, ffn // UNIT, 2), cupy.float32)
+            kernels[f"moe_gate_up_q8_{stack.kind}"]((ffn // UNIT, n_tokens * top_k), (GATE_UP_BLOCK,), (
+                stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xq, xds,
+                np.int32(hidden), ids, np.int32(top_k), aq, ads, np.int32(ffn)))
+            group = row_group(ffn // UNIT, UNITS_PER_LANE)
+            kernels[f"moe_down_q8_{down.kind}"](
+                (-(-hidden * group // 32), n_tokens), (32 * min(top_k, DOWN_WARPS),),
+                (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), aq, ads, np.int32(ffn),
+                 ids, weights, np.int32(top_k), out, np.int32(hidden), np.int32(group)))
+            return out
         act = cupy.empty((n_tokens * top_k, ffn), cupy.float32)                      # [P, F]
         kernels.rows(f"moe_gate_up_{stack.kind}", ffn, hidden // UNIT, n_tokens * top_k,
                      (stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes),
                       x, np.int32(hidden), ids, np.int32(top_k), act, np.int32(ffn)))
-        down = experts.down
-        out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out    # [T, H]
         kernels.rows(f"moe_down_{down.kind}", hidden, ffn // UNIT, n_tokens,
                      (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), act, np.int32(ffn),
                       ids, weights, np.int32(top_k), out, np.int32(hidden)))

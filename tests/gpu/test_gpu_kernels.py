@@ -1,6 +1,12 @@
 """Every stored type's products on the GPU against numpy on the dequantized weights,
-on fresh random inputs: the decode GEMV (f32, T <= 8), the prefill product (f16
-operands, f32 accumulation), the embedding gather and the dequantization itself."""
+on fresh random inputs: the decode GEMV (T <= 8: f32 for float weights; for quantized
+ones, activations in two 8-bit planes per 32 and integer dot products), the decode
+experts, the prefill product (f16 operands, f32 accumulation), the embedding gather and
+the dequantization itself.
+
+The 8-bit planes are checked twice: against numpy given the same converted activations
+(only the order of the sums differs), and against the exact product (their rounding,
+~2e-5 per element, only: Q8_BOUND)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +14,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from moerun.backends.gpu_kernels import INT_KINDS
 from moerun.backends.gpu_weights import KERNEL_TYPES, DeviceMatrix
 from moerun.gguf.quants import dequantize
 from moerun.writers.bench_model import BLOCK_FILLERS, random_blocks
@@ -16,21 +23,35 @@ from tests.support.gpu import gpu_device, small_spec
 pytestmark = pytest.mark.gpu
 T = GGMLQuantizationType
 ROWS, COLS = 96, 512
+Q8_BOUND = 1e-4
+HIDDEN, FFN = 768, 256
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
 
-def random_matrix(ggml_type: T, rng: np.random.Generator) -> np.ndarray:
-    """Raw bytes [ROWS, row bytes] of a random matrix stored as ggml_type."""
+def q8_round_trip(x: np.ndarray) -> np.ndarray:
+    """x [..., K] as the GPU converts it (per 32: d = max|x| / 127, plane a = rint(x / d),
+    plane b = rint((x / d - a) · 254)), back as d · (a + b / 254)."""
+    units = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(units).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    scaled = units * inv
+    a = np.rint(scaled)
+    b = np.rint((scaled - a) * np.float32(254))
+    return ((a + b / 254) * (amax / np.float32(127))).reshape(x.shape).astype(np.float64)
+
+
+def random_matrix(ggml_type: T, rng: np.random.Generator, rows: int = ROWS, cols: int = COLS) -> np.ndarray:
+    """Raw bytes [rows, row bytes] of a random matrix stored as ggml_type."""
     if ggml_type in BLOCK_FILLERS:
         block_size, _ = GGML_QUANT_SIZES[ggml_type]
-        return random_blocks(ggml_type, ROWS * COLS // block_size, rng).reshape(ROWS, -1)
-    values = rng.normal(0, 0.05, (ROWS, COLS)).astype(np.float32)
+        return random_blocks(ggml_type, rows * cols // block_size, rng).reshape(rows, -1)
+    values = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
     if ggml_type == T.F32:
         return values.view(np.uint8)
-    return gguf_quants.quantize(values, ggml_type).view(np.uint8).reshape(ROWS, -1)
+    return gguf_quants.quantize(values, ggml_type).view(np.uint8).reshape(rows, -1)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +77,58 @@ def test_decode_gemv_matches_dequantized_product(backend, stored, n_tokens):
     x = np.random.default_rng().normal(size=(n_tokens, COLS)).astype(np.float32)
     residual = np.random.default_rng().normal(size=(n_tokens, ROWS)).astype(np.float32)
     got = backend.linear(backend.cupy.asarray(x), matrix, residual=backend.cupy.asarray(residual)).get()
-    assert relative_error(got, x @ reference.T + residual) < 1e-5
+    exact = x @ reference.T + residual
+    if matrix.kind in INT_KINDS:
+        assert relative_error(got, q8_round_trip(x) @ reference.T + residual) < 1e-5
+        assert 0 < relative_error(got, exact) < Q8_BOUND
+    else:
+        assert relative_error(got, exact) < 1e-5
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 8])
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0), (T.Q5_K, T.Q4_0), (T.F16, T.F16)],
+                         ids=lambda types: "-".join(t.name for t in types))
+def test_decode_experts_match_numpy(types, n_tokens):
+    """gate/up + SwiGLU + down with the routing weights, some pairs not resident (id -1).
+    HIDDEN and FFN: 24 and 8 units of 32 (K-quant rows hold whole super-blocks of 256)."""
+    from moerun.backends import open_backend
+    from moerun.backends.gpu_experts import GpuExperts, LayerExperts
+    spec = small_spec(hidden=HIDDEN, experts=6, top_k=4, expert_ff=FFN)
+    backend = open_backend(gpu_device(), spec)
+    rng = np.random.default_rng()
+    gate_up_type, down_type = types
+    (gate, gate_ref), (up, up_ref) = (expert_stack(backend, gate_up_type, 6, FFN, HIDDEN, rng) for _ in range(2))
+    down, down_ref = expert_stack(backend, down_type, 6, HIDDEN, FFN, rng)
+    experts = GpuExperts(backend, spec, {0: LayerExperts(gate, up, 0, down)})
+    x = rng.normal(size=(n_tokens, HIDDEN)).astype(np.float32)
+    ids = np.stack([rng.permutation(6)[:4] for _ in range(n_tokens)]).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.25] = -1
+    weights = rng.random(ids.shape).astype(np.float32)
+    got = experts.compute(0, backend.cupy.asarray(x), backend.cupy.asarray(ids), backend.cupy.asarray(weights)).get()
+
+    def expected(quantized: bool) -> np.ndarray:
+        xs = q8_round_trip(x) if quantized else x.astype(np.float64)
+        out = np.zeros((n_tokens, HIDDEN))
+        for t, k in zip(*np.nonzero(ids >= 0)):
+            e = ids[t, k]
+            g, u = gate_ref[e] @ xs[t], up_ref[e] @ xs[t]
+            act = g / (1 + np.exp(-g)) * u
+            out[t] += weights[t, k] * (down_ref[e] @ (q8_round_trip(act) if quantized else act))
+        return out
+
+    if gate.kind in INT_KINDS:
+        assert relative_error(got, expected(quantized=True)) < 1e-5
+        assert 0 < relative_error(got, expected(quantized=False)) < Q8_BOUND
+    else:
+        assert relative_error(got, expected(quantized=False)) < 1e-5
+
+
+def expert_stack(backend, ggml_type: T, n_experts: int, rows: int, cols: int, rng) -> tuple[DeviceMatrix, np.ndarray]:
+    """A random stack [E, rows, cols] on the device and its dequantized values."""
+    raw = np.concatenate([random_matrix(ggml_type, rng, rows, cols) for _ in range(n_experts)])
+    values = dequantize(raw.view(np.float16) if ggml_type == T.F16 else raw, ggml_type)
+    matrix = DeviceMatrix(backend.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, cols, n_experts)
+    return matrix, values.reshape(n_experts, rows, cols).astype(np.float64)
 
 
 def test_prefill_product_matches_dequantized_product(backend, stored):

@@ -1,7 +1,8 @@
 """Whole models on the GPU against the numpy backend: logits of all four
 architectures in every test storage type, greedy tokens, and graph replay against
 eager decode. Relative error ‖gpu - numpy‖ / ‖numpy‖ over all logits:
-- through the f32 GEMVs (chunks of <= 8 tokens, and decode): <= 1e-5;
+- through the GEMVs (chunks of <= 8 tokens, and decode): <= 1e-5 for float weights, and
+  <= 3e-4 for quantized ones, whose activations go in two 8-bit planes (tests/support/gpu.py);
 - through the prefill products, f16 operands with f32 accumulation: <= 1e-3 on models
   at real weight scale (the bench model's structure, weights of std 0.02), and <= 2.5e-3
   on the oracle's tiny models, whose weights (std 0.15) are scaled up for sharp
@@ -14,7 +15,7 @@ import pytest
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.rig.settings import RigConfig
-from tests.support.gpu import gpu_device
+from tests.support.gpu import INT_GEMV_BOUND, gemv_bound, gpu_device
 from tests.support.hf_models import ARCHS, tiny_model
 from tests.support.to_gguf import FTYPES, write_gguf
 
@@ -51,9 +52,9 @@ def test_prefill_logits_match_numpy(arch_files, ftype):
     with runtime(arch_files[ftype], "cpu") as reference, runtime(arch_files[ftype], gpu_device()) as gpu:
         want = reference.logits(ids)
         batched = gpu.logits(ids)              # one chunk of 24 tokens: f16 products
-        small = gpu.logits(ids[:8])            # one chunk of 8 tokens: f32 GEMVs
+        small = gpu.logits(ids[:8])            # one chunk of 8 tokens: GEMVs
     assert 0 < relative_error(batched, want) <= ORACLE_F16_BOUND
-    assert relative_error(small, want[:8]) <= 1e-5
+    assert relative_error(small, want[:8]) <= gemv_bound(ftype)
 
 
 def test_greedy_tokens_match_numpy(arch_files):
@@ -91,7 +92,7 @@ def test_k_quant_model_logits_match_numpy(tmp_path, mix):
         want = reference.logits(ids)
         batched, small = gpu.logits(ids), gpu.logits(ids[:8])
     assert 0 < relative_error(batched, want) <= REAL_SCALE_F16_BOUND
-    assert relative_error(small, want[:8]) <= 1e-5
+    assert relative_error(small, want[:8]) <= INT_GEMV_BOUND
 
 
 def test_fused_gate_up_experts_match_numpy(tmp_path):
@@ -103,4 +104,4 @@ def test_fused_gate_up_experts_match_numpy(tmp_path):
         want = reference.logits(ids)
         batched, small = gpu.logits(ids), gpu.logits(ids[:8])
     assert 0 < relative_error(batched, want) <= ORACLE_F16_BOUND
-    assert relative_error(small, want[:8]) <= 1e-5
+    assert relative_error(small, want[:8]) <= INT_GEMV_BOUND

@@ -3,6 +3,14 @@ from __future__ import annotations
 
 from moerun.models.spec import ArchRule, ModelSpec
 
+# Relative logit error ‖gpu - numpy‖ / ‖numpy‖ of the GEMV path (chunks of <= 8 tokens, decode):
+FLOAT_GEMV_BOUND = 1e-5       # float weights (F32, F16, BF16): f32 products
+INT_GEMV_BOUND = 3e-4         # quantized weights: activations in two 8-bit planes (4e-5..1.3e-4 on an H100)
+
+
+def gemv_bound(ftype: str) -> float:
+    return FLOAT_GEMV_BOUND if ftype in ("F32", "F16", "BF16") else INT_GEMV_BOUND
+
 
 def gpu_device() -> str | None:
     """cuda:0 or hip:0 when CuPy sees a GPU, else None."""

@@ -1,21 +1,29 @@
 // Norms, rope with the KV append, attention, routing and the small elementwise
 // steps. Shape legend: T tokens, S cache positions, NH/NKV query/KV heads, D/Dv
 // head dims, E experts, K experts per token, H hidden, N a row width.
-#include "common.cuh"
+#include "q8_dot.cuh"
 
 #define MAX_HEAD_DIM 256
 #define MAX_CHUNK 256
 
-// out[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight.  One block per row.
+// out[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight, and in 8-bit planes (q8_dot.cuh)
+// into q, ds when q is given (width a multiple of 32: each warp holds whole units).
+// One block per row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
-                                    float* __restrict__ out, int width, float eps) {
+                                    float* __restrict__ out, int width, float eps, int4* __restrict__ q,
+                                    float2* __restrict__ ds) {
     __shared__ float scratch[1024];
     const float* row = x + (long long)blockIdx.x * width;
     float sum = 0.f;
     for (int i = threadIdx.x; i < width; i += blockDim.x) sum += row[i] * row[i];
     float inv = 1.0f / sqrtf(block_sum(sum, scratch) / width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x)
-        out[(long long)blockIdx.x * width + i] = row[i] * inv * weight[i];
+    for (int first = 0; first < width; first += blockDim.x) {
+        int i = first + threadIdx.x;
+        if (i - threadIdx.x % UNIT >= width) break;           // the whole warp is past the row
+        float value = i < width ? row[i] * inv * weight[i] : 0.f;
+        if (i < width) out[(long long)blockIdx.x * width + i] = value;
+        if (q) quantize_unit_of_warp(value, ((long long)blockIdx.x * width + i) / UNIT, q, ds);
+    }
 }
 
 // For one token t and one head (grid (T, NH + NKV), D/2 threads): apply the
@@ -118,9 +126,11 @@ extern "C" __global__ void attention_partial(
     if (threadIdx.x == 0) { max_sum[2 * part] = best; max_sum[2 * part + 1] = total; }
 }
 
-// Second pass: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] / Σ_c e^(m_c - M) l_c.  Grid (T, NH).
+// Second pass: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] / Σ_c e^(m_c - M) l_c, and in 8-bit
+// planes into q, ds when q is given (Dv a multiple of 32). Grid (T, NH), blockDim a multiple of 32.
 extern "C" __global__ void attention_combine(const float* __restrict__ acc, const float* __restrict__ max_sum,
-                                             int splits, int n_heads, int head_dim_v, float* __restrict__ out) {
+                                             int splits, int n_heads, int head_dim_v, float* __restrict__ out,
+                                             int4* __restrict__ q, float2* __restrict__ ds) {
     int t = blockIdx.x, head = blockIdx.y;
     long long first = ((long long)t * n_heads + head) * splits;
     float best = NEG_INF;
@@ -128,11 +138,15 @@ extern "C" __global__ void attention_combine(const float* __restrict__ acc, cons
     float denominator = 0.f;
     for (int c = 0; c < splits; c++)
         if (max_sum[2 * (first + c)] > NEG_INF) denominator += expf(max_sum[2 * (first + c)] - best) * max_sum[2 * (first + c) + 1];
-    for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {
+    for (int start = 0; start < head_dim_v; start += blockDim.x) {
+        int d = start + threadIdx.x;
+        if (d - threadIdx.x % UNIT >= head_dim_v) break;      // the whole warp is past the head
         float sum = 0.f;
-        for (int c = 0; c < splits; c++)
+        for (int c = 0; c < splits && d < head_dim_v; c++)
             if (max_sum[2 * (first + c)] > NEG_INF) sum += expf(max_sum[2 * (first + c)] - best) * acc[(first + c) * head_dim_v + d];
-        out[((long long)t * n_heads + head) * head_dim_v + d] = sum / denominator;
+        long long at = ((long long)t * n_heads + head) * head_dim_v + d;
+        if (d < head_dim_v) out[at] = sum / denominator;
+        if (q) quantize_unit_of_warp(sum / denominator, at / UNIT, q, ds);
     }
 }
 

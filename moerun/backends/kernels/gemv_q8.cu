@@ -1,0 +1,143 @@
+// Decode-time products over quantized weights with activations in 8-bit planes (q8_dot.cuh):
+// the activations are quantized once per input, every weight unit is read once and
+// dotted with up to MAX_TOKENS token rows through dp4a.
+// Shape legend: T tokens (<= MAX_TOKENS), K_in input features, N output rows,
+// H hidden, F expert FFN width, P routed (token, expert) pairs = T * top_k, U units of 32.
+#include "q8_dot.cuh"
+
+#define DOWN_SLOTS 32          // most experts per token the down kernel sums
+
+typedef void (*IntUnitLoader)(const u8*, int, IntUnit&);
+
+// x [n, 32·units] f32 -> q int8 [n, 64·units] (per unit: plane a, plane b), ds [n·units] = (d, sx).
+// One thread per unit.
+extern "C" __global__ void quantize_q8(const float* __restrict__ x, long long n_units, int4* __restrict__ q,
+                                       float2* __restrict__ ds) {
+    long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= n_units) return;
+    const float4* src = reinterpret_cast<const float4*>(x + unit * UNIT);
+    float v[UNIT];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        float4 f = src[i];
+        v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(f.x), fabsf(f.y)), fmaxf(fabsf(f.z), fabsf(f.w))));
+    }
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int words_a[8] = {0}, words_b[8] = {0}, sum_a = 0, sum_b = 0;
+#pragma unroll
+    for (int i = 0; i < UNIT; i++) {
+        int a, b;
+        split_planes(v[i] * inv, &a, &b);
+        sum_a += a;
+        sum_b += b;
+        words_a[i / 4] |= (a & 0xff) << (8 * (i % 4));
+        words_b[i / 4] |= (b & 0xff) << (8 * (i % 4));
+    }
+    int4* dst = q + 4 * unit;
+    dst[0] = make_int4(words_a[0], words_a[1], words_a[2], words_a[3]);
+    dst[1] = make_int4(words_a[4], words_a[5], words_a[6], words_a[7]);
+    dst[2] = make_int4(words_b[0], words_b[1], words_b[2], words_b[3]);
+    dst[3] = make_int4(words_b[4], words_b[5], words_b[6], words_b[7]);
+    float d = amax / 127.f;
+    ds[unit] = make_float2(d, d * ((float)sum_a + (float)sum_b * (1.f / 254.f)));
+}
+
+// acc[t] += Σ over this lane's units of row · x for t < n_tokens, where token t's
+// activations start at unit first + t·token_units.
+template <IntUnitLoader Load>
+__device__ __forceinline__ void accumulate_row_q8(const u8* row, int units, Q8Activations x, long long first,
+                                                  int token_units, int n_tokens, int lane, int group, float* acc) {
+#pragma unroll 2
+    for (int u = lane; u < units; u += group) {
+        IntUnit w;
+        Load(row, u, w);
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; t++)
+            if (t < n_tokens) acc[t] += unit_dot(w, x, first + (long long)t * token_units + u);
+    }
+}
+
+// y[t, r] = W[r, :] · x[t, :] (+ residual[t, r]).  W: N rows of row_bytes; x [T, K_in] in planes;
+// y, residual [T, N].  Block: groups of `group` threads, one row per group.
+#define DEFINE_GEMV_Q8(TYPE)                                                                               \
+    extern "C" __global__ void gemv_q8_##TYPE(const u8* __restrict__ weight, long long row_bytes,         \
+                                              const int4* __restrict__ xq, const float2* __restrict__ xds, \
+                                              int in_features, float* __restrict__ y, int out_features,    \
+                                              int n_tokens, const float* __restrict__ residual, int group) { \
+        int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
+        int lane = threadIdx.x % group, units = in_features / UNIT;                                        \
+        float acc[MAX_TOKENS];                                                                             \
+        for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;                                                 \
+        if (row < out_features)                                                                            \
+            accumulate_row_q8<int_unit_##TYPE>(weight + row * row_bytes, units, {xq, xds}, 0, units,       \
+                                               n_tokens, lane, group, acc);                                \
+        for (int t = 0; t < MAX_TOKENS; t++) {                                                             \
+            if (t >= n_tokens) break;                                                                      \
+            float total = group_sum(acc[t], group);                                                        \
+            if (lane == 0 && row < out_features)                                                           \
+                y[t * out_features + row] = total + (residual ? residual[t * out_features + row] : 0.f);   \
+        }                                                                                                  \
+    }
+
+// act[p, f] = silu(gate_e · x[t]) * (up_e · x[t]) for pair p = t*top_k + k, e = ids[p], written
+// quantized (aq [P, 2F] int8, ads [P, F/32]) for the down product; pairs with ids[p] < 0 (not
+// resident here) are skipped. gate/up: E experts of expert_bytes, rows of row_bytes; x [T, H] as q8.
+// Grid (F / 32, P); block 32 rows of `group` = blockDim.x / 32 threads: one unit of act each.
+#define DEFINE_MOE_GATE_UP_Q8(TYPE)                                                                        \
+    extern "C" __global__ void moe_gate_up_q8_##TYPE(                                                      \
+            const u8* __restrict__ gate, const u8* __restrict__ up, long long expert_bytes, long long row_bytes, \
+            const int4* __restrict__ xq, const float2* __restrict__ xds, int hidden,                       \
+            const int* __restrict__ ids, int top_k, int4* __restrict__ aq, float2* __restrict__ ads, int ffn) { \
+        __shared__ float act[UNIT];                                                                        \
+        int pair = blockIdx.y, expert = ids[pair];                                                         \
+        if (expert < 0) return;                                                                            \
+        int group = blockDim.x / UNIT, local_row = threadIdx.x / group, lane = threadIdx.x % group;        \
+        int row = blockIdx.x * UNIT + local_row, units = hidden / UNIT;                                    \
+        long long offset = expert * expert_bytes + row * row_bytes, first = (long long)(pair / top_k) * units; \
+        float g[MAX_TOKENS] = {0.f}, u[MAX_TOKENS] = {0.f};                                                \
+        accumulate_row_q8<int_unit_##TYPE>(gate + offset, units, {xq, xds}, first, 0, 1, lane, group, g);  \
+        accumulate_row_q8<int_unit_##TYPE>(up + offset, units, {xq, xds}, first, 0, 1, lane, group, u);    \
+        float gate_sum = group_sum(g[0], group), up_sum = group_sum(u[0], group);                          \
+        if (lane == 0) act[local_row] = silu(gate_sum) * up_sum;                                           \
+        __syncthreads();                                                                                   \
+        if (threadIdx.x < UNIT) quantize_unit_of_warp(act[threadIdx.x],                                    \
+                                                      (long long)pair * (ffn / UNIT) + blockIdx.x, aq, ads); \
+    }
+
+// out[t, r] = Σ_k weights[p] · down_e[r, :] · act[p, :] over the token's pairs p = t*top_k + k
+// with ids[p] >= 0, summed in k order (deterministic). down: E experts of expert_bytes, H rows
+// of row_bytes; act [P, F] as q8; out [T, H]. Grid (H / rows per warp, T); one warp per expert
+// slot k (looping when top_k exceeds the warps), 32 / group rows per warp.
+#define DEFINE_MOE_DOWN_Q8(TYPE)                                                                           \
+    extern "C" __global__ void moe_down_q8_##TYPE(                                                         \
+            const u8* __restrict__ down, long long expert_bytes, long long row_bytes,                      \
+            const int4* __restrict__ aq, const float2* __restrict__ ads, int ffn,                          \
+            const int* __restrict__ ids, const float* __restrict__ weights, int top_k,                     \
+            float* __restrict__ out, int hidden, int group) {                                              \
+        __shared__ float partial[DOWN_SLOTS][32];                                                          \
+        int rows = 32 / group, token = blockIdx.y;                                                         \
+        int warp = threadIdx.x / 32, local_row = (threadIdx.x % 32) / group, lane = threadIdx.x % group;   \
+        int row = blockIdx.x * rows + local_row, units = ffn / UNIT;                                       \
+        for (int k = warp; k < top_k; k += blockDim.x / 32) {                                              \
+            int pair = token * top_k + k, expert = ids[pair];                                              \
+            float acc[MAX_TOKENS] = {0.f};                                                                 \
+            if (expert >= 0 && row < hidden)                                                               \
+                accumulate_row_q8<int_unit_##TYPE>(down + expert * expert_bytes + row * row_bytes, units,  \
+                                                   {aq, ads}, (long long)pair * units, 0, 1, lane, group, acc); \
+            float total = group_sum(acc[0], group);                                                        \
+            if (lane == 0) partial[k][local_row] = expert >= 0 ? weights[pair] * total : 0.f;              \
+        }                                                                                                  \
+        __syncthreads();                                                                                   \
+        row = blockIdx.x * rows + threadIdx.x;                                                             \
+        if (threadIdx.x < rows && row < hidden) {                                                          \
+            float sum = 0.f;                                                                               \
+            for (int k = 0; k < top_k; k++) sum += partial[k][threadIdx.x];                                \
+            out[(long long)token * hidden + row] = sum;                                                    \
+        }                                                                                                  \
+    }
+
+FOR_EACH_INT_TYPE(DEFINE_GEMV_Q8)
+FOR_EACH_INT_TYPE(DEFINE_MOE_GATE_UP_Q8)
+FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)

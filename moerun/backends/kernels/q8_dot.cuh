@@ -1,0 +1,213 @@
+// Integer dot products of quantized weight units with activations in 8-bit planes (the
+// technique llama.cpp calls MMVQ, with a second plane for precision): a unit of 32 weights
+// becomes 8 words of four int8 values plus its scales; a unit of 32 activations is
+// x ≈ d·(a + b/254) with int8 planes a = rint(x/d), b = rint((x/d - a)·254), d = max|x|/127,
+// and sx = d·Σ(a + b/254). Then Σ w·x = d·(s0·(a·q_w + b·q_w/254)[0..15] + s1·(...)[16..31])
+// + m·sx: dp4a on packed bytes instead of 32 float conversions and multiplies; the second
+// plane brings the activations' rounding from ~0.4% (llama.cpp's one plane) to ~2e-5.
+#pragma once
+#include "quant_blocks.cuh"
+
+// One unit of weights as integers: w[i] = s0·q[i] (i < 16) or s1·q[i] (i >= 16), + m.
+struct IntUnit {
+    int q[8];          // 32 int8 values, little-endian in each word
+    float s0, s1;      // scales of elements 0..15 and 16..31
+    float m;           // offset added to every weight
+};
+
+// Activations x [T, K] in two 8-bit planes: per unit of 32, 64 bytes (a[0..31], b[0..31])
+// [T, 2K], and (d, sx) [T, K/32].
+struct Q8Activations {
+    const int4* q;     // four int4 per unit
+    const float2* ds;
+};
+
+__device__ __forceinline__ int dot4(int a, int b, int c) {
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+#if defined(__gfx906__) || defined(__gfx908__) || defined(__gfx90a__) || defined(__gfx942__) || \
+    defined(__gfx1030__) || defined(__gfx1031__) || defined(__gfx1032__)
+    return __builtin_amdgcn_sdot4(a, b, c, false);
+#else
+    const i8* x = reinterpret_cast<const i8*>(&a);
+    const i8* y = reinterpret_cast<const i8*>(&b);
+    return c + x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
+#endif
+#else
+    return __dp4a(a, b, c);
+#endif
+}
+
+// Four bytes from a 2-byte aligned address (blocks of 18, 22, 34 and 210 bytes).
+__device__ __forceinline__ int load_int_2aligned(const u8* p) {
+    const u16* h = reinterpret_cast<const u16*>(p);
+    return (int)((u32)h[0] | ((u32)h[1] << 16));
+}
+
+// Bit 4 of each byte from four consecutive bits of `bits` (Q5_0/Q5_1 high bits).
+__device__ __forceinline__ int spread_high_bits(u32 bits) {
+    return (int)(((bits & 1) << 4) | ((bits & 2) << 11) | ((bits & 4) << 18) | ((bits & 8) << 25));
+}
+
+// Each byte minus `b` (0 <= b <= 0x7f, bytes in 0..0x7f): no borrow crosses a byte.
+__device__ __forceinline__ int sub_bytes(int v, u32 b) {
+    return (int)((((u32)v | 0x80808080u) - b) ^ 0x80808080u);
+}
+
+__device__ __forceinline__ void int_unit_q8_0(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + unit * 34;
+    w.s0 = w.s1 = load_half(block);
+    w.m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) w.q[i] = load_int_2aligned(block + 2 + 4 * i);
+}
+
+// Nibbles: bytes 0..15 hold elements 0..15 (low) and 16..31 (high).
+__device__ __forceinline__ void split_nibbles(const int* bytes, int* q) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        q[i] = bytes[i] & 0x0F0F0F0F;
+        q[i + 4] = (bytes[i] >> 4) & 0x0F0F0F0F;
+    }
+}
+
+__device__ __forceinline__ void int_unit_q4_0(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + unit * 18;
+    float d = load_half(block);
+    int bytes[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) bytes[i] = load_int_2aligned(block + 2 + 4 * i);
+    split_nibbles(bytes, w.q);
+    w.s0 = w.s1 = d;
+    w.m = -8.f * d;
+}
+
+__device__ __forceinline__ void int_unit_q4_1(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + unit * 20;
+    w.s0 = w.s1 = load_half(block);
+    w.m = load_half(block + 2);
+    const int* words = reinterpret_cast<const int*>(block + 4);
+    int bytes[4] = {words[0], words[1], words[2], words[3]};
+    split_nibbles(bytes, w.q);
+}
+
+__device__ __forceinline__ void add_fifth_bits(u32 high, int* q) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        q[i] |= spread_high_bits(high >> (4 * i));
+        q[i + 4] |= spread_high_bits(high >> (16 + 4 * i));
+    }
+}
+
+__device__ __forceinline__ void int_unit_q5_0(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + unit * 22;
+    float d = load_half(block);
+    int bytes[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) bytes[i] = load_int_2aligned(block + 6 + 4 * i);
+    split_nibbles(bytes, w.q);
+    add_fifth_bits((u32)load_int_2aligned(block + 2), w.q);
+    w.s0 = w.s1 = d;
+    w.m = -16.f * d;
+}
+
+__device__ __forceinline__ void int_unit_q5_1(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + unit * 24;
+    w.s0 = w.s1 = load_half(block);
+    w.m = load_half(block + 2);
+    const int* words = reinterpret_cast<const int*>(block + 8);
+    int bytes[4] = {words[0], words[1], words[2], words[3]};
+    split_nibbles(bytes, w.q);
+    add_fifth_bits(*reinterpret_cast<const u32*>(block + 4), w.q);
+}
+
+// Q4_K / Q5_K unit = sub-block `unit & 7` of super-block `unit >> 3` (layouts in quant_blocks.cuh).
+__device__ __forceinline__ void k_unit_scales(const u8* block, int sub, IntUnit& w) {
+    float scale, min;
+    k_scale_min(block + 4, sub, &scale, &min);
+    w.s0 = w.s1 = load_half(block) * scale;
+    w.m = -load_half(block + 2) * min;
+}
+
+__device__ __forceinline__ void int_unit_q4_k(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + (unit >> 3) * 144;
+    int sub = unit & 7, shift = (sub & 1) * 4;
+    k_unit_scales(block, sub, w);
+    const int4* qs = reinterpret_cast<const int4*>(block + 16 + (sub >> 1) * 32);
+    int4 a = qs[0], b = qs[1];
+    int words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 8; i++) w.q[i] = (words[i] >> shift) & 0x0F0F0F0F;
+}
+
+__device__ __forceinline__ void int_unit_q5_k(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + (unit >> 3) * 176;
+    int sub = unit & 7, shift = (sub & 1) * 4;
+    k_unit_scales(block, sub, w);
+    const int4* high = reinterpret_cast<const int4*>(block + 16);
+    const int4* qs = reinterpret_cast<const int4*>(block + 48 + (sub >> 1) * 32);
+    int4 a = qs[0], b = qs[1], c = high[0], e = high[1];
+    int words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    int highs[8] = {c.x, c.y, c.z, c.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        w.q[i] = ((words[i] >> shift) & 0x0F0F0F0F) | (((highs[i] >> sub) & 0x01010101) << 4);
+}
+
+// Q6_K unit: quarter `unit & 3` of half `(unit >> 2) & 1` of a 210-byte super-block;
+// elements 0..15 and 16..31 have a scale each; values stored + 32.
+__device__ __forceinline__ void int_unit_q6_k(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + (unit >> 3) * 210;
+    int half_index = (unit >> 2) & 1, quarter = unit & 3;
+    const u8* low = block + half_index * 64 + (quarter & 1) * 32;
+    const u8* high = block + 128 + half_index * 32;
+    const i8* scales = reinterpret_cast<const i8*>(block + 192) + half_index * 8 + quarter * 2;
+    float d = load_half(block + 208);
+    int low_shift = (quarter >> 1) * 4, high_shift = 2 * quarter;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        int l = load_int_2aligned(low + 4 * i), h = load_int_2aligned(high + 4 * i);
+        int value = ((l >> low_shift) & 0x0F0F0F0F) | (((h >> high_shift) & 0x03030303) << 4);
+        w.q[i] = sub_bytes(value, 0x20202020u);
+    }
+    w.s0 = d * (float)scales[0];
+    w.s1 = d * (float)scales[1];
+    w.m = 0.f;
+}
+
+// The two planes of one value v (|v| <= 127 after scaling by 127 / max|x|).
+__device__ __forceinline__ void split_planes(float scaled, int* a, int* b) {
+    *a = __float2int_rn(scaled);
+    *b = __float2int_rn((scaled - (float)*a) * 254.f);
+}
+
+// One unit of 32 values, value i held by lane i of a warp (all 32 lanes call this), into the
+// two planes of unit `unit`, as quantize_q8 converts them.
+__device__ __forceinline__ void quantize_unit_of_warp(float value, long long unit, int4* q, float2* ds) {
+    float amax = group_max(fabsf(value), UNIT);
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int a, b;
+    split_planes(value * inv, &a, &b);
+    float sum_a = group_sum((float)a, UNIT), sum_b = group_sum((float)b, UNIT);
+    i8* planes = reinterpret_cast<i8*>(q + 4 * unit);
+    int lane = threadIdx.x % UNIT;
+    planes[lane] = (i8)a;
+    planes[UNIT + lane] = (i8)b;
+    float d = amax / 127.f;
+    if (lane == 0) ds[unit] = make_float2(d, d * (sum_a + sum_b * (1.f / 254.f)));
+}
+
+__device__ __forceinline__ int dot16(const int* w, int4 x) {
+    return dot4(w[3], x.w, dot4(w[2], x.z, dot4(w[1], x.y, dot4(w[0], x.x, 0))));
+}
+
+// Σ over the unit of w·x for the activations' unit `unit`.
+__device__ __forceinline__ float unit_dot(const IntUnit& w, Q8Activations x, long long unit) {
+    const int4* q = x.q + 4 * unit;
+    float2 ds = x.ds[unit];
+    float lo = (float)dot16(w.q, q[0]) + (float)dot16(w.q, q[2]) * (1.f / 254.f);
+    float hi = (float)dot16(w.q + 4, q[1]) + (float)dot16(w.q + 4, q[3]) * (1.f / 254.f);
+    return ds.x * (w.s0 * lo + w.s1 * hi) + w.m * ds.y;
+}
+
+// One line per type the integer path reads.
+#define FOR_EACH_INT_TYPE(X) X(q8_0) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q4_k) X(q5_k) X(q6_k)

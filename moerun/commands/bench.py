@@ -18,6 +18,11 @@ then -r timed repetitions; t/s is their mean ± sample standard deviation. Token
 from a fixed seed, so two runs feed the model the same tokens. Without --ctx the context is
 what the largest test needs.
 
+Each test also reports the peak memory of the parent's device from loading through the end of
+that test (column peak MiB, JSON peak_device_bytes): on a GPU the memory in use on the whole device,
+its context included, as nvidia-smi shows it; on the CPU the process's peak resident set
+(moerun.backends.memory; every JSON key is in docs/stats.md).
+
 With --daemon, each test also reports the rig's daemons together, per timed repetition (a
 tg test's figures include its 1-token prompt): IPC calls, MiB sent and received, the parent's wait
 in ms, and the compute ms the daemons report (STATS; "-" / null when one does not answer).
@@ -36,6 +41,7 @@ import click
 import numpy as np
 from gguf import LlamaFileType
 
+from moerun.backends.memory import device_memory_used
 from moerun.commands.options import (
     MODEL_HELP,
     friendly_errors,
@@ -53,7 +59,7 @@ TOKEN_SEED = 0
 GREEDY = SamplingParams(temperature=0.0)
 BACKEND_NAMES = {"cpu": "CPU", "cuda": "CUDA", "hip": "ROCm"}   # as llama-bench names them
 COLUMNS = (("model", 30, "<"), ("size", 10, ">"), ("params", 10, ">"), ("backend", 10, "<"),
-           ("test", 15, ">"), ("t/s", 20, ">"))   # name, minimum width, alignment
+           ("test", 15, ">"), ("t/s", 20, ">"), ("peak MiB", 9, ">"))   # name, minimum width, alignment
 DAEMON_COLUMNS = (("calls", 8, ">"), ("MiB", 9, ">"), ("wait ms", 9, ">"), ("daemon ms", 9, ">"))   # with --daemon
 
 
@@ -129,18 +135,20 @@ def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_
             click.echo(_table_rule(columns, facts))
         rng = np.random.default_rng(TOKEN_SEED)
         documents = []
+        peak_bytes = device_memory_used(runtime.backend)     # after loading
         for test in tests:
             _measure(runtime, test, rng)     # warm-up: caches, lazily loaded experts, compiled kernels
             seconds, daemons = _timed_runs(runtime, test, rng, repetitions)
+            peak_bytes = max(peak_bytes, device_memory_used(runtime.backend))
             rates = [test.tokens / s for s in seconds]
             mean = statistics.fmean(rates)
             sd = statistics.stdev(rates) if len(rates) > 1 else 0.0
             document = {
                 "model": facts.label, "size_bytes": facts.size, "params": facts.params, "backend": facts.backend,
                 "test": test.name, "tokens_per_second": mean, "tokens_per_second_sd": sd,
-                "samples_tokens_per_second": rates, "samples_seconds": seconds,
+                "samples_tokens_per_second": rates, "samples_seconds": seconds, "peak_device_bytes": peak_bytes,
             }
-            cells = _cells(facts, test.name, f"{mean:.2f} ± {sd:.2f}")
+            cells = _cells(facts, test.name, f"{mean:.2f} ± {sd:.2f}", peak_bytes)
             if daemons is not None:
                 document.update(daemons=daemons, rig=_rig_settings(rig))
                 cells.update(_daemon_cells(daemons))
@@ -253,10 +261,11 @@ def _quantization(gguf: GGUFFile) -> str:
     return max(bytes_by_type, key=bytes_by_type.get)
 
 
-def _cells(facts: ModelFacts, test: str, rate: str) -> dict[str, str]:
+def _cells(facts: ModelFacts, test: str, rate: str, peak_bytes: int) -> dict[str, str]:
     size = f"{facts.size / 2**30:.2f} GiB" if facts.size >= 2**30 else f"{facts.size / 2**20:.2f} MiB"
     params = f"{facts.params / 1e9:.2f} B" if facts.params >= 1e9 else f"{facts.params / 1e6:.2f} M"
-    return {"model": facts.label, "size": size, "params": params, "backend": facts.backend, "test": test, "t/s": rate}
+    return {"model": facts.label, "size": size, "params": params, "backend": facts.backend, "test": test,
+            "t/s": rate, "peak MiB": f"{peak_bytes / 2**20:.0f}"}
 
 
 def _daemon_cells(daemons: dict) -> dict[str, str]:

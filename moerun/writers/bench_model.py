@@ -17,6 +17,19 @@ values, chosen so every type dequantizes to weights of mean ~0 and std WEIGHT_ST
 Data is generated and written a few MiB at a time, so a file of any size needs
 little memory.
 
+Routing is shaped to load the experts as a trained model does. With every weight random, the
+attention of each layer averages its values over the positions and so adds nearly the same
+vector to every token; in the Qwen3-30B-A3B shape that shared vector is ~90% of every router
+input from the second layer on, and one expert gets almost every token of a prompt. The shared
+vector differs from prompt to prompt (two prompts' are nearly orthogonal), so no fixed router
+rows can ignore it. Instead the attn_norm weights are scaled by ATTN_NORM_SCALE, which in
+qwen3moe (Q and K are normalised per head) scales only V and the attention output, leaving the
+stream to the token embedding and the experts' outputs, which differ per token. Router rows are
+random directions with log-normal norms: a longer row wins top-K more often, which makes a
+moderately hot head. Over a 512-token prompt the hottest expert of a layer then gets 3-5x the
+mean load and nearly every expert gets some tokens (tests/unit/test_bench_model.py checks it on
+a small shape).
+
 Shape legend: V vocab, H hidden, E experts, F expert FFN width, NH/NKV heads, D head dim.
 """
 from __future__ import annotations
@@ -43,8 +56,10 @@ from moerun.writers.synthetic import write_qwen3moe_hparams
 Q = GGMLQuantizationType
 ARCH = "qwen3moe"
 WEIGHT_STD = 0.02       # every quantized matrix, the embedding and the LM head included
-NORM_STD = 0.05         # norm weights are 1 + N(0, NORM_STD)
-ROUTER_STD = 0.05       # router logits get std ~ROUTER_STD * sqrt(H)
+NORM_STD = 0.05         # norm weights are 1 + N(0, NORM_STD), attn_norm's times ATTN_NORM_SCALE
+ATTN_NORM_SCALE = 0.1   # attention adds a tenth as much to the residual stream: see routing, above
+ROUTER_STD = 0.05       # router logits get std ~ROUTER_STD * sqrt(H), times the expert's norm factor
+ROUTER_NORM_SPREAD = 0.25   # sigma of the log-normal norm factor of each router row
 CHUNK_BYTES = 2 << 20   # quantized data is generated and written this much at a time
 MAX_PENDING_WRITES = 4
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -239,15 +254,27 @@ def _tensor_data(tensor: TensorPlan, rng: np.random.Generator) -> Iterator[np.nd
     """The tensor's bytes, CHUNK_BYTES or so at a time."""
     if tensor.ggml_type == Q.F32:
         if tensor.role == "ffn_gate_inp":
-            yield rng.normal(0.0, ROUTER_STD, tensor.shape).astype(np.float32)
+            yield _router_rows(tensor.shape, rng)
         else:
-            yield (1.0 + rng.normal(0.0, NORM_STD, tensor.shape)).astype(np.float32)
+            scale = ATTN_NORM_SCALE if tensor.role == "attn_norm" else 1.0
+            yield (scale * (1.0 + rng.normal(0.0, NORM_STD, tensor.shape))).astype(np.float32)
         return
     block_size, type_size = GGML_QUANT_SIZES[tensor.ggml_type]
     n_blocks = prod(tensor.shape) // block_size
     per_chunk = max(1, CHUNK_BYTES // type_size)
     for start in range(0, n_blocks, per_chunk):
         yield random_blocks(tensor.ggml_type, min(per_chunk, n_blocks - start), rng)
+
+
+def _router_rows(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """ffn_gate_inp [E, H]: random unit directions times ROUTER_STD * sqrt(H) times a log-normal
+    factor per expert. An expert whose factor is high gets large logits more often, so it is among
+    the top K for more tokens: the head of hot experts that trained routers have."""
+    n_experts, hidden = shape
+    rows = rng.normal(0.0, 1.0, shape)                                              # [E, H]
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    norms = ROUTER_STD * np.sqrt(hidden) * np.exp(rng.normal(0.0, ROUTER_NORM_SPREAD, n_experts))   # [E]
+    return (rows * norms[:, None]).astype(np.float32)
 
 
 # ---- the file ------------------------------------------------------------------------------------

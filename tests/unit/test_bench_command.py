@@ -3,16 +3,21 @@ the forward passes each test stands for, the daemons' IPC per test with a real C
 and clear errors for bad flags."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import statistics
 from math import prod
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 from moerun.ipc.client import DaemonClient
 from moerun.ipc.protocol import DaemonTimeout
 
+from moerun.backends.memory import device_memory_used
 from moerun.commands.bench import bench
 from moerun.engine.model import MoEModel
 from moerun.writers.bench_model import (
@@ -23,7 +28,7 @@ from moerun.writers.bench_model import (
     write_bench_model,
 )
 
-COLUMNS = ["model", "size", "params", "backend", "test", "t/s"]
+COLUMNS = ["model", "size", "params", "backend", "test", "t/s", "peak MiB"]
 DAEMON_COLUMNS = ["calls", "MiB", "wait ms", "daemon ms"]
 TINY = with_layers(PRESETS["tiny"], 1)
 ONE_DAEMON = ["--daemon", "cpu", "--hot", "1"]   # 7 of the 8 experts on the daemon: every token has a remote pair
@@ -48,13 +53,14 @@ def test_markdown_table_has_llama_bench_columns_and_a_row_per_test(model):
     assert result.exit_code == 0, result.output
     header, rule, *rows = table_rows(result.stdout)
     assert header == COLUMNS
-    assert [cell.endswith(":") for cell in rule] == [False, True, True, False, True, True]
+    assert [cell.endswith(":") for cell in rule] == [False, True, True, False, True, True, True]
     assert [row[4] for row in rows] == ["pp16", "pp32", "tg4"]
     for row in rows:
         assert row[:4] == ["tiny-qwen3moe bench Q4_K_M", row[1], row[2], "CPU"]
         assert re.fullmatch(r"\d+\.\d\d MiB", row[1]) and re.fullmatch(r"\d+\.\d\d M", row[2])
         mean, sd = re.fullmatch(r"(\d+\.\d\d) ± (\d+\.\d\d)", row[5]).groups()
         assert float(mean) > 0 and float(sd) >= 0
+        assert re.fullmatch(r"\d+", row[6]) and int(row[6]) > 0
 
 
 def test_json_has_the_same_fields_and_every_sample(model):
@@ -69,6 +75,42 @@ def test_json_has_the_same_fields_and_every_sample(model):
         assert t["samples_tokens_per_second"] == pytest.approx([tokens / s for s in t["samples_seconds"]])
         assert t["tokens_per_second"] == pytest.approx(statistics.fmean(t["samples_tokens_per_second"]))
         assert t["tokens_per_second_sd"] == pytest.approx(statistics.stdev(t["samples_tokens_per_second"]))
+
+
+def test_json_has_the_peak_memory_of_the_cpu_device(model):
+    """On the CPU the process's peak resident set so far, at the end of each test: it never
+    shrinks from one test to the next and is at least what the process holds now (bytes, not KiB)."""
+    result = run_bench("-m", model, "-p", "8", "-n", "3", "-r", "1", "-o", "json")
+    assert result.exit_code == 0, result.output
+    peaks = [t["peak_device_bytes"] for t in json.loads(result.stdout)]
+    assert all(isinstance(peak, int) for peak in peaks) and peaks == sorted(peaks)
+    resident = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert peaks[0] >= resident * 0.9       # the tests' own allocations since then may grow it a little
+
+
+class FakeCupy:
+    """cupy.cuda as device_memory_used calls it: the current device and memGetInfo on it."""
+
+    def __init__(self, free_total: dict[int, tuple[int, int]]):
+        self.free_total, self.current = free_total, 0
+        self.cuda = SimpleNamespace(Device=self.device, runtime=SimpleNamespace(memGetInfo=self.mem_get_info))
+
+    @contextlib.contextmanager
+    def device(self, index):
+        self.current, before = index, self.current
+        yield
+        self.current = before
+
+    def mem_get_info(self):
+        return self.free_total[self.current]
+
+
+def test_a_gpu_reports_what_its_whole_device_has_in_use():
+    """total - free of the backend's device, asked with that device current."""
+    cupy = FakeCupy({0: (70 << 30, 80 << 30), 1: (60 << 30, 80 << 30)})
+    backend = SimpleNamespace(kind="CUDA", cupy=cupy, device_index=1)
+    assert device_memory_used(backend) == 20 << 30
+    assert cupy.current == 0
 
 
 def test_each_test_runs_the_forward_passes_it_names_on_seeded_valid_tokens(model, monkeypatch):
@@ -151,7 +193,7 @@ def test_markdown_table_adds_daemon_columns_and_a_silent_daemon_shows_a_dash(mod
     assert header == COLUMNS + DAEMON_COLUMNS
     assert [row[4] for row in rows] == ["pp8", "tg2"]
     for row in rows:
-        calls, mib, wait_ms, daemon_ms = row[6:]
+        calls, mib, wait_ms, daemon_ms = row[7:]
         assert float(calls) > 0 and float(mib) > 0 and float(wait_ms) > 0 and daemon_ms == "-"
 
 

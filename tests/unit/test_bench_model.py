@@ -122,6 +122,21 @@ def test_the_seed_decides_the_bytes(tmp_path):
     assert first.stat().st_size == other.stat().st_size
 
 
+def test_routing_spreads_over_the_experts_with_a_moderately_hot_head(tmp_path):
+    """Over 512 random prompt tokens, as `moerun bench` feeds them, every layer sends some tokens
+    to nearly every expert and its hottest expert a few times the mean load. With every weight
+    plainly random, the hottest expert of the later layers gets nearly every token and more than
+    half of the experts get none."""
+    shape = dataclasses.replace(PRESETS["tiny"], n_layers=4, n_experts=128, n_experts_used=8)
+    path = write_bench_model(tmp_path / "routed.gguf", shape, MIXES["q8_0"])
+    with Runtime(path, ctx=512, count_routing=True) as runtime:
+        runtime.logits(np.random.default_rng(0).integers(0, shape.vocab, 512).tolist())
+        counts = runtime.routing_counts()                                           # [L, E]
+    hottest = counts.max(axis=1) / counts.mean(axis=1)                              # [L]
+    assert (2 < hottest).all() and (hottest < 6).all(), hottest
+    assert ((counts > 0).mean(axis=1) >= 0.9).all(), (counts > 0).mean(axis=1)
+
+
 @pytest.mark.parametrize("vocab", [300, 2000])
 def test_vocabulary_has_exactly_the_requested_size(vocab):
     meta = vocabulary_metadata(vocab)

@@ -34,6 +34,7 @@ from moerun.backends.protocol import ContextFull, Forward
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 
+NORM_BLOCK = 1024              # threads per row of rms_norm: a decode row in two passes
 DECODE_CHUNK = 64              # cache positions per split of decode attention (<= MAX_CHUNK in layers.cu)
 NULL = np.uint64(0)            # a null pointer argument
 
@@ -166,7 +167,7 @@ class GpuBackend:
         out = self.cupy.empty_like(x)
         width = x.shape[-1]
         q, ds = self._planes_for(out)
-        self.kernels["rms_norm"]((x.size // width,), (BLOCK,),
+        self.kernels["rms_norm"]((x.size // width,), (NORM_BLOCK,),
                                  (x, weight, out, i32(width), np.float32(self.spec.rms_eps), pointer(q), pointer(ds)))
         return out
 

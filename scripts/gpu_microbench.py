@@ -65,26 +65,22 @@ def main() -> None:
         q = activation(spec.n_heads * spec.head_dim_k)
         k, v = activation(spec.n_kv_heads * spec.head_dim_k), activation(spec.n_kv_heads * spec.head_dim_v)
         positions = cupy.asarray(np.array([args.position], np.int32))
-        ids, weights = backend.route(backend.linear(h, layer.ffn_gate_inp))
+        ids, weights = backend.route(h, layer.ffn_gate_inp)
         attended = activation(spec.n_heads * spec.head_dim_v)
         operations = [  # name, calls per layer, operation
             ("rms_norm", 2, lambda: backend.rms_norm(x, layer.attn_norm)),
-            ("attn_q", 1, lambda: backend.linear(h, layer.attn_q)),
-            ("attn_k", 1, lambda: backend.linear(h, layer.attn_k)),
-            ("attn_v", 1, lambda: backend.linear(h, layer.attn_v)),
+            ("attn_qkv", 1, lambda: backend.linears(h, (layer.attn_q, layer.attn_k, layer.attn_v), (None,) * 3)),
             ("rope_append", 1, lambda: backend.rope_append(q, k, v, layer.attn_q_norm, layer.attn_k_norm,
                                                           cache, 0, positions)),
             ("attention", 1, lambda: backend.attention(q, cache, 0, positions)),
             ("attn_output", 1, lambda: backend.linear(attended, layer.attn_output, residual=x)),
-            ("router", 1, lambda: backend.linear(h, layer.ffn_gate_inp)),
-            ("route_top_k", 1, lambda: backend.route(backend.linear(h, layer.ffn_gate_inp))),
+            ("router and top-k", 1, lambda: backend.route(h, layer.ffn_gate_inp)),
             ("experts", 1, lambda: model.weights.experts.compute(0, h, ids, weights)),
             ("add", 1, lambda: backend.add(x, h)),
         ]
         per_layer = {}
         for name, calls, operation in operations:
             per_layer[name] = (calls, graph_time_us(cupy, stream, operation))
-        per_layer["route_top_k"] = (1, per_layer["route_top_k"][1] - per_layer["router"][1])
         head = graph_time_us(cupy, stream, lambda: backend.linear(x, model.weights.output))
         layer_us = sum(calls * us for calls, us in per_layer.values())
         print("| operation | µs per call | calls per layer | µs per layer | share |")

@@ -21,15 +21,17 @@ import numpy as np
 from moerun.engine.runtime import Runtime
 from moerun.rig.settings import RigConfig
 
-OPERATIONS = ("embed", "rms_norm", "linear", "rope_append", "attention", "route", "silu_mul", "add")
+OPERATIONS = ("embed", "rms_norm", "linear", "linears", "rope_append", "attention", "route", "silu_mul", "add")
 
 
 class OpTimer:
-    """Wraps the backend's operations (and the expert executor's begin) with event pairs."""
+    """Wraps the backend's operations (and the expert executor's begin) with event pairs; an
+    operation called inside another (linears falling back to linear) counts in the outer one only."""
 
     def __init__(self, runtime: Runtime):
         self.cupy = runtime.backend.cupy
         self.pairs: list[tuple[str, object, object]] = []
+        self.depth = 0
         backend, executor = runtime.backend, runtime.model.executor
         for name in OPERATIONS:
             setattr(backend, name, self._timed(getattr(backend, name), name))
@@ -41,9 +43,15 @@ class OpTimer:
             if name == "linear":
                 weight = args[1]
                 label = f"linear {weight.rows}x{weight.cols} {weight.kind}"
+            if self.depth:
+                return function(*args, **kwargs)
             start = self.cupy.cuda.Event()
             start.record()
-            result = function(*args, **kwargs)
+            self.depth += 1
+            try:
+                result = function(*args, **kwargs)
+            finally:
+                self.depth -= 1
             end = self.cupy.cuda.Event()
             end.record()
             self.pairs.append((label, start, end))

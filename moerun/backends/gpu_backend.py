@@ -194,6 +194,24 @@ class GpuBackend:
             y += bias
         return y
 
+    def linears(self, x: Any, weights: tuple[DeviceMatrix, ...], biases: tuple[Any | None, ...]) -> tuple[Any, ...]:
+        """x [T, K] through several weights (q, k, v) (+ biases): one launch for three quantized
+        weights and a few tokens, else one product each."""
+        n_tokens = x.shape[0]
+        if n_tokens > MAX_GEMV_TOKENS or len(weights) != 3 or any(w.kind not in INT_KINDS for w in weights):
+            return tuple(self.linear(x, weight, bias) for weight, bias in zip(weights, biases))
+        x = self.cupy.ascontiguousarray(x)
+        q, ds = self.q8_of(x)
+        outs = tuple(self.cupy.empty((n_tokens, w.rows), self.cupy.float32) for w in weights)
+        segments = [arg for w, y in zip(weights, outs)
+                    for arg in (w.data, i64(w.row_bytes), i32(INT_KINDS.index(w.kind)), i32(w.rows), y)]
+        self.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), weights[0].cols // UNIT, 1,
+                          (*segments, q, ds, i32(weights[0].cols), i32(n_tokens)), UNITS_PER_LANE)
+        for y, bias in zip(outs, biases):
+            if bias is not None:
+                y += bias
+        return outs
+
     def rope_append(self, q: Any, k: Any, v: Any, q_norm: Any | None, k_norm: Any | None,
                     cache: GpuKVCache, layer: int, positions: Any) -> Any:
         spec = self.spec
@@ -263,12 +281,12 @@ class GpuBackend:
                                  (cache, i32(span), i32(spec.n_kv_heads), i32(spec.n_heads), i32(head_dim), out))
         return out
 
-    def route(self, logits: Any) -> tuple[Any, Any]:
+    def route(self, h: Any, router: DeviceMatrix) -> tuple[Any, Any]:
         cupy, k = self.cupy, self.spec.n_experts_used
+        logits = self.linear(h, router)                                                   # [T, E]
         n_tokens = logits.shape[0]
-        ids = cupy.empty((n_tokens, k), cupy.int32)
-        weights = cupy.empty((n_tokens, k), cupy.float32)
-        self.kernels["route_top_k"]((n_tokens,), (32,), (logits, i32(logits.shape[1]), i32(k),
+        ids, weights = cupy.empty((n_tokens, k), cupy.int32), cupy.empty((n_tokens, k), cupy.float32)
+        self.kernels["route_top_k"]((n_tokens,), (32,), (logits, i32(router.rows), i32(k),
                                                          i32(self.spec.rule.renormalize_topk), ids, weights))
         return ids, weights
 

@@ -8,7 +8,7 @@ from typing import Any
 KERNEL_DIR = Path(__file__).parent / "kernels"
 BLOCK = 256                     # threads per block of the row-parallel kernels
 MAX_GEMV_TOKENS = 8             # MAX_TOKENS in common.cuh
-INT_KINDS = frozenset({"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})  # FOR_EACH_INT_TYPE
+INT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # FOR_EACH_INT_TYPE, in its order
 UNITS_PER_LANE = 2              # weight units each thread of an integer GEMV reads at least (loads in flight)
 ROW_GROUP = 32                  # most threads sharing one output row (a power of two, <= 32)
 

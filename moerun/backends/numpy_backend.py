@@ -91,6 +91,9 @@ class NumpyBackend:
             y = y + bias
         return y if residual is None else residual + y
 
+    def linears(self, x: np.ndarray, weights: tuple, biases: tuple) -> tuple[np.ndarray, ...]:
+        return tuple(self.linear(x, weight, bias) for weight, bias in zip(weights, biases))
+
     def rope_append(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray | None,
                     k_norm: np.ndarray | None, cache: PagedKVCache, layer: int, positions: np.ndarray) -> np.ndarray:
         """Per-head norm (when given) and rope on q [T, NH*D] and k; k and v appended to
@@ -111,8 +114,8 @@ class NumpyBackend:
         keys, values = cache.rows(layer, int(positions[-1]) + 1)
         return causal_attention(q, keys, values, int(positions[0]))
 
-    def route(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return route(logits, self.spec.n_experts_used, self.spec.rule.renormalize_topk)
+    def route(self, h: np.ndarray, router: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return route(self.linear(h, router), self.spec.n_experts_used, self.spec.rule.renormalize_topk)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return silu(gate) * up

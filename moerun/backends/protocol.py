@@ -80,6 +80,9 @@ class Backend(Protocol):
     def linear(self, x: Array, weight: Any, bias: Array | None = None, residual: Array | None = None) -> Array:
         """x [T, K] · weight [N, K]ᵀ (+ bias [N]) (+ residual [T, N]) -> [T, N]"""
 
+    def linears(self, x: Array, weights: tuple[Any, ...], biases: tuple[Array | None, ...]) -> tuple[Array, ...]:
+        """x through each weight (+ its bias), as linear does: q, k and v, in one launch where it can."""
+
     def rope_append(self, q: Array, k: Array, v: Array, q_norm: Array | None, k_norm: Array | None,
                     cache: KVCache, layer: int, positions: Array) -> Array:
         """Per-head q/k norm (when given) and rope; k and v appended to the cache -> rotated q."""
@@ -87,8 +90,9 @@ class Backend(Protocol):
     def attention(self, q: Array, cache: KVCache, layer: int, positions: Array) -> Array:
         """Causal attention of q over the cache -> [T, NH*Dv]"""
 
-    def route(self, logits: Array) -> tuple[Array, Array]:
-        """Router logits [T, E] -> top-K expert ids and weights [T, K], by the model's rule."""
+    def route(self, h: Array, router: Any) -> tuple[Array, Array]:
+        """h [T, H] through the router [E, H] -> top-K expert ids and weights [T, K], by the
+        model's rule."""
 
     def silu_mul(self, gate: Array, up: Array) -> Array: ...
 

@@ -76,8 +76,7 @@ class MoEModel:
         attn_qkv cut into column views (rows strided when T > 1; the backends take them so)."""
         backend, spec = self.backend, self.spec
         if w.attn_qkv is None:
-            return (backend.linear(h, w.attn_q, w.attn_q_bias), backend.linear(h, w.attn_k, w.attn_k_bias),
-                    backend.linear(h, w.attn_v, w.attn_v_bias))
+            return backend.linears(h, (w.attn_q, w.attn_k, w.attn_v), (w.attn_q_bias, w.attn_k_bias, w.attn_v_bias))
         qkv = backend.linear(h, w.attn_qkv, w.attn_qkv_bias)                          # [T, q + k + v]
         q_end = spec.n_heads * spec.head_dim_k
         k_end = q_end + spec.n_kv_heads * spec.head_dim_k
@@ -88,7 +87,7 @@ class MoEModel:
         h = backend.rms_norm(x, w.ffn_norm)
         if w.ffn_dense is not None:
             return backend.linear(self._swiglu(h, w.ffn_dense[:2]), w.ffn_dense[2], residual=x)
-        ids, weights = backend.route(backend.linear(h, w.ffn_gate_inp))               # [T, K] each
+        ids, weights = backend.route(h, w.ffn_gate_inp)                               # [T, K] each
         if self.routing is not None:
             self.routing.add(i, backend.to_host(ids))
         pending = self.executor.begin(i, h, ids, weights)     # cold work is on its way to the daemons

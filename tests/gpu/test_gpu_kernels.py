@@ -102,7 +102,9 @@ def test_decode_experts_match_numpy(types, n_tokens):
     experts = GpuExperts(backend, spec, {0: LayerExperts(gate, up, 0, down)})
     x = rng.normal(size=(n_tokens, HIDDEN)).astype(np.float32)
     ids = np.stack([rng.permutation(6)[:4] for _ in range(n_tokens)]).astype(np.int32)
-    ids[rng.random(ids.shape) < 0.25] = -1
+    unresident = rng.random(ids.shape) < 0.25
+    unresident[:, 0] = False                            # every token keeps one expert: a non-zero result
+    ids[unresident] = -1
     weights = rng.random(ids.shape).astype(np.float32)
     got = experts.compute(0, backend.cupy.asarray(x), backend.cupy.asarray(ids), backend.cupy.asarray(weights)).get()
 
@@ -167,3 +169,41 @@ def test_expert_tile_layout(backend, skew):
         if expert >= 0:
             owner[first:first + TILE_ROWS] = expert
     assert np.array_equal(owner[pair_rows], ids.reshape(-1))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5, 8, 20])
+@pytest.mark.parametrize("n_experts, top_k, renormalize", [(128, 8, True), (60, 4, False), (512, 10, True)])
+def test_routing_matches_numpy(n_tokens, n_experts, top_k, renormalize):
+    """h through an f32 router (the GEMV for up to 8 tokens, the product for more), then top-K."""
+    import dataclasses
+
+    from moerun.backends import open_backend
+    from moerun.backends.numpy_backend import NumpyBackend
+    spec = small_spec(hidden=HIDDEN, experts=n_experts, top_k=top_k)
+    spec = dataclasses.replace(spec, rule=dataclasses.replace(spec.rule, renormalize_topk=renormalize))
+    backend = open_backend(gpu_device(), spec)
+    rng = np.random.default_rng()
+    router = rng.normal(0, 0.05, (n_experts, HIDDEN)).astype(np.float32)
+    h = rng.normal(size=(n_tokens, HIDDEN)).astype(np.float32)
+    matrix = DeviceMatrix(backend.cupy.asarray(router.view(np.uint8).reshape(-1)), "f32", n_experts, HIDDEN)
+    want_ids, want_weights = NumpyBackend(spec).route(h, router)
+    ids, weights = backend.route(backend.cupy.asarray(h), matrix)
+    assert np.array_equal(ids.get(), want_ids)
+    np.testing.assert_allclose(weights.get(), want_weights, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 8])
+def test_three_products_in_one_launch(backend, n_tokens):
+    """q, k, v of different types and heights (blocks straddle two of them), with biases."""
+    rng = np.random.default_rng()
+    shapes = [(T.Q4_K, 96), (T.Q8_0, 40), (T.Q6_K, 20)]
+    matrices, references = [], []
+    for ggml_type, rows in shapes:
+        raw = random_matrix(ggml_type, rng, rows, COLS)
+        references.append(dequantize(raw, ggml_type).reshape(rows, COLS).astype(np.float64))
+        matrices.append(DeviceMatrix(backend.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, COLS))
+    biases = [rng.normal(size=rows).astype(np.float32) for _, rows in shapes]
+    x = rng.normal(size=(n_tokens, COLS)).astype(np.float32)
+    outs = backend.linears(backend.cupy.asarray(x), tuple(matrices), tuple(backend.cupy.asarray(b) for b in biases))
+    for got, reference, bias in zip(outs, references, biases):
+        assert relative_error(got.get(), q8_round_trip(x) @ reference.T + bias) < 1e-5

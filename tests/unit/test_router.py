@@ -113,7 +113,7 @@ def test_backend_route_uses_the_architecture_rule(gguf_arch):
     rule = RULES[gguf_arch]
     spec = dataclasses.replace(small_spec(experts=16, top_k=4), rule=rule)
     logits = logits_for(9, 16, seed=3)                                     # [9, 16]
-    ids, weights = NumpyBackend(spec).route(logits)
+    ids, weights = NumpyBackend(spec).route(logits, np.eye(16, dtype=np.float32))         # h · Iᵀ = logits
     want_ids, want_weights = reference(logits, 4, RENORMALISES[rule.family])
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(weights, want_weights, rtol=2e-6, atol=1e-7)

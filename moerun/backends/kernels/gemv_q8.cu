@@ -141,3 +141,51 @@ __device__ __forceinline__ void accumulate_row_q8(const u8* row, int units, Q8Ac
 FOR_EACH_INT_TYPE(DEFINE_GEMV_Q8)
 FOR_EACH_INT_TYPE(DEFINE_MOE_GATE_UP_Q8)
 FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
+
+// Up to three matrices over the same activations in one launch (q, k and v): matrix s (a, b, c)
+// has rows_s rows of row_bytes_s in type kind_s (its place in FOR_EACH_INT_TYPE) and writes
+// y_s [T, rows_s]. The rows of the three are numbered one after the other; a group of `group`
+// threads per row.
+__device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* row, int units, Q8Activations x,
+                                                       int n_tokens, int lane, int group, float* acc) {
+    switch (kind) {
+        case 0: accumulate_row_q8<int_unit_q8_0>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 1: accumulate_row_q8<int_unit_q4_0>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 2: accumulate_row_q8<int_unit_q4_1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 3: accumulate_row_q8<int_unit_q5_0>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 4: accumulate_row_q8<int_unit_q5_1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 5: accumulate_row_q8<int_unit_q4_k>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 6: accumulate_row_q8<int_unit_q5_k>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 7: accumulate_row_q8<int_unit_q6_k>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+    }
+}
+
+extern "C" __global__ void gemv_q8_three(
+        const u8* __restrict__ weight_a, long long row_bytes_a, int kind_a, int rows_a, float* __restrict__ y_a,
+        const u8* __restrict__ weight_b, long long row_bytes_b, int kind_b, int rows_b, float* __restrict__ y_b,
+        const u8* __restrict__ weight_c, long long row_bytes_c, int kind_c, int rows_c, float* __restrict__ y_c,
+        const int4* __restrict__ xq, const float2* __restrict__ xds, int in_features, int n_tokens, int group) {
+    int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;
+    int lane = threadIdx.x % group, units = in_features / UNIT;
+    const u8* weight = weight_a;
+    long long row_bytes = row_bytes_a;
+    int kind = kind_a, rows = rows_a;
+    float* y = y_a;
+    if (row >= rows_a) {
+        row -= rows_a;
+        weight = weight_b; row_bytes = row_bytes_b; kind = kind_b; rows = rows_b; y = y_b;
+        if (row >= rows_b) {
+            row -= rows_b;
+            weight = weight_c; row_bytes = row_bytes_c; kind = kind_c; rows = rows_c; y = y_c;
+        }
+    }
+    bool valid = row < rows;
+    float acc[MAX_TOKENS];
+    for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;
+    if (valid) accumulate_row_of_kind(kind, weight + row * row_bytes, units, {xq, xds}, n_tokens, lane, group, acc);
+    for (int t = 0; t < MAX_TOKENS; t++) {
+        if (t >= n_tokens) break;
+        float total = group_sum(acc[t], group);
+        if (lane == 0 && valid) y[t * rows + row] = total;
+    }
+}

@@ -178,7 +178,7 @@ class GpuBackend:
         if n_tokens <= MAX_GEMV_TOKENS and weight.kind in INT_KINDS:
             y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
             q, ds = self.q8_of(x)
-            self.kernels.rows(f"gemv_q8_{weight.kind}", weight.rows, weight.cols // UNIT, 1,
+            self.kernels.rows(f"gemv_q8_{weight.kind}", (weight.rows + 1) // 2, weight.cols // UNIT, 1,  # rows in pairs
                               (weight.data, i64(weight.row_bytes), q, ds, i32(weight.cols), y, i32(weight.rows),
                                i32(n_tokens), pointer(residual)), UNITS_PER_LANE)
         elif n_tokens <= MAX_GEMV_TOKENS:

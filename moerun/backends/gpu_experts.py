@@ -27,7 +27,7 @@ from moerun.backends.gpu_kernels import (
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.models.spec import ModelSpec
 
-GATE_UP_BLOCK = 1024          # threads of the quantized gate/up kernel: 32 rows of 32 threads
+GATE_UP_BLOCK = 512           # threads of the quantized gate/up kernel: 32 rows of 16 threads
 DOWN_WARPS = 8                # most warps of the quantized down kernel (one per expert slot)
 MAX_TOP_K = 32                # DOWN_SLOTS in gemv_q8.cu
 TILE_ROWS = 32                # rows per tile of an expert's tokens in the batched products

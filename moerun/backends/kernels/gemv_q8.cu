@@ -44,40 +44,51 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, long long n_
     ds[unit] = make_float2(d, d * ((float)sum_a + (float)sum_b * (1.f / 254.f)));
 }
 
-// acc[t] += Σ over this lane's units of row · x for t < n_tokens, where token t's
-// activations start at unit first + t·token_units.
-template <IntUnitLoader Load>
-__device__ __forceinline__ void accumulate_row_q8(const u8* row, int units, Q8Activations x, long long first,
-                                                  int token_units, int n_tokens, int lane, int group, float* acc) {
+// acc[r][t] += Σ over this lane's units of rows[r] · x for t < n_tokens, where token t's
+// activations start at unit first + t·token_units: each unit of activations is read once for
+// the R rows (the loads of activations, not of weights, bound these kernels otherwise).
+template <IntUnitLoader Load, int R>
+__device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int units, Q8Activations x,
+                                                   long long first, int token_units, int n_tokens, int lane,
+                                                   int group, float (*acc)[MAX_TOKENS]) {
 #pragma unroll 2
     for (int u = lane; u < units; u += group) {
-        IntUnit w;
-        Load(row, u, w);
+        IntUnit w[R];
 #pragma unroll
-        for (int t = 0; t < MAX_TOKENS; t++)
-            if (t < n_tokens) acc[t] += unit_dot(w, x, first + (long long)t * token_units + u);
+        for (int r = 0; r < R; r++) Load(rows[r], u, w[r]);
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; t++) {
+            if (t < n_tokens) {
+                ActUnit a = load_act_unit(x, first + (long long)t * token_units + u);
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[r][t] += unit_dot(w[r], a);
+            }
+        }
     }
 }
 
 // y[t, r] = W[r, :] · x[t, :] (+ residual[t, r]).  W: N rows of row_bytes; x [T, K_in] in planes;
-// y, residual [T, N].  Block: groups of `group` threads, one row per group.
+// y, residual [T, N].  Block: groups of `group` threads, two consecutive rows per group.
 #define DEFINE_GEMV_Q8(TYPE)                                                                               \
     extern "C" __global__ void gemv_q8_##TYPE(const u8* __restrict__ weight, long long row_bytes,         \
                                               const int4* __restrict__ xq, const float2* __restrict__ xds, \
                                               int in_features, float* __restrict__ y, int out_features,    \
                                               int n_tokens, const float* __restrict__ residual, int group) { \
-        int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
+        int row = 2 * (blockIdx.x * (blockDim.x / group) + threadIdx.x / group);                           \
         int lane = threadIdx.x % group, units = in_features / UNIT;                                        \
-        float acc[MAX_TOKENS];                                                                             \
-        for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;                                                 \
-        if (row < out_features)                                                                            \
-            accumulate_row_q8<int_unit_##TYPE>(weight + row * row_bytes, units, {xq, xds}, 0, units,       \
-                                               n_tokens, lane, group, acc);                                \
+        float acc[2][MAX_TOKENS] = {{0.f}};                                                                \
+        if (row < out_features) {                                                                          \
+            const u8* rows[2] = {weight + row * row_bytes,                                                 \
+                                 weight + (row + 1 < out_features ? row + 1 : row) * row_bytes};           \
+            accumulate_rows_q8<int_unit_##TYPE, 2>(rows, units, {xq, xds}, 0, units, n_tokens, lane, group, acc); \
+        }                                                                                                  \
         for (int t = 0; t < MAX_TOKENS; t++) {                                                             \
             if (t >= n_tokens) break;                                                                      \
-            float total = group_sum(acc[t], group);                                                        \
-            if (lane == 0 && row < out_features)                                                           \
-                y[t * out_features + row] = total + (residual ? residual[t * out_features + row] : 0.f);   \
+            for (int r = 0; r < 2; r++) {                                                                  \
+                float total = group_sum(acc[r][t], group);                                                 \
+                long long at = (long long)t * out_features + row + r;                                      \
+                if (lane == 0 && row + r < out_features) y[at] = total + (residual ? residual[at] : 0.f);  \
+            }                                                                                              \
         }                                                                                                  \
     }
 
@@ -96,10 +107,10 @@ __device__ __forceinline__ void accumulate_row_q8(const u8* row, int units, Q8Ac
         int group = blockDim.x / UNIT, local_row = threadIdx.x / group, lane = threadIdx.x % group;        \
         int row = blockIdx.x * UNIT + local_row, units = hidden / UNIT;                                    \
         long long offset = expert * expert_bytes + row * row_bytes, first = (long long)(pair / top_k) * units; \
-        float g[MAX_TOKENS] = {0.f}, u[MAX_TOKENS] = {0.f};                                                \
-        accumulate_row_q8<int_unit_##TYPE>(gate + offset, units, {xq, xds}, first, 0, 1, lane, group, g);  \
-        accumulate_row_q8<int_unit_##TYPE>(up + offset, units, {xq, xds}, first, 0, 1, lane, group, u);    \
-        float gate_sum = group_sum(g[0], group), up_sum = group_sum(u[0], group);                          \
+        float acc[2][MAX_TOKENS] = {{0.f}};                                                                \
+        const u8* rows[2] = {gate + offset, up + offset};                                                  \
+        accumulate_rows_q8<int_unit_##TYPE, 2>(rows, units, {xq, xds}, first, 0, 1, lane, group, acc);      \
+        float gate_sum = group_sum(acc[0][0], group), up_sum = group_sum(acc[1][0], group);                \
         if (lane == 0) act[local_row] = silu(gate_sum) * up_sum;                                           \
         __syncthreads();                                                                                   \
         if (threadIdx.x < UNIT) quantize_unit_of_warp(act[threadIdx.x],                                    \
@@ -122,11 +133,12 @@ __device__ __forceinline__ void accumulate_row_q8(const u8* row, int units, Q8Ac
         int row = blockIdx.x * rows + local_row, units = ffn / UNIT;                                       \
         for (int k = warp; k < top_k; k += blockDim.x / 32) {                                              \
             int pair = token * top_k + k, expert = ids[pair];                                              \
-            float acc[MAX_TOKENS] = {0.f};                                                                 \
+            float acc[1][MAX_TOKENS] = {{0.f}};                                                            \
+            const u8* rows[1] = {down + expert * expert_bytes + row * row_bytes};                          \
             if (expert >= 0 && row < hidden)                                                               \
-                accumulate_row_q8<int_unit_##TYPE>(down + expert * expert_bytes + row * row_bytes, units,  \
-                                                   {aq, ads}, (long long)pair * units, 0, 1, lane, group, acc); \
-            float total = group_sum(acc[0], group);                                                        \
+                accumulate_rows_q8<int_unit_##TYPE, 1>(rows, units, {aq, ads}, (long long)pair * units, 0, 1, \
+                                                       lane, group, acc);                                  \
+            float total = group_sum(acc[0][0], group);                                                     \
             if (lane == 0) partial[k][local_row] = expert >= 0 ? weights[pair] * total : 0.f;              \
         }                                                                                                  \
         __syncthreads();                                                                                   \
@@ -146,17 +158,17 @@ FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
 // has rows_s rows of row_bytes_s in type kind_s (its place in FOR_EACH_INT_TYPE) and writes
 // y_s [T, rows_s]. The rows of the three are numbered one after the other; a group of `group`
 // threads per row.
-__device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* row, int units, Q8Activations x,
-                                                       int n_tokens, int lane, int group, float* acc) {
+__device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* const* row, int units, Q8Activations x,
+                                                       int n_tokens, int lane, int group, float (*acc)[MAX_TOKENS]) {
     switch (kind) {
-        case 0: accumulate_row_q8<int_unit_q8_0>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 1: accumulate_row_q8<int_unit_q4_0>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 2: accumulate_row_q8<int_unit_q4_1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 3: accumulate_row_q8<int_unit_q5_0>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 4: accumulate_row_q8<int_unit_q5_1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 5: accumulate_row_q8<int_unit_q4_k>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 6: accumulate_row_q8<int_unit_q5_k>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 7: accumulate_row_q8<int_unit_q6_k>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 0: accumulate_rows_q8<int_unit_q8_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 1: accumulate_rows_q8<int_unit_q4_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 2: accumulate_rows_q8<int_unit_q4_1, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 3: accumulate_rows_q8<int_unit_q5_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 4: accumulate_rows_q8<int_unit_q5_1, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 5: accumulate_rows_q8<int_unit_q4_k, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 6: accumulate_rows_q8<int_unit_q5_k, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 7: accumulate_rows_q8<int_unit_q6_k, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
     }
 }
 
@@ -180,12 +192,12 @@ extern "C" __global__ void gemv_q8_three(
         }
     }
     bool valid = row < rows;
-    float acc[MAX_TOKENS];
-    for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;
-    if (valid) accumulate_row_of_kind(kind, weight + row * row_bytes, units, {xq, xds}, n_tokens, lane, group, acc);
+    float acc[1][MAX_TOKENS] = {{0.f}};
+    const u8* row_data[1] = {weight + row * row_bytes};
+    if (valid) accumulate_row_of_kind(kind, row_data, units, {xq, xds}, n_tokens, lane, group, acc);
     for (int t = 0; t < MAX_TOKENS; t++) {
         if (t >= n_tokens) break;
-        float total = group_sum(acc[t], group);
+        float total = group_sum(acc[0][t], group);
         if (lane == 0 && valid) y[t * rows + row] = total;
     }
 }

@@ -200,13 +200,22 @@ __device__ __forceinline__ int dot16(const int* w, int4 x) {
     return dot4(w[3], x.w, dot4(w[2], x.z, dot4(w[1], x.y, dot4(w[0], x.x, 0))));
 }
 
-// Σ over the unit of w·x for the activations' unit `unit`.
-__device__ __forceinline__ float unit_dot(const IntUnit& w, Q8Activations x, long long unit) {
+// One unit of activations: both planes and (d, sx).
+struct ActUnit {
+    int4 q[4];
+    float2 ds;
+};
+
+__device__ __forceinline__ ActUnit load_act_unit(Q8Activations x, long long unit) {
     const int4* q = x.q + 4 * unit;
-    float2 ds = x.ds[unit];
-    float lo = (float)dot16(w.q, q[0]) + (float)dot16(w.q, q[2]) * (1.f / 254.f);
-    float hi = (float)dot16(w.q + 4, q[1]) + (float)dot16(w.q + 4, q[3]) * (1.f / 254.f);
-    return ds.x * (w.s0 * lo + w.s1 * hi) + w.m * ds.y;
+    return {{q[0], q[1], q[2], q[3]}, x.ds[unit]};
+}
+
+// Σ over the unit of w·x.
+__device__ __forceinline__ float unit_dot(const IntUnit& w, const ActUnit& a) {
+    float lo = (float)dot16(w.q, a.q[0]) + (float)dot16(w.q, a.q[2]) * (1.f / 254.f);
+    float hi = (float)dot16(w.q + 4, a.q[1]) + (float)dot16(w.q + 4, a.q[3]) * (1.f / 254.f);
+    return a.ds.x * (w.s0 * lo + w.s1 * hi) + w.m * a.ds.y;
 }
 
 // One line per type the integer path reads.

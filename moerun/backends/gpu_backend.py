@@ -196,17 +196,16 @@ class GpuBackend:
 
     def linears(self, x: Any, weights: tuple[DeviceMatrix, ...], biases: tuple[Any | None, ...]) -> tuple[Any, ...]:
         """x [T, K] through several weights (q, k, v) (+ biases): one launch for three quantized
-        weights of even heights and a few tokens, else one product each."""
+        weights and a few tokens, else one product each."""
         n_tokens = x.shape[0]
-        if (n_tokens > MAX_GEMV_TOKENS or len(weights) != 3
-                or any(w.kind not in INT_KINDS or w.rows % 2 for w in weights)):
+        if n_tokens > MAX_GEMV_TOKENS or len(weights) != 3 or any(w.kind not in INT_KINDS for w in weights):
             return tuple(self.linear(x, weight, bias) for weight, bias in zip(weights, biases))
         x = self.cupy.ascontiguousarray(x)
         q, ds = self.q8_of(x)
         outs = tuple(self.cupy.empty((n_tokens, w.rows), self.cupy.float32) for w in weights)
         segments = [arg for w, y in zip(weights, outs)
                     for arg in (w.data, i64(w.row_bytes), i32(INT_KINDS.index(w.kind)), i32(w.rows), y)]
-        self.kernels.rows("gemv_q8_three", sum(w.rows for w in weights) // 2, weights[0].cols // UNIT, 1,  # row pairs
+        self.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), weights[0].cols // UNIT, 1,
                           (*segments, q, ds, i32(weights[0].cols), i32(n_tokens)), UNITS_PER_LANE)
         for y, bias in zip(outs, biases):
             if bias is not None:

@@ -87,7 +87,7 @@ class GpuExperts:
                 np.int32(hidden), ids, np.int32(top_k), aq, ads, np.int32(ffn)))
             group = row_group(ffn // UNIT, UNITS_PER_LANE)
             kernels[f"moe_down_q8_{down.kind}"](
-                (-(-hidden * group // 64), n_tokens), (32 * min(top_k, DOWN_WARPS),),         # 64 / group rows
+                (-(-hidden * group // 32), n_tokens), (32 * min(top_k, DOWN_WARPS),),
                 (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), aq, ads, np.int32(ffn),
                  ids, weights, np.int32(top_k), out, np.int32(hidden), np.int32(group)))
             return out

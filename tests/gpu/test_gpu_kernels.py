@@ -193,12 +193,10 @@ def test_routing_matches_numpy(n_tokens, n_experts, top_k, renormalize):
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3, 8])
-@pytest.mark.parametrize("heights", [(96, 42, 20), (96, 41, 20)], ids=["one-launch", "odd-height"])
-def test_three_products_in_one_launch(backend, n_tokens, heights):
-    """q, k, v of different types and heights (blocks straddle two of them), with biases; an odd
-    height takes three launches."""
+def test_three_products_in_one_launch(backend, n_tokens):
+    """q, k, v of different types and heights (blocks straddle two of them), with biases."""
     rng = np.random.default_rng()
-    shapes = list(zip((T.Q4_K, T.Q8_0, T.Q6_K), heights))
+    shapes = [(T.Q4_K, 96), (T.Q8_0, 40), (T.Q6_K, 20)]
     matrices, references = [], []
     for ggml_type, rows in shapes:
         raw = random_matrix(ggml_type, rng, rows, COLS)

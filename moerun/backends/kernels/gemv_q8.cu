@@ -120,29 +120,26 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
 // out[t, r] = Σ_k weights[p] · down_e[r, :] · act[p, :] over the token's pairs p = t*top_k + k
 // with ids[p] >= 0, summed in k order (deterministic). down: E experts of expert_bytes, H rows
 // of row_bytes; act [P, F] as q8; out [T, H]. Grid (H / rows per warp, T); one warp per expert
-// slot k (looping when top_k exceeds the warps), two consecutive rows per group: 64 / group rows.
+// slot k (looping when top_k exceeds the warps), 32 / group rows per warp.
 #define DEFINE_MOE_DOWN_Q8(TYPE)                                                                           \
     extern "C" __global__ void moe_down_q8_##TYPE(                                                         \
             const u8* __restrict__ down, long long expert_bytes, long long row_bytes,                      \
             const int4* __restrict__ aq, const float2* __restrict__ ads, int ffn,                          \
             const int* __restrict__ ids, const float* __restrict__ weights, int top_k,                     \
             float* __restrict__ out, int hidden, int group) {                                              \
-        __shared__ float partial[DOWN_SLOTS][64];                                                          \
-        int rows = 64 / group, token = blockIdx.y;                                                         \
-        int warp = threadIdx.x / 32, local_row = 2 * ((threadIdx.x % 32) / group), lane = threadIdx.x % group; \
+        __shared__ float partial[DOWN_SLOTS][32];                                                          \
+        int rows = 32 / group, token = blockIdx.y;                                                         \
+        int warp = threadIdx.x / 32, local_row = (threadIdx.x % 32) / group, lane = threadIdx.x % group;   \
         int row = blockIdx.x * rows + local_row, units = ffn / UNIT;                                       \
         for (int k = warp; k < top_k; k += blockDim.x / 32) {                                              \
             int pair = token * top_k + k, expert = ids[pair];                                              \
-            float acc[2][MAX_TOKENS] = {{0.f}};                                                            \
-            const u8* matrix = down + (expert >= 0 ? expert : 0) * expert_bytes;                           \
-            const u8* pair_rows[2] = {matrix + row * row_bytes, matrix + (row + 1 < hidden ? row + 1 : row) * row_bytes}; \
+            float acc[1][MAX_TOKENS] = {{0.f}};                                                            \
+            const u8* rows[1] = {down + expert * expert_bytes + row * row_bytes};                          \
             if (expert >= 0 && row < hidden)                                                               \
-                accumulate_rows_q8<int_unit_##TYPE, 2>(pair_rows, units, {aq, ads}, (long long)pair * units, 0, 1, \
+                accumulate_rows_q8<int_unit_##TYPE, 1>(rows, units, {aq, ads}, (long long)pair * units, 0, 1, \
                                                        lane, group, acc);                                  \
-            for (int r = 0; r < 2; r++) {                                                                  \
-                float total = group_sum(acc[r][0], group);                                                 \
-                if (lane == 0) partial[k][local_row + r] = expert >= 0 ? weights[pair] * total : 0.f;      \
-            }                                                                                              \
+            float total = group_sum(acc[0][0], group);                                                     \
+            if (lane == 0) partial[k][local_row] = expert >= 0 ? weights[pair] * total : 0.f;              \
         }                                                                                                  \
         __syncthreads();                                                                                   \
         row = blockIdx.x * rows + threadIdx.x;                                                             \
@@ -159,19 +156,19 @@ FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
 
 // Up to three matrices over the same activations in one launch (q, k and v): matrix s (a, b, c)
 // has rows_s rows of row_bytes_s in type kind_s (its place in FOR_EACH_INT_TYPE) and writes
-// y_s [T, rows_s]. The rows of the three (each an even number) are numbered one after the other;
-// a group of `group` threads per two consecutive rows.
-__device__ __forceinline__ void accumulate_rows_of_kind(int kind, const u8* const* rows, int units, Q8Activations x,
-                                                        int n_tokens, int lane, int group, float (*acc)[MAX_TOKENS]) {
+// y_s [T, rows_s]. The rows of the three are numbered one after the other; a group of `group`
+// threads per row.
+__device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* const* row, int units, Q8Activations x,
+                                                       int n_tokens, int lane, int group, float (*acc)[MAX_TOKENS]) {
     switch (kind) {
-        case 0: accumulate_rows_q8<int_unit_q8_0, 2>(rows, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 1: accumulate_rows_q8<int_unit_q4_0, 2>(rows, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 2: accumulate_rows_q8<int_unit_q4_1, 2>(rows, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 3: accumulate_rows_q8<int_unit_q5_0, 2>(rows, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 4: accumulate_rows_q8<int_unit_q5_1, 2>(rows, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 5: accumulate_rows_q8<int_unit_q4_k, 2>(rows, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 6: accumulate_rows_q8<int_unit_q5_k, 2>(rows, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 7: accumulate_rows_q8<int_unit_q6_k, 2>(rows, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 0: accumulate_rows_q8<int_unit_q8_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 1: accumulate_rows_q8<int_unit_q4_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 2: accumulate_rows_q8<int_unit_q4_1, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 3: accumulate_rows_q8<int_unit_q5_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 4: accumulate_rows_q8<int_unit_q5_1, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 5: accumulate_rows_q8<int_unit_q4_k, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 6: accumulate_rows_q8<int_unit_q5_k, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 7: accumulate_rows_q8<int_unit_q6_k, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
     }
 }
 
@@ -180,7 +177,7 @@ extern "C" __global__ void gemv_q8_three(
         const u8* __restrict__ weight_b, long long row_bytes_b, int kind_b, int rows_b, float* __restrict__ y_b,
         const u8* __restrict__ weight_c, long long row_bytes_c, int kind_c, int rows_c, float* __restrict__ y_c,
         const int4* __restrict__ xq, const float2* __restrict__ xds, int in_features, int n_tokens, int group) {
-    int row = 2 * (blockIdx.x * (blockDim.x / group) + threadIdx.x / group);
+    int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;
     int lane = threadIdx.x % group, units = in_features / UNIT;
     const u8* weight = weight_a;
     long long row_bytes = row_bytes_a;
@@ -195,14 +192,12 @@ extern "C" __global__ void gemv_q8_three(
         }
     }
     bool valid = row < rows;
-    float acc[2][MAX_TOKENS] = {{0.f}};
-    const u8* pair_rows[2] = {weight + row * row_bytes, weight + (row + 1) * row_bytes};
-    if (valid) accumulate_rows_of_kind(kind, pair_rows, units, {xq, xds}, n_tokens, lane, group, acc);
+    float acc[1][MAX_TOKENS] = {{0.f}};
+    const u8* row_data[1] = {weight + row * row_bytes};
+    if (valid) accumulate_row_of_kind(kind, row_data, units, {xq, xds}, n_tokens, lane, group, acc);
     for (int t = 0; t < MAX_TOKENS; t++) {
         if (t >= n_tokens) break;
-        for (int r = 0; r < 2; r++) {
-            float total = group_sum(acc[r][t], group);
-            if (lane == 0 && valid) y[t * rows + row + r] = total;
-        }
+        float total = group_sum(acc[0][t], group);
+        if (lane == 0 && valid) y[t * rows + row] = total;
     }
 }

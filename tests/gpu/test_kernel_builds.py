@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from moerun.backends.gpu_kernels import KERNEL_DIR
+from moerun.backends.gpu_kernels import INT_KINDS, KERNEL_DIR
 from moerun.backends.gpu_weights import KERNEL_TYPES
 
 pytestmark = pytest.mark.tools
-PER_TYPE = ("gemv", "moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
-SHARED = ("rms_norm", "qk_norm_rope_append", "attention_partial", "attention_combine", "route_top_k", "silu_mul",
+PER_TYPE = ("moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
+PER_FLOAT_TYPE = ("gemv",)
+PER_INT_TYPE = ("gemv_q8", "moe_gate_up_q8", "moe_down_q8")
+SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "qk_norm_rope_append", "attention_partial", "attention_combine", "route_top_k", "silu_mul",
           "silu_mul_f16", "gather_rows_f16", "combine_rows", "add_gated", "to_f16", "expand_kv_heads",
           "causal_softmax", "layout_pairs", "tile_pointers", "split_parent_ids", "pack_remote",
           "unpack_payload", "add_reply_rows")
@@ -38,7 +40,10 @@ def compile_kernels(command: list[str], output: Path, env: dict | None = None) -
 
 
 def assert_defines_every_kernel(binary: bytes) -> None:
-    names = [f"{family}_{kind}" for family in PER_TYPE for kind in KERNEL_TYPES.values()] + list(SHARED)
+    float_kinds = [kind for kind in KERNEL_TYPES.values() if kind not in INT_KINDS]
+    names = ([f"{family}_{kind}" for family in PER_TYPE for kind in KERNEL_TYPES.values()]
+             + [f"{family}_{kind}" for family in PER_FLOAT_TYPE for kind in float_kinds]
+             + [f"{family}_{kind}" for family in PER_INT_TYPE for kind in INT_KINDS] + list(SHARED))
     missing = [name for name in names if name.encode() not in binary]
     assert not missing
 

@@ -84,6 +84,6 @@
         if (lane == 0 && row < hidden) out[(long long)token * hidden + row] = total;                       \
     }
 
-FOR_EACH_TYPE(DEFINE_GEMV)
+FOR_EACH_FLOAT_TYPE(DEFINE_GEMV)
 FOR_EACH_TYPE(DEFINE_MOE_GATE_UP)
 FOR_EACH_TYPE(DEFINE_MOE_DOWN)

@@ -61,33 +61,16 @@ __device__ __forceinline__ void int_unit_q8_0(const u8* row, int unit, IntUnit& 
     for (int i = 0; i < 8; i++) w.q[i] = load_int_2aligned(block + 2 + 4 * i);
 }
 
-// Nibbles: bytes 0..15 hold elements 0..15 (low) and 16..31 (high).
-__device__ __forceinline__ void split_nibbles(const int* bytes, int* q) {
+// 16 bytes of nibbles at p: bytes 0..15 hold elements 0..15 (low) and 16..31 (high).
+// Aligned4: p is 4-byte aligned (Q4_1, Q5_1), else 2-byte aligned (Q4_0, Q5_0).
+template <bool Aligned4>
+__device__ __forceinline__ void load_nibbles(const u8* p, int* q) {
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        q[i] = bytes[i] & 0x0F0F0F0F;
-        q[i + 4] = (bytes[i] >> 4) & 0x0F0F0F0F;
+        int bytes = Aligned4 ? reinterpret_cast<const int*>(p)[i] : load_int_2aligned(p + 4 * i);
+        q[i] = bytes & 0x0F0F0F0F;
+        q[i + 4] = (bytes >> 4) & 0x0F0F0F0F;
     }
-}
-
-__device__ __forceinline__ void int_unit_q4_0(const u8* row, int unit, IntUnit& w) {
-    const u8* block = row + unit * 18;
-    float d = load_half(block);
-    int bytes[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) bytes[i] = load_int_2aligned(block + 2 + 4 * i);
-    split_nibbles(bytes, w.q);
-    w.s0 = w.s1 = d;
-    w.m = -8.f * d;
-}
-
-__device__ __forceinline__ void int_unit_q4_1(const u8* row, int unit, IntUnit& w) {
-    const u8* block = row + unit * 20;
-    w.s0 = w.s1 = load_half(block);
-    w.m = load_half(block + 2);
-    const int* words = reinterpret_cast<const int*>(block + 4);
-    int bytes[4] = {words[0], words[1], words[2], words[3]};
-    split_nibbles(bytes, w.q);
 }
 
 __device__ __forceinline__ void add_fifth_bits(u32 high, int* q) {
@@ -98,26 +81,36 @@ __device__ __forceinline__ void add_fifth_bits(u32 high, int* q) {
     }
 }
 
+// Q4_0 / Q5_0: f16 d, (Q5_0: u32 high bits,) nibbles; w = d·(q - 8) or d·(q - 16).
+__device__ __forceinline__ void int_unit_q4_0(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + unit * 18;
+    load_nibbles<false>(block + 2, w.q);
+    w.s0 = w.s1 = load_half(block);
+    w.m = -8.f * w.s0;
+}
+
 __device__ __forceinline__ void int_unit_q5_0(const u8* row, int unit, IntUnit& w) {
     const u8* block = row + unit * 22;
-    float d = load_half(block);
-    int bytes[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) bytes[i] = load_int_2aligned(block + 6 + 4 * i);
-    split_nibbles(bytes, w.q);
+    load_nibbles<false>(block + 6, w.q);
     add_fifth_bits((u32)load_int_2aligned(block + 2), w.q);
-    w.s0 = w.s1 = d;
-    w.m = -16.f * d;
+    w.s0 = w.s1 = load_half(block);
+    w.m = -16.f * w.s0;
+}
+
+// Q4_1 / Q5_1: f16 d, f16 m, (Q5_1: u32 high bits,) nibbles; w = d·q + m.
+__device__ __forceinline__ void int_unit_q4_1(const u8* row, int unit, IntUnit& w) {
+    const u8* block = row + unit * 20;
+    load_nibbles<true>(block + 4, w.q);
+    w.s0 = w.s1 = load_half(block);
+    w.m = load_half(block + 2);
 }
 
 __device__ __forceinline__ void int_unit_q5_1(const u8* row, int unit, IntUnit& w) {
     const u8* block = row + unit * 24;
+    load_nibbles<true>(block + 8, w.q);
+    add_fifth_bits(*reinterpret_cast<const u32*>(block + 4), w.q);
     w.s0 = w.s1 = load_half(block);
     w.m = load_half(block + 2);
-    const int* words = reinterpret_cast<const int*>(block + 8);
-    int bytes[4] = {words[0], words[1], words[2], words[3]};
-    split_nibbles(bytes, w.q);
-    add_fifth_bits(*reinterpret_cast<const u32*>(block + 4), w.q);
 }
 
 // Q4_K / Q5_K unit = sub-block `unit & 7` of super-block `unit >> 3` (layouts in quant_blocks.cuh).

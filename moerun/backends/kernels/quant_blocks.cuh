@@ -204,3 +204,5 @@ __device__ __forceinline__ void dequant_unit_q6_k(const u8* row, int unit, float
 
 // One line per stored type: X(name) expands a kernel family for every type.
 #define FOR_EACH_TYPE(X) X(f32) X(f16) X(bf16) X(q8_0) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q4_k) X(q5_k) X(q6_k)
+// The float types: their decode GEMV multiplies in f32 (the others in gemv_q8.cu).
+#define FOR_EACH_FLOAT_TYPE(X) X(f32) X(f16) X(bf16)

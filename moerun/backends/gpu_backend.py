@@ -340,13 +340,10 @@ class GpuBackend:
         self.kernels.elementwise("to_f16", x.size, (x, out, i64(x.size)))
         return out
 
-    def dequantize_f16(self, weight: DeviceMatrix, active: Any | None = None) -> Any:
-        """weight [N, K] -> f16 [N, K]; an expert stack -> f16 [E, N, K], leaving out the
-        experts whose entry in `active` (int32 [E]) is 0."""
+    def dequantize_f16(self, weight: DeviceMatrix) -> Any:
+        """weight [N, K] -> f16 [N, K]"""
         units = weight.cols // UNIT
-        n_rows = weight.experts * weight.rows
-        out = self.cupy.empty((weight.experts, weight.rows, weight.cols), self.cupy.float16)
-        self.kernels.elementwise(f"dequant_f16_{weight.kind}", n_rows * units,
-                                 (weight.data, i64(weight.row_bytes), i32(units), i64(n_rows), i32(weight.rows),
-                                  pointer(active), out))
-        return out if weight.experts > 1 else out[0]
+        out = self.cupy.empty((weight.rows, weight.cols), self.cupy.float16)
+        self.kernels.elementwise(f"dequant_f16_{weight.kind}", weight.rows * units,
+                                 (weight.data, i64(weight.row_bytes), i32(units), i64(weight.rows), out))
+        return out

@@ -1,8 +1,6 @@
 """Batched matrix products with f32 accumulation and f32 output through the vendor
 BLAS (cuBLAS, or hipBLAS on ROCm): f16 operands for the prefill weight products,
-f32 ones for attention. Strided batches go through CuPy's wrapper; batches of
-operand addresses built on the device (the experts' tiles) through the library's
-own GemmBatchedEx, which CuPy does not wrap.
+f32 ones for attention, in strided batches through CuPy's wrapper.
 
 The BLAS is column-major: a row-major [M, N] result is the column-major N×M matrix,
 so every product below is written for the transposed operands.
@@ -10,16 +8,9 @@ Shape legend: B batch, M rows of a, N rows of b, K shared width.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import numpy as np
-
-# (library file name, GemmBatchedEx symbol, op N, op T, f16, f32, f32 compute, default algorithm)
-BATCHED_API = {
-    False: ("libcublas.so", "cublasGemmBatchedEx", 0, 1, 2, 0, 68, -1),
-    True: ("libhipblas.so", "hipblasGemmBatchedEx", 111, 112, 2, 0, 2, 160),
-}
 
 
 class Blas:
@@ -32,7 +23,6 @@ class Blas:
         runtime = cupy.cuda.runtime
         self._types = {np.dtype(np.float16): runtime.CUDA_R_16F, np.dtype(np.float32): runtime.CUDA_R_32F}
         self._compute = getattr(cublas, "CUBLAS_COMPUTE_32F", runtime.CUDA_R_32F)
-        self._batched = None
 
     def matmul(self, a: Any, b: Any, accumulate: Any | None = None, out: Any | None = None) -> Any:
         """out[i] = a[i] · b[i]ᵀ (+ accumulate[i]): a [B, M, K], b [B, N, K] of one dtype
@@ -64,30 +54,3 @@ class Blas:
             self._one.ctypes.data, a.data.ptr, operand, lda, stride_a, b.data.ptr, operand, ldb, stride_b,
             (self._one if accumulate else self._zero).ctypes.data, c.data.ptr, self._types[c.dtype], ldc, stride_c,
             batch, self._compute, cublas.CUBLAS_GEMM_DEFAULT)
-
-    def gemm_tiles(self, *, n: int, k: int, rows: int, w_ptrs: Any, a_ptrs: Any, c_ptrs: Any, batch: int) -> None:
-        """For each tile i < batch: c_i [rows, n] f32 = a_i [rows, k] f16 · w_i [n, k] f16ᵀ, the
-        operands' addresses in device arrays (uint64 [batch]); row-major, rows contiguous."""
-        library, symbol, op_n, op_t, f16, f32, compute, algorithm = BATCHED_API[bool(self.cupy.cuda.runtime.is_hip)]
-        handle = self.cupy.cuda.device.get_cublas_handle()          # loads the library
-        if self._batched is None:
-            self._batched = getattr(ctypes.CDLL(_loaded_library(library)), symbol)
-            self._batched.restype = ctypes.c_int
-        self.cublas.setStream(handle, self.cupy.cuda.get_current_stream().ptr)
-        status = self._batched(
-            ctypes.c_void_p(handle), op_t, op_n, n, rows, k, ctypes.c_void_p(self._one.ctypes.data),
-            ctypes.c_void_p(w_ptrs.data.ptr), f16, k, ctypes.c_void_p(a_ptrs.data.ptr), f16, k,
-            ctypes.c_void_p(self._zero.ctypes.data), ctypes.c_void_p(c_ptrs.data.ptr), f32, n, batch,
-            compute, algorithm)
-        if status != 0:
-            raise RuntimeError(f"{symbol} failed with status {status}")
-
-
-def _loaded_library(name: str) -> str:
-    """The path of the already loaded shared library whose file name starts with `name`."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1]
-            if path.rsplit("/", 1)[-1].startswith(name):
-                return path
-    return name

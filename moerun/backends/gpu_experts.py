@@ -3,10 +3,11 @@ the ones a placement gave this process (a parent's hot ones, a GPU daemon's).
 
 A few tokens (decode): two launches per layer for all selected experts — gate and
 up with SwiGLU per (token, expert) pair, then down with the weighted sum over the
-token's experts (quantized experts: activations in 8-bit planes, integer dot products). Many tokens (prefill): the pairs laid out by expert in tiles of
-rows on the device, the experts with tokens dequantized to f16, one batched product
-per matrix over the tiles, the results gathered back with their weights — no host
-round trip, however skewed the routing.
+token's experts (quantized experts: activations in 8-bit planes, integer dot products).
+Many tokens (prefill): the pairs laid out by expert in tiles of rows on the device, each
+tile multiplied by its expert's weights dequantized stage by stage in shared memory (f16
+operands, f32 accumulation; each expert read in its stored type once per tile), the
+results gathered back with their weights — no host round trip, however skewed the routing.
 
 Shape legend: T tokens, H hidden, F expert FFN width, E experts, K experts per
 token, P = T*K routed pairs, R rows of the tiles.
@@ -30,7 +31,9 @@ from moerun.models.spec import ModelSpec
 GATE_UP_BLOCK = 512           # threads of the quantized gate/up kernel: 32 rows of 16 threads
 DOWN_WARPS = 8                # most warps of the quantized down kernel (one per expert slot)
 MAX_TOP_K = 32                # DOWN_SLOTS in gemv_q8.cu
-TILE_ROWS = 32                # rows per tile of an expert's tokens in the batched products
+TILE_ROWS = 32                # rows per tile of an expert's tokens (MM_ROWS in moe_mm.cu)
+MM_COLS = 64                  # output columns per block of the tile products (moe_mm.cu)
+MM_THREADS = 128              # threads per block of the tile products (moe_mm.cu)
 MAX_EXPERTS = 1024            # MAX_EXPERTS in moe_prefill.cu
 
 
@@ -58,7 +61,6 @@ class GpuExperts:
         self.backend = backend
         self.spec = spec
         self.layers = layers
-        self._scratch: TileScratch | None = None
 
     def compute(self, layer: int, x: Any, ids: Any, weights: Any, out: Any | None = None) -> Any:
         """x [T, H], ids/weights [T, K] on the device -> [T, H], queued on the stream now;
@@ -101,31 +103,28 @@ class GpuExperts:
         return out
 
     def _grouped(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None) -> Any:
-        """Pairs laid out expert by expert in tiles on the device (no host round trip), the
-        experts that have tokens dequantized to f16, one batched product per matrix over
-        the tiles, then the weighted sum back per token."""
+        """Pairs laid out expert by expert in tiles on the device (no host round trip), gate/up
+        with SwiGLU and then down straight from the stored blocks, tile by tile, then the
+        weighted sum back per token."""
         backend, spec = self.backend, self.spec
         cupy, kernels = backend.cupy, backend.kernels
         n_tokens, top_k = ids.shape
         hidden, ffn = spec.hidden, spec.expert_ff
-        if self._scratch is None:
-            self._scratch = TileScratch(cupy, hidden, ffn)
-        layout = TileLayout(backend, ids, experts.down.experts, self._scratch)
+        stack, down = experts.gate_up, experts.down
+        layout = TileLayout(backend, ids, down.experts)
         xg = cupy.empty((layout.max_rows, hidden), cupy.float16)                     # [R, H]
         kernels.elementwise("gather_rows_f16", xg.size, (x, layout.token_rows, np.int32(hidden),
                                                          np.int64(layout.max_rows), xg))
-        gate_up = backend.dequantize_f16(experts.gate_up, layout.counts)               # [E, F or 2F, H]
-        fused = experts.up_stack is experts.gate_up
-        up_stack = gate_up if fused else backend.dequantize_f16(experts.up_stack, layout.counts)
-        gate, up = (cupy.empty((layout.max_rows, ffn), cupy.float32) for _ in range(2))   # [R, F]
-        layout.multiply(xg, gate_up, 0, gate)
-        layout.multiply(xg, up_stack, experts.up_first_row * hidden, up)
-        act = cupy.empty((layout.max_rows, ffn), cupy.float16)
-        kernels.elementwise("silu_mul_f16", act.size, (gate, up, act, np.int64(act.size)))
-        down = cupy.empty((layout.max_rows, hidden), cupy.float32)                    # [R, H]
-        layout.multiply(act, backend.dequantize_f16(experts.down, layout.counts), 0, down)
+        act = cupy.empty((layout.max_rows, ffn), cupy.float16)                       # [R, F]
+        kernels[f"moe_mm_gate_up_{stack.kind}"]((-(-ffn // MM_COLS), layout.max_tiles), (MM_THREADS,), (
+            stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xg, np.int32(hidden),
+            layout.tile_expert, layout.tile_row, np.int32(ffn), act))
+        rows_out = cupy.empty((layout.max_rows, hidden), cupy.float32)               # [R, H]
+        kernels[f"moe_mm_down_{down.kind}"]((-(-hidden // MM_COLS), layout.max_tiles), (MM_THREADS,), (
+            down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), act, np.int32(ffn),
+            layout.tile_expert, layout.tile_row, np.int32(hidden), rows_out))
         out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out
-        kernels.elementwise("combine_rows", out.size, (down, layout.pair_rows, weights, np.int32(top_k),
+        kernels.elementwise("combine_rows", out.size, (rows_out, layout.pair_rows, weights, np.int32(top_k),
                                                        np.int32(hidden), np.int64(n_tokens), out))
         return out
 
@@ -147,14 +146,12 @@ class TileLayout:
     """The routed pairs ids [T, K] laid out on the device: expert e owns whole tiles of
     TILE_ROWS rows; row r holds token token_rows[r] (-1: padding); pair p sits in row
     pair_rows[p]. At most max_tiles tiles: one per TILE_ROWS pairs, plus one partial tile
-    per expert; tiles past the last compute on the scratch buffers."""
+    per expert; tiles past the last have expert -1."""
 
-    def __init__(self, backend, ids: Any, n_experts: int, scratch: "TileScratch"):
+    def __init__(self, backend, ids: Any, n_experts: int):
         cupy = backend.cupy
         if n_experts > MAX_EXPERTS:
             raise ValueError(f"the GPU prefill lays out at most {MAX_EXPERTS} experts per layer (got {n_experts})")
-        self.backend = backend
-        self.scratch = scratch
         n_pairs = ids.size
         self.max_tiles = -(-n_pairs // TILE_ROWS) + n_experts
         self.max_rows = self.max_tiles * TILE_ROWS
@@ -167,28 +164,3 @@ class TileLayout:
             ids, np.int32(n_pairs), np.int32(ids.shape[1]), np.int32(n_experts), np.int32(TILE_ROWS),
             np.int32(self.max_tiles), np.int32(self.max_rows), self.counts, self.tile_expert, self.tile_row,
             self.token_rows, self.pair_rows))
-
-    def multiply(self, rows: Any, stack: Any, offset: int, out: Any) -> None:
-        """out[r] = rows[r] · W_e[offset...]ᵀ for every tile's rows r, e the tile's expert:
-        rows f16 [R, K], stack f16 [E, N', K] holding W_e ([N, K]) from element `offset`
-        of each expert, out f32 [R, N]."""
-        cupy, backend, scratch = self.backend.cupy, self.backend, self.scratch
-        n, k = out.shape[1], rows.shape[1]
-        pointers = cupy.empty((3, self.max_tiles), cupy.uint64)                      # a, w, c per tile
-        backend.kernels.elementwise("tile_pointers", self.max_tiles, (
-            self.tile_expert, self.tile_row, np.int32(self.max_tiles), rows, np.int64(k * 2),
-            stack[:, offset // k:], np.int64(stack[0].nbytes), out, np.int64(n * 4),
-            scratch.rows, scratch.weights, scratch.out, pointers[0], pointers[1], pointers[2]))
-        backend.blas.gemm_tiles(n=n, k=k, rows=TILE_ROWS, w_ptrs=pointers[1], a_ptrs=pointers[0],
-                                c_ptrs=pointers[2], batch=self.max_tiles)
-
-
-class TileScratch:
-    """Operands for the tiles past the last (their results are never read), sized for
-    the largest of the three expert products; allocated once."""
-
-    def __init__(self, cupy, hidden: int, ffn: int):
-        wide = max(hidden, ffn)
-        self.rows = cupy.empty(TILE_ROWS * wide, cupy.float16)
-        self.weights = cupy.empty(hidden * ffn, cupy.float16)
-        self.out = cupy.empty(TILE_ROWS * wide, cupy.float32)

@@ -1,27 +1,14 @@
-// Dequantization to f16 for the prefill path, whose products run on the matrix
-// units: out[r, :] = row r of W for r < n_rows. For an expert stack, rows of expert
-// r / rows_per_expert are skipped where `active` says that expert has no tokens.
-// One thread per 32-weight unit.
+// Dequantization to f16 for the prefill path's dense products, which run on the matrix
+// units: out[r, :] = row r of W for r < n_rows. One thread per 32-weight unit.
 #include "quant_blocks.cuh"
-
-// Eight floats as eight f16 in one 16-byte store.
-__device__ __forceinline__ uint4 pack_halves(const float* v) {
-    u32 words[4];
-    for (int i = 0; i < 4; i++) {
-        __half lo = __float2half(v[2 * i]), hi = __float2half(v[2 * i + 1]);
-        words[i] = (u32)*reinterpret_cast<u16*>(&lo) | ((u32)*reinterpret_cast<u16*>(&hi) << 16);
-    }
-    return make_uint4(words[0], words[1], words[2], words[3]);
-}
 
 #define DEFINE_DEQUANT_F16(TYPE)                                                                           \
     extern "C" __global__ void dequant_f16_##TYPE(const u8* __restrict__ weight, long long row_bytes,      \
-                                                  int units_per_row, long long n_rows, int rows_per_expert, \
-                                                  const int* __restrict__ active, __half* __restrict__ out) { \
+                                                  int units_per_row, long long n_rows,                     \
+                                                  __half* __restrict__ out) {                              \
         long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                \
         if (index >= n_rows * units_per_row) return;                                                       \
         long long row = index / units_per_row;                                                             \
-        if (active && active[row / rows_per_expert] == 0) return;                                          \
         int unit = (int)(index % units_per_row);                                                           \
         float v[UNIT];                                                                                     \
         dequant_unit_##TYPE(weight + row * row_bytes, unit, v);                                            \

@@ -201,13 +201,6 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
     if (i < n) out[i] = silu(gate[i]) * up[i];
 }
 
-// Same, written as f16 for the next product on the matrix units.
-extern "C" __global__ void silu_mul_f16(const float* __restrict__ gate, const float* __restrict__ up,
-                                        __half* __restrict__ out, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = __float2half(silu(gate[i]) * up[i]);
-}
-
 // out[r, :] = x[rows[r], :] as f16, zeros where rows[r] < 0.  x [T, N]; out [R, N].
 extern "C" __global__ void gather_rows_f16(const float* __restrict__ x, const int* __restrict__ rows, int width,
                                            long long n_out, __half* __restrict__ out) {

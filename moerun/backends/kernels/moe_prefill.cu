@@ -1,6 +1,6 @@
 // Prefill expert layout on the device, with no host round trip: count the pairs per
-// expert, give each expert whole tiles of rows, place every pair in a row of its
-// expert, and point one batched product per matrix at the tiles.
+// expert, give each expert whole tiles of rows and place every pair in a row of its
+// expert; moe_mm.cu multiplies the tiles.
 // Shape legend: P routed pairs, E experts, R rows (each expert's pairs, padded to tiles).
 #include "common.cuh"
 
@@ -48,23 +48,4 @@ extern "C" __global__ void layout_pairs(const int* __restrict__ ids, int n_pairs
         token_rows[row] = p / top_k;
         pair_rows[p] = row;
     }
-}
-
-// Operand addresses of tile t for c = a · w[e]ᵀ: a rows and c rows from tile_row[t], w
-// expert tile_expert[t]; tiles past the last point at scratch buffers.
-extern "C" __global__ void tile_pointers(const int* __restrict__ tile_expert, const int* __restrict__ tile_row,
-                                         int max_tiles, const char* a, long long a_row_bytes,
-                                         const char* w, long long w_expert_bytes, char* c, long long c_row_bytes,
-                                         const char* scratch_a, const char* scratch_w, char* scratch_c,
-                                         const char** a_ptrs, const char** w_ptrs, char** c_ptrs) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= max_tiles) return;
-    int expert = tile_expert[t];
-    if (expert < 0) {
-        a_ptrs[t] = scratch_a; w_ptrs[t] = scratch_w; c_ptrs[t] = scratch_c;
-        return;
-    }
-    a_ptrs[t] = a + tile_row[t] * a_row_bytes;
-    w_ptrs[t] = w + expert * w_expert_bytes;
-    c_ptrs[t] = c + tile_row[t] * c_row_bytes;
 }

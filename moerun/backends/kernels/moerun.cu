@@ -4,4 +4,5 @@
 #include "dequant.cu"
 #include "layers.cu"
 #include "moe_prefill.cu"
+#include "moe_mm.cu"
 #include "remote.cu"

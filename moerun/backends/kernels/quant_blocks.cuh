@@ -206,3 +206,13 @@ __device__ __forceinline__ void dequant_unit_q6_k(const u8* row, int unit, float
 #define FOR_EACH_TYPE(X) X(f32) X(f16) X(bf16) X(q8_0) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q4_k) X(q5_k) X(q6_k)
 // The float types: their decode GEMV multiplies in f32 (the others in gemv_q8.cu).
 #define FOR_EACH_FLOAT_TYPE(X) X(f32) X(f16) X(bf16)
+
+// Eight floats as eight f16 in one 16-byte store.
+__device__ __forceinline__ uint4 pack_halves(const float* v) {
+    u32 words[4];
+    for (int i = 0; i < 4; i++) {
+        __half lo = __float2half(v[2 * i]), hi = __float2half(v[2 * i + 1]);
+        words[i] = (u32)*reinterpret_cast<u16*>(&lo) | ((u32)*reinterpret_cast<u16*>(&hi) << 16);
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
+}

@@ -9,7 +9,7 @@
 
 #define MM_ROWS 32                    // rows per tile (TILE_ROWS in gpu_experts.py)
 #define MM_COLS 64                    // output columns per block
-#define MM_DEPTH 64                   // k per stage: two units of every weight row
+#define MM_DEPTH 128                  // k per stage: four units of every weight row
 #define MM_THREADS 128                // MM_THREADS in gpu_experts.py
 #define MM_LD (MM_DEPTH + 8)          // halves per staged row (padded against bank conflicts)
 #define MM_LDC (MM_COLS + 4)          // floats per row of the staged results
@@ -97,68 +97,64 @@ __device__ __forceinline__ void acc_store(TileAcc& acc, float* c) {
 
 // Rows k0..k0+MM_DEPTH of the tile's MM_ROWS rows (f16 [MM_ROWS, k]) into a; zeros past k.
 __device__ __forceinline__ void stage_rows(const __half* tile, int k, int k0, __half* a) {
-    int row = threadIdx.x / 4, part = (threadIdx.x % 4) * 16;
-    uint4* dst = reinterpret_cast<uint4*>(a + row * MM_LD + part);
-    const uint4* src = reinterpret_cast<const uint4*>(tile + (long long)row * k + k0 + part);
-    bool inside = k0 + part < k;
-    uint4 zero = make_uint4(0, 0, 0, 0);
-    dst[0] = inside ? src[0] : zero;
-    dst[1] = inside ? src[1] : zero;
+    constexpr int chunks = MM_DEPTH / 8;                              // 16-byte pieces per row
+    for (int i = threadIdx.x; i < MM_ROWS * chunks; i += MM_THREADS) {
+        int row = i / chunks, column = (i % chunks) * 8;
+        uint4 value = make_uint4(0, 0, 0, 0);
+        if (k0 + column < k) value = *reinterpret_cast<const uint4*>(tile + (long long)row * k + k0 + column);
+        *reinterpret_cast<uint4*>(a + row * MM_LD + column) = value;
+    }
 }
 
-// Weight rows n0..n0+MM_COLS, units of stage k0, dequantized into w as f16; zeros past n and k.
+// Weight rows n0..n0+MM_COLS, units of stage k0, dequantized into w as f16; zeros past n
+// and k. Consecutive threads take consecutive units of a row: fewer rows per load.
 template <void (*Dequant)(const u8*, int, float*)>
 __device__ __forceinline__ void stage_weights(const u8* stack, long long row_bytes, int n0, int n, int k0,
                                               int units_per_row, __half* w) {
-    int row = threadIdx.x / 2, part = threadIdx.x % 2, unit = k0 / UNIT + part;
-    float v[UNIT];
-    if (n0 + row < n && unit < units_per_row) {
-        Dequant(stack + (long long)(n0 + row) * row_bytes, unit, v);
-    } else {
-        for (int i = 0; i < UNIT; i++) v[i] = 0.f;
+    constexpr int units = MM_DEPTH / UNIT;
+    for (int i = threadIdx.x; i < MM_COLS * units; i += MM_THREADS) {
+        int row = i / units, part = i % units, unit = k0 / UNIT + part;
+        float v[UNIT];
+        if (n0 + row < n && unit < units_per_row) {
+            Dequant(stack + (long long)(n0 + row) * row_bytes, unit, v);
+        } else {
+            for (int j = 0; j < UNIT; j++) v[j] = 0.f;
+        }
+        uint4* dst = reinterpret_cast<uint4*>(w + row * MM_LD + part * UNIT);
+        for (int j = 0; j < UNIT / 8; j++) dst[j] = pack_halves(v + 8 * j);
     }
-    uint4* dst = reinterpret_cast<uint4*>(w + row * MM_LD + part * UNIT);
-    for (int i = 0; i < UNIT / 8; i++) dst[i] = pack_halves(v + 8 * i);
-}
-
-// Stage k0 of the tile into a, and of the weights into w (gate and up: both, one after the other).
-template <void (*Dequant)(const u8*, int, float*), bool GateUp>
-__device__ __forceinline__ void stage(const __half* tile, const u8* first, const u8* second, long long row_bytes,
-                                      int k, int k0, int n0, int n, __half* a, __half* w) {
-    stage_rows(tile, k, k0, a);
-    stage_weights<Dequant>(first, row_bytes, n0, n, k0, k / UNIT, w);
-    if (GateUp) stage_weights<Dequant>(second, row_bytes, n0, n, k0, k / UNIT, w + MM_COLS * MM_LD);
 }
 
 // Block (column block, tile): the tile's rows times expert tile_expert[tile]'s rows of
 // `first` (and of `second`: gate and up, then act = silu(gate) · up as f16), written to
 // the tile's rows of out (f32) or act (f16), [R, n] each. Tiles past the last (-1) stop.
-// Two stage buffers: the next stage is staged while the current one is multiplied.
 template <void (*Dequant)(const u8*, int, float*), bool GateUp>
 __device__ void moe_mm_tile(const u8* first, const u8* second, long long expert_bytes, long long row_bytes,
                             const __half* rows, int k, const int* tile_expert, const int* tile_row, int n,
                             float* out, __half* act) {
-    constexpr int products = GateUp ? 2 : 1, w_size = products * MM_COLS * MM_LD;
-    __shared__ __align__(16) __half a[2][MM_ROWS * MM_LD];
-    __shared__ __align__(16) __half w[2][w_size];                   // the weights, then the results
+    constexpr int products = GateUp ? 2 : 1;
+    __shared__ __align__(16) __half a[MM_ROWS * MM_LD];
+    __shared__ __align__(16) __half w[products * MM_COLS * MM_LD];   // the weights, then the results
     static_assert(products * MM_ROWS * MM_LDC * sizeof(float) <= sizeof(w), "the results fit where the weights were");
     int expert = tile_expert[blockIdx.y];
     if (expert < 0) return;
     int n0 = blockIdx.x * MM_COLS, first_row = tile_row[blockIdx.y];
     const __half* tile = rows + (long long)first_row * k;
-    first += expert * expert_bytes;
-    second += GateUp ? expert * expert_bytes : 0;
+    const u8* stacks[2] = {first + expert * expert_bytes, second + expert * expert_bytes};
     TileAcc acc[products];
     for (TileAcc& part : acc) acc_zero(part);
-    stage<Dequant, GateUp>(tile, first, second, row_bytes, k, 0, n0, n, a[0], w[0]);
-    __syncthreads();
-    for (int k0 = 0, current = 0; k0 < k; k0 += MM_DEPTH, current ^= 1) {
-        if (k0 + MM_DEPTH < k)
-            stage<Dequant, GateUp>(tile, first, second, row_bytes, k, k0 + MM_DEPTH, n0, n, a[current ^ 1], w[current ^ 1]);
-        for (int p = 0; p < products; p++) acc_stage(acc[p], a[current], w[current] + p * MM_COLS * MM_LD);
+    for (int k0 = 0; k0 < k; k0 += MM_DEPTH) {
+        stage_rows(tile, k, k0, a);
+#pragma unroll
+        for (int p = 0; p < products; p++)
+            stage_weights<Dequant>(stacks[p], row_bytes, n0, n, k0, k / UNIT, w + p * MM_COLS * MM_LD);
+        __syncthreads();
+#pragma unroll
+        for (int p = 0; p < products; p++) acc_stage(acc[p], a, w + p * MM_COLS * MM_LD);
         __syncthreads();
     }
     float* c = reinterpret_cast<float*>(w);                          // [products][MM_ROWS, MM_LDC]
+#pragma unroll
     for (int p = 0; p < products; p++) acc_store(acc[p], c + p * MM_ROWS * MM_LDC);
     __syncthreads();
     for (int i = threadIdx.x; i < MM_ROWS * MM_COLS; i += MM_THREADS) {

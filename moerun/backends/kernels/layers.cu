@@ -117,11 +117,26 @@ extern "C" __global__ void attention_partial(
         local_sum += p;
     }
     float total = block_sum(local_sum, scratch);
+    // Values: thread i takes 4 dims (column i % columns) of every strides-th key from i / columns,
+    // then the strides partial sums meet in shared memory. Dv % 4 == 0, Dv / 4 <= blockDim.
+    int columns = head_dim_v / 4, strides = blockDim.x / columns, first = threadIdx.x / columns;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (first < strides) {
+        const float4* values = reinterpret_cast<const float4*>(v_cache + (long long)kv_head * head_dim_v)
+                               + threadIdx.x % columns;
+        long long key_stride = (long long)n_kv_heads * columns;
+        for (int s = begin + first; s < end; s += strides) {
+            float p = probs[s - begin];
+            float4 v = values[s * key_stride];
+            sum.x += p * v.x; sum.y += p * v.y; sum.z += p * v.z; sum.w += p * v.w;
+        }
+        reinterpret_cast<float4*>(scratch)[threadIdx.x] = sum;       // [strides, Dv]
+    }
+    __syncthreads();
     for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {
-        float sum = 0.f;
-        for (int s = begin; s < end; s++)
-            sum += probs[s - begin] * v_cache[((long long)s * n_kv_heads + kv_head) * head_dim_v + d];
-        acc[part * head_dim_v + d] = sum;
+        float value = 0.f;
+        for (int r = 0; r < strides; r++) value += scratch[r * head_dim_v + d];
+        acc[part * head_dim_v + d] = value;
     }
     if (threadIdx.x == 0) { max_sum[2 * part] = best; max_sum[2 * part + 1] = total; }
 }

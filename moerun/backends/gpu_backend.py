@@ -2,12 +2,14 @@
 their stored types on the device and every operation is a kernel of kernels/.
 
 Decode (T <= 8) multiplies quantized weights by activations converted once per input
-to two 8-bit planes (integer dot products, kernels/q8_dot.cuh) and float weights in f32; prefill dequantizes each
-matrix to f16 and multiplies on the matrix units with f32 accumulation and output
-(f32 matrices, the routers, stay f32), and attends with batched f32 products.
-Decode steps replay as captured CUDA graphs (with daemons: graph segments between
-the MoE layers' host actions; not on HIP, or with graphs off). Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv
-head dims, E experts, K experts per token, S cache positions.
+to two 8-bit planes (integer dot products, kernels/q8_dot.cuh) and float weights in f32.
+Prefill dequantizes each dense matrix to f16 and multiplies on the matrix units with f32
+accumulation and output (f32 matrices, the routers, stay f32); the experts multiply
+straight from their stored blocks (gpu_experts.py, kernels/moe_mm.cu); attention is
+batched TF32 products. Decode steps replay as captured CUDA graphs (with daemons: graph
+segments between the MoE layers' host actions; not on HIP, or with graphs off).
+Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv head dims,
+E experts, K experts per token, S cache positions.
 """
 from __future__ import annotations
 
@@ -229,7 +231,7 @@ class GpuBackend:
 
     def attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
         """Causal attention of q [T, NH*D] over the cache -> [T, NH*Dv]: split-K kernels
-        for a few tokens, batched f32 products for a prefill chunk."""
+        for a few tokens, batched TF32 products for a prefill chunk."""
         if q.shape[0] > MAX_GEMV_TOKENS:
             return self._prefill_attention(q, cache, layer, positions)
         return self._split_attention(q, cache, layer, positions)
@@ -256,7 +258,8 @@ class GpuBackend:
         return out
 
     def _prefill_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
-        """scores [NH, T, S] = q·kᵀ per head, causal softmax, then ·v; K/V expanded per query head."""
+        """scores [NH, T, S] = q·kᵀ per head, causal softmax, then ·v (TF32 products); K/V expanded
+        per query head."""
         spec, cupy, blas = self.spec, self.cupy, self.blas
         n_tokens, n_heads, d, dv = q.shape[0], spec.n_heads, spec.head_dim_k, spec.head_dim_v
         span = cache.length + n_tokens
@@ -264,13 +267,13 @@ class GpuBackend:
         scores = cupy.empty((n_heads, n_tokens, span), cupy.float32)
         blas.gemm(transpose_a=True, transpose_b=False, m=span, n=n_tokens, k=d,
                   a=keys, lda=d, stride_a=span * d, b=q, ldb=n_heads * d, stride_b=d,
-                  c=scores, ldc=span, stride_c=n_tokens * span, batch=n_heads)
+                  c=scores, ldc=span, stride_c=n_tokens * span, batch=n_heads, tf32=True)
         self.kernels["causal_softmax"]((n_heads * n_tokens,), (BLOCK,),
                                        (scores, positions, i32(n_tokens), i32(span), np.float32(1.0 / math.sqrt(d))))
         out = cupy.empty((n_tokens, n_heads * dv), cupy.float32)
         blas.gemm(transpose_a=False, transpose_b=False, m=dv, n=n_tokens, k=span,
                   a=values, lda=dv, stride_a=span * dv, b=scores, ldb=span, stride_b=n_tokens * span,
-                  c=out, ldc=n_heads * dv, stride_c=dv, batch=n_heads)
+                  c=out, ldc=n_heads * dv, stride_c=dv, batch=n_heads, tf32=True)
         return out
 
     def _expand_heads(self, cache: Any, span: int, head_dim: int) -> Any:

@@ -1,6 +1,8 @@
 """Batched matrix products with f32 accumulation and f32 output through the vendor
 BLAS (cuBLAS, or hipBLAS on ROCm): f16 operands for the prefill weight products,
-f32 ones for attention, in strided batches through CuPy's wrapper.
+f32 ones for attention (multiplied in TF32 on the matrix units where cuBLAS offers it: the
+precision of the f16 weight products; f32 throughout on ROCm), in strided batches through
+CuPy's wrapper.
 
 The BLAS is column-major: a row-major [M, N] result is the column-major N×M matrix,
 so every product below is written for the transposed operands.
@@ -23,6 +25,8 @@ class Blas:
         runtime = cupy.cuda.runtime
         self._types = {np.dtype(np.float16): runtime.CUDA_R_16F, np.dtype(np.float32): runtime.CUDA_R_32F}
         self._compute = getattr(cublas, "CUBLAS_COMPUTE_32F", runtime.CUDA_R_32F)
+        self._compute_tf32 = self._compute if runtime.is_hip else getattr(
+            cublas, "CUBLAS_COMPUTE_32F_FAST_TF32", self._compute)
 
     def matmul(self, a: Any, b: Any, accumulate: Any | None = None, out: Any | None = None) -> Any:
         """out[i] = a[i] · b[i]ᵀ (+ accumulate[i]): a [B, M, K], b [B, N, K] of one dtype
@@ -41,9 +45,10 @@ class Blas:
 
     def gemm(self, *, transpose_a: bool, transpose_b: bool, m: int, n: int, k: int, a: Any, lda: int, stride_a: int,
              b: Any, ldb: int, stride_b: int, c: Any, ldc: int, stride_c: int, batch: int,
-             accumulate: bool = False) -> None:
+             accumulate: bool = False, tf32: bool = False) -> None:
         """Column-major c[i] (m×n) = op(a[i]) · op(b[i]) (+ c[i]) for i < batch; a and b share a
-        dtype, c is f32; strides and leading dimensions in elements."""
+        dtype, c is f32; strides and leading dimensions in elements. tf32: f32 operands rounded
+        to TF32 on the matrix units (attention), else exact f32 products (the routers)."""
         cupy, cublas = self.cupy, self.cublas
         handle = cupy.cuda.device.get_cublas_handle()
         cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
@@ -53,4 +58,4 @@ class Blas:
             cublas.CUBLAS_OP_T if transpose_b else cublas.CUBLAS_OP_N, m, n, k,
             self._one.ctypes.data, a.data.ptr, operand, lda, stride_a, b.data.ptr, operand, ldb, stride_b,
             (self._one if accumulate else self._zero).ctypes.data, c.data.ptr, self._types[c.dtype], ldc, stride_c,
-            batch, self._compute, cublas.CUBLAS_GEMM_DEFAULT)
+            batch, self._compute_tf32 if tf32 else self._compute, cublas.CUBLAS_GEMM_DEFAULT)

@@ -113,7 +113,7 @@ class GpuExperts:
         stack, down = experts.gate_up, experts.down
         layout = TileLayout(backend, ids, down.experts)
         xg = cupy.empty((layout.max_rows, hidden), cupy.float16)                     # [R, H]
-        kernels.elementwise("gather_rows_f16", xg.size, (x, layout.token_rows, np.int32(hidden),
+        kernels.elementwise("gather_rows_f16", xg.size // 8, (x, layout.token_rows, np.int32(hidden),
                                                          np.int64(layout.max_rows), xg))
         act = cupy.empty((layout.max_rows, ffn), cupy.float16)                       # [R, F]
         kernels[f"moe_mm_gate_up_{stack.kind}"]((-(-ffn // MM_COLS), layout.max_tiles), (MM_THREADS,), (

@@ -216,13 +216,22 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
     if (i < n) out[i] = silu(gate[i]) * up[i];
 }
 
-// out[r, :] = x[rows[r], :] as f16, zeros where rows[r] < 0.  x [T, N]; out [R, N].
+// out[r, :] = x[rows[r], :] as f16, zeros where rows[r] < 0.  x [T, N]; out [R, N]; N a
+// multiple of 8: one thread per 8 values.
 extern "C" __global__ void gather_rows_f16(const float* __restrict__ x, const int* __restrict__ rows, int width,
                                            long long n_out, __half* __restrict__ out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_out * width) return;
-    int source = rows[i / width];
-    out[i] = __float2half(source < 0 ? 0.f : x[(long long)source * width + i % width]);
+    int pieces = width / 8;
+    if (i >= n_out * pieces) return;
+    long long row = i / pieces;
+    int source = rows[row], column = (int)(i % pieces) * 8;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (source >= 0) {
+        const float4* src = reinterpret_cast<const float4*>(x + (long long)source * width + column);
+        float4 a = src[0], b = src[1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+    *reinterpret_cast<uint4*>(out + row * width + column) = pack_halves(v);
 }
 
 // out[t, :] = Σ_k weights[t*K + k] · y[slot[t*K + k], :] over slots >= 0.

@@ -45,16 +45,35 @@ __device__ __forceinline__ void dequant_unit_bf16(const u8* row, int unit, float
     dequant_unit_16bit<bf16_bits_to_float>(row, unit, out);
 }
 
-// Q8_0: f16 d, int8 q[32]; w = d*q. 34 bytes (2-byte aligned: read in u16 pairs).
+// 32 bytes at a 2-byte aligned address as eight little-endian words, by eight 4-byte loads
+// and one 2-byte load (no branch, nothing read outside the 32 bytes).
+__device__ __forceinline__ void load_32_bytes(const u8* p, u32* words) {
+    const u32* aligned = reinterpret_cast<const u32*>(reinterpret_cast<size_t>(p) & ~(size_t)3);
+    int shift = (int)(reinterpret_cast<size_t>(p) & 3) * 8;            // 0 or 16
+    u32 w[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) w[i] = aligned[i];
+    u32 tail = *reinterpret_cast<const u16*>(p + 30);
+#pragma unroll
+    for (int i = 0; i < 7; i++) words[i] = (u32)((((unsigned long long)w[i + 1] << 32) | w[i]) >> shift);
+    words[7] = shift ? (w[7] >> 16) | (tail << 16) : w[7];
+}
+
+__device__ __forceinline__ float load_half_aligned(const u8* p) {    // p 2-byte aligned
+    return half_bits_to_float(*reinterpret_cast<const u16*>(p));
+}
+
+// Q8_0: f16 d, int8 q[32]; w = d*q. 34 bytes (2-byte aligned).
 __device__ __forceinline__ void dequant_unit_q8_0(const u8* row, int unit, float* out) {
     const u8* block = row + unit * 34;
-    float d = load_half(block);
-    const u16* q = reinterpret_cast<const u16*>(block + 2);
+    float d = load_half_aligned(block);
+    u32 q[8];
+    load_32_bytes(block + 2, q);
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        u32 pair = q[i] ^ 0x8080u;                       // int8 + 128, both bytes
-        out[2 * i] = d * biased_float(pair & 0xFF, 128.f);
-        out[2 * i + 1] = d * biased_float(pair >> 8, 128.f);
+    for (int i = 0; i < 8; i++) {
+        u32 bytes = q[i] ^ 0x80808080u;                  // int8 + 128, all four bytes
+#pragma unroll
+        for (int b = 0; b < 4; b++) out[4 * i + b] = d * biased_float((bytes >> (8 * b)) & 0xFF, 128.f);
     }
 }
 
@@ -185,20 +204,18 @@ __device__ __forceinline__ void dequant_unit_q5_k(const u8* row, int unit, float
 __device__ __forceinline__ void dequant_unit_q6_k(const u8* row, int unit, float* out) {
     const u8* block = row + (unit >> 3) * 210;
     int half_index = (unit >> 2) & 1, quarter = unit & 3;
-    const u16* low = reinterpret_cast<const u16*>(block + half_index * 64 + (quarter & 1) * 32);
-    const u16* high = reinterpret_cast<const u16*>(block + 128 + half_index * 32);
+    u32 low[8], high[8];
+    load_32_bytes(block + half_index * 64 + (quarter & 1) * 32, low);
+    load_32_bytes(block + 128 + half_index * 32, high);
     const i8* scales = reinterpret_cast<const i8*>(block + 192) + half_index * 8 + quarter * 2;
-    float d = load_half(block + 208);
+    float d = load_half_aligned(block + 208);
     int low_shift = (quarter >> 1) * 4, high_shift = 2 * quarter;
     float d0 = d * (float)scales[0], d1 = d * (float)scales[1];
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
-        u32 l = low[i], h = high[i];
-        u32 q0 = ((l >> low_shift) & 0xF) | (((h >> high_shift) & 3) << 4);
-        u32 q1 = ((l >> (8 + low_shift)) & 0xF) | (((h >> (8 + high_shift)) & 3) << 4);
-        float scale = i < 8 ? d0 : d1;
-        out[2 * i] = scale * biased_float(q0, 32.f);
-        out[2 * i + 1] = scale * biased_float(q1, 32.f);
+    for (int i = 0; i < 32; i++) {
+        u32 l = low[i / 4] >> (8 * (i % 4)), h = high[i / 4] >> (8 * (i % 4));
+        u32 q = ((l >> low_shift) & 0xF) | (((h >> high_shift) & 3) << 4);
+        out[i] = (i < 16 ? d0 : d1) * biased_float(q, 32.f);
     }
 }
 

@@ -129,7 +129,8 @@ def main() -> None:
     parser.add_argument("-n", "--decode-tokens", type=int, default=64)
     args = parser.parse_args()
     prompt = np.random.default_rng(0).integers(0, 1000, args.prompt_tokens)
-    ctx = args.prompt_tokens + args.decode_tokens + 1
+    warm_steps = 3                       # decode steps of each warm-up pass
+    ctx = args.prompt_tokens + max(args.decode_tokens, warm_steps) + 1
 
     with Runtime(args.model, ctx=ctx, rig=RigConfig(device=args.device, graphs=True)) as runtime:
         cupy, model = runtime.backend.cupy, runtime.model
@@ -138,7 +139,7 @@ def main() -> None:
         for _ in range(2):
             cache = runtime.backend.new_cache(ctx)
             model.forward(prompt, cache, all_logits=False)
-            for token in range(3):
+            for token in range(warm_steps):
                 model.forward(np.array([token]), cache, all_logits=False)
         cache = runtime.backend.new_cache(ctx)
         started = time.perf_counter()

@@ -37,7 +37,7 @@ __device__ __forceinline__ int dot4(int a, int b, int c) {
 #endif
 }
 
-// Four bytes from a 2-byte aligned address (blocks of 18, 22, 34 and 210 bytes).
+// Four bytes from a 2-byte aligned address (Q4_0 and Q5_0 blocks: 18 and 22 bytes).
 __device__ __forceinline__ int load_int_2aligned(const u8* p) {
     const u16* h = reinterpret_cast<const u16*>(p);
     return (int)((u32)h[0] | ((u32)h[1] << 16));
@@ -55,10 +55,9 @@ __device__ __forceinline__ int sub_bytes(int v, u32 b) {
 
 __device__ __forceinline__ void int_unit_q8_0(const u8* row, int unit, IntUnit& w) {
     const u8* block = row + unit * 34;
-    w.s0 = w.s1 = load_half(block);
+    w.s0 = w.s1 = load_half_aligned(block);
     w.m = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) w.q[i] = load_int_2aligned(block + 2 + 4 * i);
+    load_32_bytes(block + 2, reinterpret_cast<u32*>(w.q));
 }
 
 // 16 bytes of nibbles at p: bytes 0..15 hold elements 0..15 (low) and 16..31 (high).
@@ -151,14 +150,15 @@ __device__ __forceinline__ void int_unit_q5_k(const u8* row, int unit, IntUnit& 
 __device__ __forceinline__ void int_unit_q6_k(const u8* row, int unit, IntUnit& w) {
     const u8* block = row + (unit >> 3) * 210;
     int half_index = (unit >> 2) & 1, quarter = unit & 3;
-    const u8* low = block + half_index * 64 + (quarter & 1) * 32;
-    const u8* high = block + 128 + half_index * 32;
+    u32 low[8], high[8];
+    load_32_bytes(block + half_index * 64 + (quarter & 1) * 32, low);
+    load_32_bytes(block + 128 + half_index * 32, high);
     const i8* scales = reinterpret_cast<const i8*>(block + 192) + half_index * 8 + quarter * 2;
-    float d = load_half(block + 208);
+    float d = load_half_aligned(block + 208);
     int low_shift = (quarter >> 1) * 4, high_shift = 2 * quarter;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        int l = load_int_2aligned(low + 4 * i), h = load_int_2aligned(high + 4 * i);
+        int l = (int)low[i], h = (int)high[i];
         int value = ((l >> low_shift) & 0x0F0F0F0F) | (((h >> high_shift) & 0x03030303) << 4);
         w.q[i] = sub_bytes(value, 0x20202020u);
     }

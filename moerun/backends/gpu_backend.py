@@ -169,7 +169,7 @@ class GpuBackend:
         out = self.cupy.empty_like(x)
         width = x.shape[-1]
         q, ds = self._planes_for(out)
-        self.kernels["rms_norm"]((x.size // width,), (NORM_BLOCK,),
+        self.kernels.launch("rms_norm", (x.size // width,), (NORM_BLOCK,),
                                  (x, weight, out, i32(width), np.float32(self.spec.rms_eps), pointer(q), pointer(ds)))
         return out
 
@@ -221,7 +221,8 @@ class GpuBackend:
         # The kernel reads rows of NH*D, NKV*D and NKV*Dv floats and rotates q in place: column
         # slices of a fused qkv [T, N] are copied out when T > 1 (one row is contiguous already).
         q, k, v = (self.cupy.ascontiguousarray(a) for a in (q, k, v))
-        self.kernels["qk_norm_rope_append"](
+        self.kernels.launch(
+            "qk_norm_rope_append",
             (n_tokens, spec.n_heads + spec.n_kv_heads), (spec.head_dim_k // 2,),
             (q, k, v, pointer(q_norm), pointer(k_norm), np.float32(spec.rms_eps), positions, self.inv_freq,
              np.float64(1.0 / spec.rope_scale), i32(spec.rule.rope_style == "neox"),
@@ -244,7 +245,8 @@ class GpuBackend:
         splits = math.ceil(span / DECODE_CHUNK)
         acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)
         max_sum = cupy.empty((n_tokens, spec.n_heads, splits, 2), cupy.float32)
-        self.kernels["attention_partial"](
+        self.kernels.launch(
+            "attention_partial",
             (n_tokens, spec.n_heads, splits), (128,),
             (q, cache.k[layer], cache.v[layer], positions, i32(spec.n_heads), i32(spec.n_kv_heads),
              i32(spec.head_dim_k), i32(spec.head_dim_v), i32(DECODE_CHUNK),
@@ -252,7 +254,7 @@ class GpuBackend:
              acc, max_sum))
         out = cupy.empty((n_tokens, spec.n_heads * spec.head_dim_v), cupy.float32)
         q, ds = self._planes_for(out) if spec.head_dim_v % UNIT == 0 else (None, None)
-        self.kernels["attention_combine"]((n_tokens, spec.n_heads), (128,),
+        self.kernels.launch("attention_combine", (n_tokens, spec.n_heads), (128,),
                                           (acc, max_sum, i32(splits), i32(spec.n_heads), i32(spec.head_dim_v), out,
                                            pointer(q), pointer(ds)))
         return out
@@ -268,7 +270,7 @@ class GpuBackend:
         blas.gemm(transpose_a=True, transpose_b=False, m=span, n=n_tokens, k=d,
                   a=keys, lda=d, stride_a=span * d, b=q, ldb=n_heads * d, stride_b=d,
                   c=scores, ldc=span, stride_c=n_tokens * span, batch=n_heads, tf32=True)
-        self.kernels["causal_softmax"]((n_heads * n_tokens,), (BLOCK,),
+        self.kernels.launch("causal_softmax", (n_heads * n_tokens,), (BLOCK,),
                                        (scores, positions, i32(n_tokens), i32(span), np.float32(1.0 / math.sqrt(d))))
         out = cupy.empty((n_tokens, n_heads * dv), cupy.float32)
         blas.gemm(transpose_a=False, transpose_b=False, m=dv, n=n_tokens, k=span,
@@ -289,7 +291,7 @@ class GpuBackend:
         logits = self.linear(h, router)                                                   # [T, E]
         n_tokens = logits.shape[0]
         ids, weights = cupy.empty((n_tokens, k), cupy.int32), cupy.empty((n_tokens, k), cupy.float32)
-        self.kernels["route_top_k"]((n_tokens,), (32,), (logits, i32(router.rows), i32(k),
+        self.kernels.launch("route_top_k", (n_tokens,), (32,), (logits, i32(router.rows), i32(k),
                                                          i32(self.spec.rule.renormalize_topk), ids, weights))
         return ids, weights
 

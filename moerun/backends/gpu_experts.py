@@ -84,11 +84,12 @@ class GpuExperts:
             xq, xds = backend.q8_of(x)
             aq = cupy.empty((n_tokens * top_k, 2 * ffn), cupy.int8)                 # [P, 2F]
             ads = cupy.empty((n_tokens * top_k, ffn // UNIT, 2), cupy.float32)
-            kernels[f"moe_gate_up_q8_{stack.kind}"]((ffn // UNIT, n_tokens * top_k), (GATE_UP_BLOCK,), (
+            kernels.launch(f"moe_gate_up_q8_{stack.kind}", (ffn // UNIT, n_tokens * top_k), (GATE_UP_BLOCK,), (
                 stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xq, xds,
                 np.int32(hidden), ids, np.int32(top_k), aq, ads, np.int32(ffn)))
             group = row_group(ffn // UNIT, UNITS_PER_LANE)
-            kernels[f"moe_down_q8_{down.kind}"](
+            kernels.launch(
+                f"moe_down_q8_{down.kind}",
                 (-(-hidden * group // 32), n_tokens), (32 * min(top_k, DOWN_WARPS),),
                 (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), aq, ads, np.int32(ffn),
                  ids, weights, np.int32(top_k), out, np.int32(hidden), np.int32(group)))
@@ -116,11 +117,11 @@ class GpuExperts:
         kernels.elementwise("gather_rows_f16", xg.size // 8, (x, layout.token_rows, np.int32(hidden),
                                                          np.int64(layout.max_rows), xg))
         act = cupy.empty((layout.max_rows, ffn), cupy.float16)                       # [R, F]
-        kernels[f"moe_mm_gate_up_{stack.kind}"]((-(-ffn // MM_COLS), layout.max_tiles), (MM_THREADS,), (
+        kernels.launch(f"moe_mm_gate_up_{stack.kind}", (-(-ffn // MM_COLS), layout.max_tiles), (MM_THREADS,), (
             stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xg, np.int32(hidden),
             layout.tile_expert, layout.tile_row, np.int32(ffn), act))
         rows_out = cupy.empty((layout.max_rows, hidden), cupy.float32)               # [R, H]
-        kernels[f"moe_mm_down_{down.kind}"]((-(-hidden // MM_COLS), layout.max_tiles), (MM_THREADS,), (
+        kernels.launch(f"moe_mm_down_{down.kind}", (-(-hidden // MM_COLS), layout.max_tiles), (MM_THREADS,), (
             down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), act, np.int32(ffn),
             layout.tile_expert, layout.tile_row, np.int32(hidden), rows_out))
         out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out
@@ -160,7 +161,7 @@ class TileLayout:
         self.tile_row = cupy.empty(self.max_tiles, cupy.int32)
         self.token_rows = cupy.empty(self.max_rows, cupy.int32)                       # [R]
         self.pair_rows = cupy.empty(n_pairs, cupy.int32)                              # [P]
-        backend.kernels["layout_pairs"]((1,), (1024,), (
+        backend.kernels.launch("layout_pairs", (1,), (1024,), (
             ids, np.int32(n_pairs), np.int32(ids.shape[1]), np.int32(n_experts), np.int32(TILE_ROWS),
             np.int32(self.max_tiles), np.int32(self.max_rows), self.counts, self.tile_expert, self.tile_row,
             self.token_rows, self.pair_rows))

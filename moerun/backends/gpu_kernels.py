@@ -1,9 +1,19 @@
 """The kernel module (kernels/*.cu, one source tree for CUDA and HIP) compiled by
-CuPy at first use, and launch helpers that size grids and thread groups."""
+CuPy at first use, and launch helpers that size grids and thread groups.
+
+On CUDA GPUs of compute capability 9.0 and later, kernels go out as programmatic
+dependent launches (the driver's cuLaunchKernelEx, through ctypes): the next kernel on
+the stream is scheduled while the one before it finishes, and waits inside for its
+writes (wait_for_previous_grid in common.cuh), which hides most of the gap between
+the small kernels of a decode step.
+"""
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 BLOCK = 256                     # threads per block of the row-parallel kernels
@@ -11,6 +21,7 @@ MAX_GEMV_TOKENS = 8             # MAX_TOKENS in common.cuh
 INT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # FOR_EACH_INT_TYPE, in its order
 UNITS_PER_LANE = 2              # weight units each thread of an integer GEMV reads at least (loads in flight)
 ROW_GROUP = 32                  # most threads sharing one output row (a power of two, <= 32)
+PROGRAMMATIC_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 class Kernels:
@@ -19,12 +30,19 @@ class Kernels:
         source = (KERNEL_DIR / "moerun.cu").read_text()
         self.module = cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNEL_DIR}"))
         self._functions: dict[str, Any] = {}
+        self._dependent = DependentLauncher.for_device(cupy)
 
     def __getitem__(self, name: str):
         function = self._functions.get(name)
         if function is None:
             function = self._functions[name] = self.module.get_function(name)
         return function
+
+    def launch(self, name: str, grid: tuple, block: tuple, args: tuple) -> None:
+        if self._dependent is None:
+            self[name](grid, block, args)
+        else:
+            self._dependent.launch(self[name].kernel.ptr, grid, block, args, self.cupy.cuda.get_current_stream().ptr)
 
     def rows(self, name: str, n_rows: int, units_per_row: int, grid_y: int, args: tuple,
              units_per_lane: int = 1) -> None:
@@ -34,14 +52,68 @@ class Kernels:
         group = row_group(units_per_row, units_per_lane)
         rows_per_block = BLOCK // group
         grid = ((n_rows + rows_per_block - 1) // rows_per_block, grid_y)
-        self[name](grid, (BLOCK,), (*args, self.cupy.int32(group)))
+        self.launch(name, grid, (BLOCK,), (*args, self.cupy.int32(group)))
 
     def elementwise(self, name: str, n: int, args: tuple) -> None:
         """Launch a kernel of one thread per element."""
-        self[name](((n + BLOCK - 1) // BLOCK,), (BLOCK,), args)
+        self.launch(name, ((n + BLOCK - 1) // BLOCK,), (BLOCK,), args)
 
 
 def row_group(units_per_row: int, units_per_lane: int = 1) -> int:
     """Threads sharing one row: a power of two, at most ROW_GROUP, each with at least
     `units_per_lane` of the row's units where the row has that many."""
     return min(ROW_GROUP, 1 << (max(units_per_row // units_per_lane, 1).bit_length() - 1))
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(_LaunchAttribute)),
+                ("n_attributes", ctypes.c_uint)]
+
+
+_SCALARS = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64,
+            np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+
+
+class DependentLauncher:
+    """Kernel launches with programmatic stream serialization allowed (cuLaunchKernelEx)."""
+
+    def __init__(self, cupy, driver: ctypes.CDLL):
+        self.cupy = cupy
+        self._launch = driver.cuLaunchKernelEx
+        self._launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                 ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        self._error_name = driver.cuGetErrorName
+        self._attribute = _LaunchAttribute(id=PROGRAMMATIC_SERIALIZATION, value=1)
+
+    @classmethod
+    def for_device(cls, cupy) -> DependentLauncher | None:
+        """A launcher where the device has programmatic dependent launches (CUDA, 9.0+), else None."""
+        runtime = cupy.cuda.runtime
+        if runtime.is_hip or int(cupy.cuda.Device().compute_capability) < 90:
+            return None
+        try:
+            return cls(cupy, ctypes.CDLL("libcuda.so.1"))
+        except (OSError, AttributeError):
+            return None
+
+    def launch(self, function: int, grid: tuple, block: tuple, args: tuple, stream: int) -> None:
+        grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+        values = [self._argument(a) for a in args]
+        params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+        config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0, stream,
+                               ctypes.pointer(self._attribute), 1)
+        status = self._launch(ctypes.byref(config), function, params, None)
+        if status:
+            name = ctypes.c_char_p()
+            self._error_name(status, ctypes.byref(name))
+            raise RuntimeError(f"kernel launch failed: {(name.value or b'?').decode()} ({status})")
+
+    def _argument(self, value: Any):
+        if isinstance(value, self.cupy.ndarray):
+            return ctypes.c_void_p(value.data.ptr)
+        return _SCALARS[type(value)](value)

@@ -80,7 +80,7 @@ class GpuDispatcher:
                 backend.cut(lambda call=call: self._post(call))
                 pending.calls.append(call)
         parent_ids = cupy.empty_like(ids)
-        backend.kernels["split_parent_ids"]((1,), (BLOCK,), (ids, np.int32(ids.size), self.parent_local[layer],
+        backend.kernels.launch("split_parent_ids", (1,), (BLOCK,), (ids, np.int32(ids.size), self.parent_local[layer],
                                                              parent_ids, self.counters))
         if self.experts.layers.get(layer) is not None:
             pending.hot = self.experts.compute(layer, x, parent_ids, weights)

@@ -227,3 +227,20 @@ def test_three_products_in_one_launch(backend, n_tokens):
     outs = backend.linears(backend.cupy.asarray(x), tuple(matrices), tuple(backend.cupy.asarray(b) for b in biases))
     for got, reference, bias in zip(outs, references, biases):
         assert relative_error(got.get(), q8_round_trip(x) @ reference.T + bias) < 1e-5
+
+
+def test_hopper_launches_kernels_as_dependent_launches(backend):
+    """On compute capability 9.0 and later the suite's kernels go through cuLaunchKernelEx with
+    programmatic serialization (so every product test here checks that path); a launch with
+    a bad argument is refused with the driver's reason."""
+    cupy = backend.cupy
+    if cupy.cuda.runtime.is_hip or int(cupy.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launches need CUDA compute capability 9.0")
+    kernels = backend.kernels
+    assert kernels._dependent is not None
+    x = cupy.arange(1000, dtype=cupy.float32)
+    out = cupy.empty_like(x)
+    kernels.elementwise("add_gated", x.size, (x, x, np.uint64(0), np.int32(10), np.int64(x.size), out))
+    assert cupy.array_equal(out, 2 * x)
+    with pytest.raises(RuntimeError, match="kernel launch failed"):
+        kernels.launch("add_gated", (1,), (4096,), (x, x, np.uint64(0), np.int32(10), np.int64(x.size), out))

@@ -4,6 +4,7 @@ backend launches for each stored type."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -60,3 +61,26 @@ def test_kernels_compile_for_amd(tmp_path, arch):
 def test_kernels_compile_for_hopper(tmp_path):
     binary = compile_kernels(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin"], tmp_path / "k.cubin")
     assert_defines_every_kernel(binary)
+
+
+def kernel_bodies() -> dict[str, str]:
+    """Each kernel's name (macro names keep their ## part) -> the start of its body."""
+    bodies = {}
+    for path in KERNEL_DIR.glob("*.cu"):
+        source = path.read_text().replace("\\\n", "\n")
+        for match in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?([\w#]+)\(", source):
+            depth, at = 1, match.end()
+            while depth:
+                depth += {"(": 1, ")": -1}.get(source[at], 0)
+                at += 1
+            bodies[f"{path.name}:{match.group(1)}"] = source[source.index("{", at) + 1:].lstrip()
+    return bodies
+
+
+def test_every_kernel_first_waits_for_the_previous_grid():
+    """Kernels go out as programmatic dependent launches on Hopper: one that read or wrote
+    anything before waiting would race the kernel before it."""
+    bodies = kernel_bodies()
+    assert len(bodies) >= 29
+    late = [name for name, body in bodies.items() if not body.startswith("wait_for_previous_grid();")]
+    assert not late

@@ -20,6 +20,18 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef signed char i8;
 
+// Programmatic dependent launch (sm_90 and later, kernels launched with the attribute, see
+// gpu_kernels.py): a kernel may be scheduled while the one before it on the stream still runs.
+// Every kernel calls this first: it waits until the previous kernel has finished and its
+// writes are visible (so, transitively, every kernel before it), then lets the next kernel be
+// scheduled. Elsewhere (HIP, older GPUs, plain launches) it does nothing.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIP_PLATFORM_AMD__)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #define NEG_INF (__int_as_float(0xff800000))
 #define MAX_TOKENS 8      // most tokens one GEMV launch carries
 

@@ -6,6 +6,7 @@
     extern "C" __global__ void dequant_f16_##TYPE(const u8* __restrict__ weight, long long row_bytes,      \
                                                   int units_per_row, long long n_rows,                     \
                                                   __half* __restrict__ out) {                              \
+        wait_for_previous_grid();                                                                          \
         long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                \
         if (index >= n_rows * units_per_row) return;                                                       \
         long long row = index / units_per_row;                                                             \
@@ -23,6 +24,7 @@ FOR_EACH_TYPE(DEFINE_DEQUANT_F16)
     extern "C" __global__ void gather_rows_f32_##TYPE(const u8* __restrict__ weight, long long row_bytes,  \
                                                       int units_per_row, int n_rows,                       \
                                                       const int* __restrict__ rows, float* __restrict__ out) { \
+        wait_for_previous_grid();                                                                          \
         long long index = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                \
         if (index >= (long long)n_rows * units_per_row) return;                                            \
         int row = (int)(index / units_per_row), unit = (int)(index % units_per_row);                       \

@@ -10,6 +10,7 @@
                                            const float* __restrict__ x, int in_features,                  \
                                            float* __restrict__ y, int out_features, int n_tokens,         \
                                            const float* __restrict__ residual, int group) {               \
+        wait_for_previous_grid();                                                                          \
         __shared__ float stage[STAGE_FLOATS];                                                              \
         Activations xs = stage_activations(x, n_tokens, in_features, stage);                               \
         int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
@@ -36,6 +37,7 @@
                                                   const float* __restrict__ x, int hidden,                  \
                                                   const int* __restrict__ ids, int top_k,                   \
                                                   float* __restrict__ act, int ffn, int group) {            \
+        wait_for_previous_grid();                                                                          \
         __shared__ float stage[STAGE_FLOATS];                                                              \
         int pair = blockIdx.y;                                                                             \
         int expert = ids[pair];                                                                            \
@@ -63,6 +65,7 @@
                                                const int* __restrict__ ids,                                 \
                                                const float* __restrict__ weights, int top_k,                \
                                                float* __restrict__ out, int hidden, int group) {            \
+        wait_for_previous_grid();                                                                          \
         __shared__ float stage[STAGE_FLOATS];                                                              \
         int token = blockIdx.y;                                                                            \
         Activations acts = stage_activations(act + (long long)token * top_k * ffn, top_k, ffn, stage);     \

@@ -13,6 +13,7 @@ typedef void (*IntUnitLoader)(const u8*, int, IntUnit&);
 // One thread per unit.
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, long long n_units, int4* __restrict__ q,
                                        float2* __restrict__ ds) {
+    wait_for_previous_grid();
     long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (unit >= n_units) return;
     const float4* src = reinterpret_cast<const float4*>(x + unit * UNIT);
@@ -74,6 +75,7 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
                                               const int4* __restrict__ xq, const float2* __restrict__ xds, \
                                               int in_features, float* __restrict__ y, int out_features,    \
                                               int n_tokens, const float* __restrict__ residual, int group) { \
+        wait_for_previous_grid();                                                                          \
         int row = 2 * (blockIdx.x * (blockDim.x / group) + threadIdx.x / group);                           \
         int lane = threadIdx.x % group, units = in_features / UNIT;                                        \
         float acc[2][MAX_TOKENS] = {{0.f}};                                                                \
@@ -101,6 +103,7 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
             const u8* __restrict__ gate, const u8* __restrict__ up, long long expert_bytes, long long row_bytes, \
             const int4* __restrict__ xq, const float2* __restrict__ xds, int hidden,                       \
             const int* __restrict__ ids, int top_k, int4* __restrict__ aq, float2* __restrict__ ads, int ffn) { \
+        wait_for_previous_grid();                                                                          \
         __shared__ float act[UNIT];                                                                        \
         int pair = blockIdx.y, expert = ids[pair];                                                         \
         if (expert < 0) return;                                                                            \
@@ -127,6 +130,7 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
             const int4* __restrict__ aq, const float2* __restrict__ ads, int ffn,                          \
             const int* __restrict__ ids, const float* __restrict__ weights, int top_k,                     \
             float* __restrict__ out, int hidden, int group) {                                              \
+        wait_for_previous_grid();                                                                          \
         __shared__ float partial[DOWN_SLOTS][32];                                                          \
         int rows = 32 / group, token = blockIdx.y;                                                         \
         int warp = threadIdx.x / 32, local_row = (threadIdx.x % 32) / group, lane = threadIdx.x % group;   \
@@ -177,6 +181,7 @@ extern "C" __global__ void gemv_q8_three(
         const u8* __restrict__ weight_b, long long row_bytes_b, int kind_b, int rows_b, float* __restrict__ y_b,
         const u8* __restrict__ weight_c, long long row_bytes_c, int kind_c, int rows_c, float* __restrict__ y_c,
         const int4* __restrict__ xq, const float2* __restrict__ xds, int in_features, int n_tokens, int group) {
+    wait_for_previous_grid();
     int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;
     int lane = threadIdx.x % group, units = in_features / UNIT;
     const u8* weight = weight_a;

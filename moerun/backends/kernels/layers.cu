@@ -12,6 +12,7 @@
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
                                     float* __restrict__ out, int width, float eps, int4* __restrict__ q,
                                     float2* __restrict__ ds) {
+    wait_for_previous_grid();
     __shared__ float scratch[1024];
     const float* row = x + (long long)blockIdx.x * width;
     float sum = 0.f;
@@ -36,6 +37,7 @@ extern "C" __global__ void qk_norm_rope_append(
         const int* __restrict__ positions, const double* __restrict__ inv_freq, double inv_scale, int neox,
         float* __restrict__ k_cache, float* __restrict__ v_cache,
         int n_heads, int n_kv_heads, int head_dim, int head_dim_v) {
+    wait_for_previous_grid();
     __shared__ float scratch[MAX_HEAD_DIM / 2];
     int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x, half = head_dim / 2;
     bool is_query = head < n_heads;
@@ -73,6 +75,7 @@ extern "C" __global__ void attention_partial(
         const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
         const int* __restrict__ positions, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,
         int chunk, float scale, float* __restrict__ acc, float* __restrict__ max_sum) {
+    wait_for_previous_grid();
     __shared__ float q_shared[MAX_HEAD_DIM];
     __shared__ float probs[MAX_CHUNK];
     __shared__ float scratch[1024];
@@ -146,6 +149,7 @@ extern "C" __global__ void attention_partial(
 extern "C" __global__ void attention_combine(const float* __restrict__ acc, const float* __restrict__ max_sum,
                                              int splits, int n_heads, int head_dim_v, float* __restrict__ out,
                                              int4* __restrict__ q, float2* __restrict__ ds) {
+    wait_for_previous_grid();
     int t = blockIdx.x, head = blockIdx.y;
     long long first = ((long long)t * n_heads + head) * splits;
     float best = NEG_INF;
@@ -169,6 +173,7 @@ extern "C" __global__ void attention_combine(const float* __restrict__ acc, cons
 // probabilities, renormalised to sum 1 when asked.  One block of 32 threads per token.
 extern "C" __global__ void route_top_k(const float* __restrict__ logits, int n_experts, int top_k, int renormalize,
                                        int* __restrict__ ids, float* __restrict__ weights) {
+    wait_for_previous_grid();
     __shared__ float probs[1024];
     int t = blockIdx.x, lane = threadIdx.x;
     const float* row = logits + (long long)t * n_experts;
@@ -212,6 +217,7 @@ extern "C" __global__ void route_top_k(const float* __restrict__ logits, int n_e
 // out[i] = silu(gate[i]) * up[i] over n values.
 extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float* __restrict__ up,
                                     float* __restrict__ out, long long n) {
+    wait_for_previous_grid();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = silu(gate[i]) * up[i];
 }
@@ -220,6 +226,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float*
 // multiple of 8: one thread per 8 values.
 extern "C" __global__ void gather_rows_f16(const float* __restrict__ x, const int* __restrict__ rows, int width,
                                            long long n_out, __half* __restrict__ out) {
+    wait_for_previous_grid();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int pieces = width / 8;
     if (i >= n_out * pieces) return;
@@ -238,6 +245,7 @@ extern "C" __global__ void gather_rows_f16(const float* __restrict__ x, const in
 extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* __restrict__ slot,
                                         const float* __restrict__ weights, int top_k, int width,
                                         long long n_tokens, float* __restrict__ out) {
+    wait_for_previous_grid();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_tokens * width) return;
     long long t = i / width;
@@ -254,6 +262,7 @@ extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* 
 extern "C" __global__ void add_gated(const float* __restrict__ x, const float* __restrict__ y,
                                      const float* __restrict__ gate_logit, int width, long long n,
                                      float* __restrict__ out) {
+    wait_for_previous_grid();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float scale = gate_logit ? 1.0f / (1.0f + expf(-gate_logit[i / width])) : 1.0f;
@@ -262,6 +271,7 @@ extern "C" __global__ void add_gated(const float* __restrict__ x, const float* _
 
 // out = x as f16.
 extern "C" __global__ void to_f16(const float* __restrict__ x, __half* __restrict__ out, long long n) {
+    wait_for_previous_grid();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = __float2half(x[i]);
 }
@@ -270,6 +280,7 @@ extern "C" __global__ void to_f16(const float* __restrict__ x, __half* __restric
 // for the batched products of prefill attention. One thread per float4.
 extern "C" __global__ void expand_kv_heads(const float* __restrict__ cache, int n_positions, int n_kv_heads,
                                            int n_heads, int head_dim, float* __restrict__ out) {
+    wait_for_previous_grid();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int quads = head_dim / 4;
     if (i >= (long long)n_heads * n_positions * quads) return;
@@ -284,6 +295,7 @@ extern "C" __global__ void expand_kv_heads(const float* __restrict__ cache, int 
 // scores [NH, T, S] in place: row (h, t) scaled, cut after position positions[t], softmaxed.
 extern "C" __global__ void causal_softmax(float* __restrict__ scores, const int* __restrict__ positions,
                                           int n_tokens, int n_positions, float scale) {
+    wait_for_previous_grid();
     __shared__ float scratch[1024];
     int t = blockIdx.x % n_tokens;
     float* row = scores + (long long)blockIdx.x * n_positions;

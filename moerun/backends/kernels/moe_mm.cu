@@ -173,6 +173,7 @@ __device__ void moe_mm_tile(const u8* first, const u8* second, long long expert_
         const u8* __restrict__ gate, const u8* __restrict__ up, long long expert_bytes, long long row_bytes,   \
         const __half* __restrict__ rows, int k, const int* __restrict__ tile_expert,                           \
         const int* __restrict__ tile_row, int n, __half* __restrict__ act) {                                   \
+        wait_for_previous_grid();                                                                             \
         moe_mm_tile<dequant_unit_##TYPE, true>(gate, up, expert_bytes, row_bytes, rows, k, tile_expert,       \
                                                tile_row, n, nullptr, act);                                     \
     }                                                                                                          \
@@ -180,6 +181,7 @@ __device__ void moe_mm_tile(const u8* first, const u8* second, long long expert_
         const u8* __restrict__ down, long long expert_bytes, long long row_bytes,                              \
         const __half* __restrict__ rows, int k, const int* __restrict__ tile_expert,                           \
         const int* __restrict__ tile_row, int n, float* __restrict__ out) {                                    \
+        wait_for_previous_grid();                                                                             \
         moe_mm_tile<dequant_unit_##TYPE, false>(down, down, expert_bytes, row_bytes, rows, k, tile_expert,    \
                                                 tile_row, n, out, nullptr);                                    \
     }

@@ -16,6 +16,7 @@ extern "C" __global__ void layout_pairs(const int* __restrict__ ids, int n_pairs
                                         int tile, int max_tiles, int max_rows, int* __restrict__ counts,
                                         int* __restrict__ tile_expert, int* __restrict__ tile_row,
                                         int* __restrict__ token_rows, int* __restrict__ pair_rows) {
+    wait_for_previous_grid();
     __shared__ int count[MAX_EXPERTS], row_start[MAX_EXPERTS], cursor[MAX_EXPERTS];
     for (int e = threadIdx.x; e < n_experts; e += blockDim.x) { count[e] = 0; cursor[e] = 0; }
     for (int r = threadIdx.x; r < max_rows; r += blockDim.x) token_rows[r] = -1;

@@ -17,6 +17,7 @@ extern "C" __global__ void split_parent_ids(const int* __restrict__ ids, int n_p
                                             const int* __restrict__ parent_local,
                                             int* __restrict__ local_ids,
                                             unsigned long long* __restrict__ counters) {
+    wait_for_previous_grid();
     __shared__ int remote_pairs;
     if (threadIdx.x == 0) remote_pairs = 0;
     __syncthreads();
@@ -41,6 +42,7 @@ extern "C" __global__ void pack_remote(const float* __restrict__ x, const int* _
                                        int hidden, int top_k, const int* __restrict__ daemon_local,
                                        int dtype, void* __restrict__ dst_x, int* __restrict__ dst_ids,
                                        float* __restrict__ dst_weights) {
+    wait_for_previous_grid();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < (long long)n_tokens * hidden) {
         float value = x[(long long)row0 * hidden + i];
@@ -58,6 +60,7 @@ extern "C" __global__ void pack_remote(const float* __restrict__ x, const int* _
 // The payload x [T, H] in its dtype -> f32. One thread per element.
 extern "C" __global__ void unpack_payload(const void* __restrict__ src, int dtype, long long n,
                                           float* __restrict__ out) {
+    wait_for_previous_grid();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= n) return;
     if (dtype == 0) out[i] = ((const float*)src)[i];
@@ -69,6 +72,7 @@ extern "C" __global__ void unpack_payload(const void* __restrict__ src, int dtyp
 // daemon's device buffer, the pinned arena, or a landing buffer here.
 extern "C" __global__ void add_reply_rows(float* __restrict__ out, const float* __restrict__ reply,
                                           int row0, int hidden, long long n) {
+    wait_for_previous_grid();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) out[(long long)row0 * hidden + i] += reply[i];
 }

@@ -37,6 +37,8 @@ from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 
 NORM_BLOCK = 1024              # threads per row of rms_norm: a decode row in two passes
+FEW_ROWS = 512                 # a float matrix of at most this many rows (a router) gets a block per row
+FEW_ROWS_THREADS = 64          # threads of each of those blocks
 DECODE_CHUNK = 64              # cache positions per split of decode attention (<= MAX_CHUNK in layers.cu)
 NULL = np.uint64(0)            # a null pointer argument
 
@@ -73,6 +75,8 @@ class GpuKVCache:
 class GpuBackend:
     def __init__(self, device: Device, spec: ModelSpec, graphs: bool = True):
         cupy = self.cupy = gpu_module(device)
+        import cupyx
+        self.pinned = cupyx.empty_pinned                # (shape, dtype) -> a page-locked numpy array
         cupy.cuda.Device(device.index).use()
         self.name = device.name
         self.device_index = device.index
@@ -137,7 +141,11 @@ class GpuBackend:
         return self.cupy.arange(start, start + n_tokens, dtype=self.cupy.int32)
 
     def to_host(self, x: Any) -> np.ndarray:
-        return x.get(stream=self.stream)
+        """x in page-locked host memory (from CuPy's pool): a step's logits come back several
+        times faster than through a pageable copy."""
+        out = self.pinned(x.shape, x.dtype)
+        self.cupy.ascontiguousarray(x).get(stream=self.stream, out=out)
+        return out
 
     def new_cache(self, capacity: int) -> GpuKVCache:
         """A fresh sequence; the buffers of the last one of this capacity are reused."""
@@ -183,6 +191,11 @@ class GpuBackend:
             self.kernels.rows(f"gemv_q8_{weight.kind}", (weight.rows + 1) // 2, weight.cols // UNIT, 1,  # rows in pairs
                               (weight.data, i64(weight.row_bytes), q, ds, i32(weight.cols), y, i32(weight.rows),
                                i32(n_tokens), pointer(residual)), UNITS_PER_LANE)
+        elif n_tokens <= MAX_GEMV_TOKENS and weight.rows <= FEW_ROWS:
+            y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
+            self.kernels.launch(f"gemv_few_rows_{weight.kind}", (weight.rows,), (FEW_ROWS_THREADS,),
+                                (weight.data, i64(weight.row_bytes), x, i32(weight.cols), y, i32(weight.rows),
+                                 i32(n_tokens), pointer(residual)))
         elif n_tokens <= MAX_GEMV_TOKENS:
             y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
             self.kernels.rows(f"gemv_{weight.kind}", weight.rows, weight.cols // UNIT, 1,

@@ -61,13 +61,14 @@ class GraphCache:
         self._steps: dict[tuple, CapturedStep] = {}
         self._seen: set[tuple] = set()
         cupy = backend.cupy
-        self.token = cupy.zeros(1, cupy.int32)
-        self.position = cupy.zeros(1, cupy.int32)
+        self.inputs = cupy.zeros(2, cupy.int32)                 # the step's token and position
+        self.token, self.position = self.inputs[:1], self.inputs[1:]
+        self._host_inputs = backend.pinned((2,), np.int32)     # one asynchronous copy per step
 
     def step(self, forward: Callable[[Any, Any], Any], token: int, position: int, key: tuple) -> np.ndarray:
         backend = self.backend
-        self.token.fill(token)
-        self.position.fill(position)
+        self._host_inputs[:] = (token, position)
+        self.inputs.set(self._host_inputs, stream=backend.stream)
         if key not in self._seen:
             self._seen.add(key)
             return self._eager(forward)

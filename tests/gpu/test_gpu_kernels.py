@@ -90,6 +90,20 @@ def test_decode_gemv_matches_dequantized_product(backend, stored, n_tokens):
         assert relative_error(got, exact) < 1e-5
 
 
+@pytest.mark.parametrize("ggml_type", [T.F32, T.F16, T.BF16], ids=lambda t: t.name)
+def test_decode_gemv_of_many_float_rows(backend, ggml_type):
+    """Float matrices of more than FEW_ROWS rows take the row-group kernel (fewer rows: a block
+    per row, as in the test above)."""
+    from moerun.backends.gpu_backend import FEW_ROWS
+    rows = FEW_ROWS + 40
+    raw = random_matrix(ggml_type, np.random.default_rng(), rows=rows)
+    reference = dequantized(raw, ggml_type).reshape(rows, COLS)
+    matrix = DeviceMatrix(backend.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, COLS)
+    x = np.random.default_rng().normal(size=(3, COLS)).astype(np.float32)
+    got = backend.linear(backend.cupy.asarray(x), matrix).get()
+    assert relative_error(got, x @ reference.T) < 1e-5
+
+
 EXPERT_TYPES = [(T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0), (T.Q5_K, T.Q4_0), (T.Q5_0, T.Q4_1), (T.F16, T.F16),
                 (T.BF16, T.F32)]
 

@@ -17,7 +17,7 @@ from moerun.backends.gpu_weights import KERNEL_TYPES
 
 pytestmark = pytest.mark.tools
 PER_TYPE = ("moe_gate_up", "moe_down", "moe_mm_gate_up", "moe_mm_down", "dequant_f16", "gather_rows_f32")
-PER_FLOAT_TYPE = ("gemv",)
+PER_FLOAT_TYPE = ("gemv", "gemv_few_rows")
 PER_INT_TYPE = ("gemv_q8", "moe_gate_up_q8", "moe_down_q8")
 SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "qk_norm_rope_append", "attention_partial", "attention_combine", "route_top_k", "silu_mul",
           "gather_rows_f16", "combine_rows", "add_gated", "to_f16", "expand_kv_heads",

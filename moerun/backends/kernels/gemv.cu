@@ -28,6 +28,29 @@
         }                                                                                                  \
     }
 
+// The same product for a matrix of few rows (a router): one block per row, its threads taking
+// the row's units in turn and reading x straight from global memory (no staging), so that
+// the rows spread over as many multiprocessors as there are rows. Grid (N).
+#define DEFINE_GEMV_FEW_ROWS(TYPE)                                                                        \
+    extern "C" __global__ void gemv_few_rows_##TYPE(const u8* __restrict__ weight, long long row_bytes,   \
+                                                    const float* __restrict__ x, int in_features,         \
+                                                    float* __restrict__ y, int out_features, int n_tokens, \
+                                                    const float* __restrict__ residual) {                 \
+        wait_for_previous_grid();                                                                         \
+        __shared__ float scratch[32];                                                                     \
+        int row = blockIdx.x;                                                                             \
+        float acc[MAX_TOKENS];                                                                            \
+        for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;                                                \
+        accumulate_row<dequant_unit_##TYPE>(weight + row * row_bytes, in_features / UNIT,                 \
+                                            {x, in_features, UNIT}, 0, n_tokens, threadIdx.x, blockDim.x, \
+                                            acc);                                                         \
+        for (int t = 0; t < n_tokens; t++) {                                                              \
+            float total = block_sum(acc[t], scratch);                                                     \
+            if (threadIdx.x == 0)                                                                         \
+                y[t * out_features + row] = total + (residual ? residual[t * out_features + row] : 0.f);  \
+        }                                                                                                 \
+    }
+
 // act[p, f] = silu(gate_e · x[t]) * (up_e · x[t]) for pair p = t*top_k + k, e = ids[p];
 // pairs with ids[p] < 0 (not resident here) are skipped. gate/up: E experts of
 // expert_bytes, rows of row_bytes; x [T, H]; act [P, F]. Grid: (F rows / groups, P).
@@ -88,5 +111,6 @@
     }
 
 FOR_EACH_FLOAT_TYPE(DEFINE_GEMV)
+FOR_EACH_FLOAT_TYPE(DEFINE_GEMV_FEW_ROWS)
 FOR_EACH_TYPE(DEFINE_MOE_GATE_UP)
 FOR_EACH_TYPE(DEFINE_MOE_DOWN)

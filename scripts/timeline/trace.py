@@ -54,8 +54,9 @@ def read(path: Path) -> list[tuple[int, int, str]]:
 
 def steps_of(kernels: list, gap_ns: int, n_steps: int) -> tuple[list[list], list[int]]:
     """The last n_steps runs of kernels separated by idle pauses longer than gap_ns (the final
-    run left out), and where the run after each starts. A run of less than a quarter of the
-    longest run's kernels (the host's small fills between steps) counts with the run before."""
+    run left out), and where the run after each starts. Runs of at most a quarter of the
+    longest run's kernels (the host's small fills between steps) are not steps: they fall in
+    the cycle of the step before."""
     runs, reach = [[]], 0
     for kernel in kernels:
         if runs[-1] and kernel[0] - reach > gap_ns:
@@ -63,7 +64,7 @@ def steps_of(kernels: list, gap_ns: int, n_steps: int) -> tuple[list[list], list
         runs[-1].append(kernel)
         reach = max(reach, kernel[1])
     longest = max(len(run) for run in runs)
-    steps = [run for run in runs if len(run) * 4 >= longest]
+    steps = [run for run in runs if len(run) * 4 > longest]
     if len(steps) < n_steps + 1:
         sys.exit(f"the trace has {len(steps)} steps: fewer than --steps + 1")
     chosen = steps[-(n_steps + 1):]

@@ -148,22 +148,16 @@ __device__ __forceinline__ void int_unit_q5_k(const u8* row, int unit, IntUnit& 
 // Q6_K unit: quarter `unit & 3` of half `(unit >> 2) & 1` of a 210-byte super-block;
 // elements 0..15 and 16..31 have a scale each; values stored + 32.
 __device__ __forceinline__ void int_unit_q6_k(const u8* row, int unit, IntUnit& w) {
-    const u8* block = row + (unit >> 3) * 210;
-    int half_index = (unit >> 2) & 1, quarter = unit & 3;
-    u32 low[8], high[8];
-    load_32_bytes(block + half_index * 64 + (quarter & 1) * 32, low);
-    load_32_bytes(block + 128 + half_index * 32, high);
-    const i8* scales = reinterpret_cast<const i8*>(block + 192) + half_index * 8 + quarter * 2;
-    float d = load_half_aligned(block + 208);
-    int low_shift = (quarter >> 1) * 4, high_shift = 2 * quarter;
+    Q6KUnit q;
+    load_q6_k_unit(row, unit, q);
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        int l = (int)low[i], h = (int)high[i];
-        int value = ((l >> low_shift) & 0x0F0F0F0F) | (((h >> high_shift) & 0x03030303) << 4);
+        int l = (int)q.low[i], h = (int)q.high[i];
+        int value = ((l >> q.low_shift) & 0x0F0F0F0F) | (((h >> q.high_shift) & 0x03030303) << 4);
         w.q[i] = sub_bytes(value, 0x20202020u);
     }
-    w.s0 = d * (float)scales[0];
-    w.s1 = d * (float)scales[1];
+    w.s0 = q.d0;
+    w.s1 = q.d1;
     w.m = 0.f;
 }
 

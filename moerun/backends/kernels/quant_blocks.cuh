@@ -201,21 +201,35 @@ __device__ __forceinline__ void dequant_unit_q5_k(const u8* row, int unit, float
 // 256 weights in two halves of 128; within a half, quarter r (32 weights) takes low
 // nibbles (r < 2) or high nibbles (r >= 2) of bytes (r%2)*32.., high bits 2r..2r+1,
 // and scales 2r, 2r+1 (one per 16 weights). w = d*scale*(q-32). 210 bytes.
-__device__ __forceinline__ void dequant_unit_q6_k(const u8* row, int unit, float* out) {
+// One Q6_K unit's stored bits: its 32 bytes of low nibbles and 32 of high pairs, the shifts
+// that pick its nibble and pair out of each byte, and its two scales (times d).
+struct Q6KUnit {
+    u32 low[8], high[8];
+    int low_shift, high_shift;
+    float d0, d1;
+};
+
+__device__ __forceinline__ void load_q6_k_unit(const u8* row, int unit, Q6KUnit& q) {
     const u8* block = row + (unit >> 3) * 210;
     int half_index = (unit >> 2) & 1, quarter = unit & 3;
-    u32 low[8], high[8];
-    load_32_bytes(block + half_index * 64 + (quarter & 1) * 32, low);
-    load_32_bytes(block + 128 + half_index * 32, high);
+    load_32_bytes(block + half_index * 64 + (quarter & 1) * 32, q.low);
+    load_32_bytes(block + 128 + half_index * 32, q.high);
     const i8* scales = reinterpret_cast<const i8*>(block + 192) + half_index * 8 + quarter * 2;
     float d = load_half_aligned(block + 208);
-    int low_shift = (quarter >> 1) * 4, high_shift = 2 * quarter;
-    float d0 = d * (float)scales[0], d1 = d * (float)scales[1];
+    q.low_shift = (quarter >> 1) * 4;
+    q.high_shift = 2 * quarter;
+    q.d0 = d * (float)scales[0];
+    q.d1 = d * (float)scales[1];
+}
+
+__device__ __forceinline__ void dequant_unit_q6_k(const u8* row, int unit, float* out) {
+    Q6KUnit q;
+    load_q6_k_unit(row, unit, q);
 #pragma unroll
     for (int i = 0; i < 32; i++) {
-        u32 l = low[i / 4] >> (8 * (i % 4)), h = high[i / 4] >> (8 * (i % 4));
-        u32 q = ((l >> low_shift) & 0xF) | (((h >> high_shift) & 3) << 4);
-        out[i] = (i < 16 ? d0 : d1) * biased_float(q, 32.f);
+        u32 l = q.low[i / 4] >> (8 * (i % 4)), h = q.high[i / 4] >> (8 * (i % 4));
+        u32 value = ((l >> q.low_shift) & 0xF) | (((h >> q.high_shift) & 3) << 4);
+        out[i] = (i < 16 ? q.d0 : q.d1) * biased_float(value, 32.f);
     }
 }
 

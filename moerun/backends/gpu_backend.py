@@ -36,7 +36,8 @@ from moerun.backends.protocol import ContextFull, Forward
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 
-NORM_BLOCK = 1024              # threads per row of rms_norm: a decode row in two passes
+NORM_BLOCK = 1024              # threads per row of rms_norm
+NORM_VALUES = 8                # values each of them holds (NORM_VALUES in layers.cu): rows of at most 8192
 FEW_ROWS = 512                 # a float matrix of at most this many rows (a router) gets a block per row
 FEW_ROWS_THREADS = 64          # threads of each of those blocks
 DECODE_CHUNK = 64              # cache positions per split of decode attention (<= MAX_CHUNK in layers.cu)
@@ -82,6 +83,9 @@ class GpuBackend:
         self.device_index = device.index
         self.kind = device.platform.upper()
         self.spec = spec
+        if spec.hidden > NORM_BLOCK * NORM_VALUES:
+            raise ValueError(f"hidden size {spec.hidden}: the GPU backend normalises rows of at most "
+                             f"{NORM_BLOCK * NORM_VALUES} values")
         self.kernels = Kernels(cupy)
         self.blas = Blas(cupy)
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -304,8 +308,9 @@ class GpuBackend:
         logits = self.linear(h, router)                                                   # [T, E]
         n_tokens = logits.shape[0]
         ids, weights = cupy.empty((n_tokens, k), cupy.int32), cupy.empty((n_tokens, k), cupy.float32)
-        self.kernels.launch("route_top_k", (n_tokens,), (32,), (logits, i32(router.rows), i32(k),
-                                                         i32(self.spec.rule.renormalize_topk), ids, weights))
+        threads = min(1024, -(-router.rows // 32) * 32)                                   # a thread per expert
+        self.kernels.launch("route_top_k", (n_tokens,), (threads,), (logits, i32(router.rows), i32(k),
+                                                              i32(self.spec.rule.renormalize_topk), ids, weights))
         return ids, weights
 
     def silu_mul(self, gate: Any, up: Any) -> Any:

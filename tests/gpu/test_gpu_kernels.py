@@ -207,8 +207,10 @@ def test_expert_tile_layout(backend, skew):
 
 @pytest.mark.parametrize("n_tokens", [1, 5, 8, 20])
 @pytest.mark.parametrize("n_experts, top_k, renormalize", [(128, 8, True), (60, 4, False), (512, 10, True)])
-def test_routing_matches_numpy(n_tokens, n_experts, top_k, renormalize):
-    """h through an f32 router (the GEMV for up to 8 tokens, the product for more), then top-K."""
+@pytest.mark.parametrize("ties", [False, True])
+def test_routing_matches_numpy(n_tokens, n_experts, top_k, renormalize, ties):
+    """h through an f32 router (the GEMV for up to 8 tokens, the product for more), then top-K;
+    exact ties go to the lower id."""
     import dataclasses
 
     from moerun.backends import open_backend
@@ -219,6 +221,10 @@ def test_routing_matches_numpy(n_tokens, n_experts, top_k, renormalize):
     rng = np.random.default_rng()
     router = rng.normal(0, 0.05, (n_experts, HIDDEN)).astype(np.float32)
     h = rng.normal(size=(n_tokens, HIDDEN)).astype(np.float32)
+    if ties:        # small multiples of 1/4 whose sums are exact in any order; repeated rows tie exactly
+        router = (rng.integers(-2, 3, (n_experts, HIDDEN)) / 8).astype(np.float32)
+        router[1::3] = router[0::3][: len(router[1::3])]
+        h = rng.integers(-1, 2, (n_tokens, HIDDEN)).astype(np.float32)
     matrix = DeviceMatrix(backend.cupy.asarray(router.view(np.uint8).reshape(-1)), "f32", n_experts, HIDDEN)
     want_ids, want_weights = NumpyBackend(spec).route(h, router)
     ids, weights = backend.route(backend.cupy.asarray(h), matrix)
@@ -230,7 +236,7 @@ def test_routing_matches_numpy(n_tokens, n_experts, top_k, renormalize):
 def test_three_products_in_one_launch(backend, n_tokens):
     """q, k, v of different types and heights (blocks straddle two of them), with biases."""
     rng = np.random.default_rng()
-    shapes = [(T.Q4_K, 96), (T.Q8_0, 40), (T.Q6_K, 20)]
+    shapes = [(T.Q4_K, 95), (T.Q8_0, 41), (T.Q6_K, 20)]
     matrices, references = [], []
     for ggml_type, rows in shapes:
         raw = random_matrix(ggml_type, rng, rows, COLS)
@@ -241,6 +247,32 @@ def test_three_products_in_one_launch(backend, n_tokens):
     outs = backend.linears(backend.cupy.asarray(x), tuple(matrices), tuple(backend.cupy.asarray(b) for b in biases))
     for got, reference, bias in zip(outs, references, biases):
         assert relative_error(got.get(), q8_round_trip(x) @ reference.T + bias) < 1e-5
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_decode_attention_matches_numpy(backend, n_tokens):
+    """Split-K attention of a few tokens over a cache of several splits, some of them past the
+    tokens, against numpy; the 8-bit planes the combine writes are quantize_q8's of its output."""
+    from moerun.backends.gpu_backend import DECODE_CHUNK
+    from moerun.backends.numpy_ops import causal_attention
+    spec, cupy = backend.spec, backend.cupy
+    rng = np.random.default_rng()
+    start = 2 * DECODE_CHUNK + 5
+    cache = backend.new_cache(4 * DECODE_CHUNK)
+    k = rng.normal(size=(start + n_tokens, spec.n_kv_heads, spec.head_dim_k)).astype(np.float32)
+    v = rng.normal(size=(start + n_tokens, spec.n_kv_heads, spec.head_dim_v)).astype(np.float32)
+    cache.k[0][: len(k)] = cupy.asarray(k)
+    cache.v[0][: len(v)] = cupy.asarray(v)
+    cache.length = start
+    q = rng.normal(size=(n_tokens, spec.n_heads * spec.head_dim_k)).astype(np.float32)
+    positions = cupy.arange(start, start + n_tokens, dtype=cupy.int32)
+    want = causal_attention(q.reshape(n_tokens, spec.n_heads, -1), k, v, start).astype(np.float64)
+    got = backend.attention(cupy.asarray(q), cache, 0, positions)
+    assert relative_error(got.get(), want) < 1e-5
+    planes, scales = backend.q8_of(got)
+    want_planes, want_scales = backend.quantize_q8(got)
+    assert cupy.array_equal(planes, want_planes)
+    assert cupy.allclose(scales, want_scales, rtol=1e-6, atol=0)
 
 
 def test_hopper_launches_kernels_as_dependent_launches(backend):

@@ -77,10 +77,15 @@ def kernel_bodies() -> dict[str, str]:
     return bodies
 
 
+READ_BEFORE_WAIT = {"layers.cu:rms_norm"}      # reads its weight, which no kernel writes, first
+
+
 def test_every_kernel_first_waits_for_the_previous_grid():
     """Kernels go out as programmatic dependent launches on Hopper: one that read or wrote
     anything before waiting would race the kernel before it."""
     bodies = kernel_bodies()
     assert len(bodies) >= 29
-    late = [name for name, body in bodies.items() if not body.startswith("wait_for_previous_grid();")]
+    late = [name for name, body in bodies.items()
+            if not body.startswith("wait_for_previous_grid();") and name not in READ_BEFORE_WAIT]
     assert not late
+    assert all("wait_for_previous_grid();" in bodies[name] for name in READ_BEFORE_WAIT)

@@ -5,23 +5,37 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_CHUNK 256
+#define NORM_VALUES 8           // values of a row each rms_norm thread holds
 
 // out[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight, and in 8-bit planes (q8_dot.cuh)
 // into q, ds when q is given (width a multiple of 32: each warp holds whole units).
-// One block per row.
+// One block per row; each thread holds NORM_VALUES values of it (width <= NORM_VALUES · blockDim).
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
                                     float* __restrict__ out, int width, float eps, int4* __restrict__ q,
                                     float2* __restrict__ ds) {
+    // Read before the wait: the weight, which no kernel writes, comes in while the kernel before finishes.
+    float w[NORM_VALUES];
+#pragma unroll
+    for (int j = 0; j < NORM_VALUES; j++) {
+        int i = j * blockDim.x + threadIdx.x;
+        w[j] = i < width ? weight[i] : 0.f;
+    }
     wait_for_previous_grid();
     __shared__ float scratch[1024];
     const float* row = x + (long long)blockIdx.x * width;
-    float sum = 0.f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) sum += row[i] * row[i];
+    float v[NORM_VALUES], sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_VALUES; j++) {
+        int i = j * blockDim.x + threadIdx.x;
+        v[j] = i < width ? row[i] : 0.f;
+        sum += v[j] * v[j];
+    }
     float inv = 1.0f / sqrtf(block_sum(sum, scratch) / width + eps);
-    for (int first = 0; first < width; first += blockDim.x) {
-        int i = first + threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < NORM_VALUES; j++) {
+        int i = j * blockDim.x + threadIdx.x;
         if (i - threadIdx.x % UNIT >= width) break;           // the whole warp is past the row
-        float value = i < width ? row[i] * inv * weight[i] : 0.f;
+        float value = v[j] * inv * w[j];
         if (i < width) out[(long long)blockIdx.x * width + i] = value;
         if (q) quantize_unit_of_warp(value, ((long long)blockIdx.x * width + i) / UNIT, q, ds);
     }
@@ -170,48 +184,44 @@ extern "C" __global__ void attention_combine(const float* __restrict__ acc, cons
 }
 
 // Router: softmax over E logits, the K most probable (ties to the lower id), their
-// probabilities, renormalised to sum 1 when asked.  One block of 32 threads per token.
+// probabilities, renormalised to sum 1 when asked (K <= 32). One block per token. An expert's
+// rank is the number of experts more probable than it, or as probable with a lower id: the K
+// of rank below K land in order at once, with no round of selection per k.
 extern "C" __global__ void route_top_k(const float* __restrict__ logits, int n_experts, int top_k, int renormalize,
                                        int* __restrict__ ids, float* __restrict__ weights) {
     wait_for_previous_grid();
     __shared__ float probs[1024];
-    int t = blockIdx.x, lane = threadIdx.x;
+    __shared__ float chosen[32];
+    __shared__ float scratch[32];
+    int t = blockIdx.x;
     const float* row = logits + (long long)t * n_experts;
     float top = NEG_INF;
-    for (int e = lane; e < n_experts; e += 32) top = fmaxf(top, row[e]);
-    top = group_max(top, 32);
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) top = fmaxf(top, row[e]);
+    top = block_max(top, scratch);
     float sum = 0.f;
-    for (int e = lane; e < n_experts; e += 32) {
-        probs[e] = expf(row[e] - top);
-        sum += probs[e];
-    }
-    sum = group_sum(sum, 32);
-    for (int e = lane; e < n_experts; e += 32) probs[e] /= sum;
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) sum += expf(row[e] - top);
+    sum = block_sum(sum, scratch);
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) probs[e] = expf(row[e] - top) / sum;
     __syncthreads();
-    float chosen[32];
-    int chosen_ids[32];
-    float chosen_sum = 0.f;
-    for (int k = 0; k < top_k; k++) {
-        float value = -1.f;
-        int index = n_experts;
-        for (int e = lane; e < n_experts; e += 32)
-            if (probs[e] > value) { value = probs[e]; index = e; }
-        for (int offset = 16; offset > 0; offset /= 2) {
-            float other = SHFL_XOR(value, offset, 32);
-            int other_index = SHFL_XOR(index, offset, 32);
-            if (other > value || (other == value && other_index < index)) { value = other; index = other_index; }
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+        float p = probs[e];
+        int rank = 0;
+        for (int other = 0; other < n_experts; other++) {
+            float o = probs[other];
+            rank += o > p || (o == p && other < e);
         }
-        chosen[k] = value;
-        chosen_ids[k] = index;
-        chosen_sum += value;
-        if (lane == 0) probs[index] = -2.f;
-        __syncthreads();
+        if (rank < top_k) {
+            ids[t * top_k + rank] = e;
+            chosen[rank] = p;
+        }
     }
-    if (lane == 0)
-        for (int k = 0; k < top_k; k++) {
-            ids[t * top_k + k] = chosen_ids[k];
-            weights[t * top_k + k] = renormalize ? chosen[k] / chosen_sum : chosen[k];
-        }
+    __syncthreads();
+    if (threadIdx.x < top_k) {
+        float chosen_sum = 0.f;
+        for (int k = 0; k < top_k; k++) chosen_sum += chosen[k];
+        float p = chosen[threadIdx.x];
+        weights[t * top_k + threadIdx.x] = renormalize ? p / chosen_sum : p;
+    }
 }
 
 // out[i] = silu(gate[i]) * up[i] over n values.

@@ -1,0 +1,40 @@
+"""How a row-parallel kernel's threads are grouped (moerun/backends/gpu_kernels.py): pure
+arithmetic, so it is checked here without a GPU."""
+from __future__ import annotations
+
+import pytest
+
+from moerun.backends.gpu_kernels import BLOCK, ROW_GROUP, blocks_of_rows, fitting_group, row_group
+
+
+@pytest.mark.parametrize("units_per_row, units_per_lane, want", [
+    (64, 2, 32), (128, 2, 32), (24, 2, 8), (1, 2, 1), (64, 4, 16), (7, 1, 4)])
+def test_row_group_is_a_power_of_two_with_enough_units_per_lane(units_per_row, units_per_lane, want):
+    assert row_group(units_per_row, units_per_lane) == want
+    assert want <= ROW_GROUP
+
+
+def test_a_grid_just_over_one_wave_takes_groups_half_as_wide():
+    """q, k and v of the 30B-A3B shape: 5120 rows of 64 units; 4 blocks of 256 per
+    multiprocessor on 132 of them hold 528 blocks."""
+    wave = 4 * 132
+    assert blocks_of_rows(5120, 32) == 640
+    assert fitting_group(32, 5120, 1, wave) == 16
+    assert blocks_of_rows(5120, 16) == 320 <= wave
+
+
+@pytest.mark.parametrize("n_rows, grid_y, wave", [
+    (2048, 1, 528),          # already one wave: unchanged
+    (151936, 1, 528),        # many waves either way (an LM head): unchanged
+    (5120, 3, 528),          # three tokens' worth: halving still leaves two waves
+    (4224, 1, 528)])         # exactly one wave
+def test_other_grids_keep_their_groups(n_rows, grid_y, wave):
+    assert fitting_group(32, n_rows, grid_y, wave) == 32
+
+
+def test_blocks_cover_every_row():
+    for group in (1, 2, 4, 8, 16, 32):
+        rows_per_block = BLOCK // group
+        for n_rows in (1, rows_per_block - 1, rows_per_block, rows_per_block + 1, 5000):
+            blocks = blocks_of_rows(n_rows, group)
+            assert (blocks - 1) * rows_per_block < n_rows <= blocks * rows_per_block

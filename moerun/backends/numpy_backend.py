@@ -1,19 +1,30 @@
 """The reference backend: every operation in float32 numpy on the CPU (the math is in
-numpy_ops).
+numpy_ops), but for the routed experts, which the CPU kernels (moerun.backends.cpu) compute
+straight from their stored blocks in the mmap.
 
-Weights are dequantized at load, the embedding rows on use; the routed experts one at a
-time on first use, straight from the mmap, into a byte-bounded cache. The KV cache grows in
-pages as the sequence does.
+Weights are dequantized at load, the embedding rows on use. Where the kernels cannot run (no
+C compiler, an expert type they do not read) the experts are dequantized one at a time on
+first use, straight from the mmap, into a byte-bounded cache: the float32 reference the
+kernels' tests compare against. The KV cache grows in pages as the sequence does.
 Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv head dims,
 E experts, K experts per token, F expert FFN width, S cached positions.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
 from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 
+from moerun.backends.cpu.library import (
+    CpuKernels,
+    ExpertMatrices,
+    Matrix,
+    default_threads,
+    kernel_error,
+    load_kernels,
+)
 from moerun.backends.numpy_ops import (
     ExpertWeights,
     apply_rope,
@@ -26,12 +37,14 @@ from moerun.backends.numpy_ops import (
     silu,
 )
 from moerun.backends.protocol import ContextFull, Forward
-from moerun.gguf.quants import RowTable
-from moerun.gguf.reader import GGUFFile
+from moerun.gguf.quants import RowTable, row_nbytes
+from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.models.spec import ModelSpec
 
 PAGE_TOKENS = 256
 NO_EXPERTS = np.zeros(0, np.int64)       # the held ids of a layer this process holds none of
+
+logger = logging.getLogger(__name__)
 
 
 class NumpyBackend:
@@ -61,9 +74,9 @@ class NumpyBackend:
         return gguf.row_table(name)
 
     def load_experts(self, gguf: GGUFFile, held: dict[int, list[int]] | None, cache_bytes: int) -> CpuExperts:
-        """Experts read from the mmap on first use, through one cache per backend."""
+        """Experts computed from the mmap, through one store per backend."""
         if self._store is None:
-            self._store = ExpertStore(gguf, self.spec, cache_bytes)
+            self._store = expert_store(gguf, self.spec, cache_bytes)
         return CpuExperts(self._store, held)
 
     # -- sequences and steps
@@ -169,7 +182,67 @@ def _grown(array: np.ndarray, size: int) -> np.ndarray:
     return grown
 
 
-class ExpertStore:
+class QuantizedExperts:
+    """Routed experts multiplied by the CPU kernels straight from their stored blocks: nothing
+    is copied or dequantized ahead, so memory stays at the mapped bytes and an expert is ready
+    as soon as the file is open. `layers`: each MoE layer's matrices, pointing into arrays
+    (views of the mapped file) that `keep` holds alive."""
+
+    def __init__(self, kernels: CpuKernels, layers: dict[int, ExpertMatrices], threads: int,
+                 keep: list[np.ndarray]):
+        self.kernels = kernels
+        self.layers = layers
+        self.threads = threads
+        self._keep = keep
+
+    @classmethod
+    def of_file(cls, kernels: CpuKernels, gguf: GGUFFile, spec: ModelSpec, threads: int) -> QuantizedExperts:
+        views: list[np.ndarray] = []
+        layers = {layer: _expert_matrices(gguf, spec, layer, views)
+                  for layer, is_moe in enumerate(spec.moe_layers) if is_moe}
+        return cls(kernels, layers, threads, views)
+
+    def grouped_ffn(self, layer: int, x: np.ndarray, rows: np.ndarray, experts: np.ndarray,
+                    weights: np.ndarray) -> np.ndarray:
+        """out[rows[p]] += weights[p] · FFN_{experts[p]}(x[rows[p]]).  x [T, H]; rows, experts,
+        weights [P] -> [T, H]"""
+        x = np.ascontiguousarray(x, np.float32)
+        rows = np.ascontiguousarray(rows, np.int64)
+        experts = np.ascontiguousarray(experts, np.int64)
+        weights = np.ascontiguousarray(weights, np.float32)
+        out = np.empty_like(x)
+        status = self.kernels.lib.moe_ffn(ctypes.byref(self.layers[layer]), x.ctypes.data, len(x), rows.ctypes.data,
+                                          experts.ctypes.data, weights.ctypes.data, len(rows), out.ctypes.data,
+                                          self.threads)
+        if status:
+            raise kernel_error(status)
+        return out
+
+
+def _expert_matrices(gguf: GGUFFile, spec: ModelSpec, layer: int, views: list[np.ndarray]) -> ExpertMatrices:
+    """One layer's gate, up [E, F, H] and down [E, H, F] as stored; the tensors' views go to `views`."""
+    def stored(name: str, shape: tuple[int, int, int]) -> Matrix:
+        info = gguf.tensor(name)
+        if info.shape != shape:
+            raise GGUFError(gguf.path, f"tensor '{name}' has shape {info.shape}, expected {shape}")
+        views.append(gguf.raw(name))
+        row_bytes = row_nbytes(info.ggml_type, shape[2])
+        return Matrix(views[-1].ctypes.data, int(info.ggml_type), shape[1], shape[2], row_bytes, shape[1] * row_bytes)
+
+    names = spec.expert_tensor_names(layer)
+    n_experts, hidden, ffn = spec.n_experts, spec.hidden, spec.expert_ff
+    down = stored(names[-1], (n_experts, hidden, ffn))
+    if not spec.fused_gate_up:
+        return ExpertMatrices(stored(names[0], (n_experts, ffn, hidden)), stored(names[1], (n_experts, ffn, hidden)),
+                              down, n_experts)
+    gate_up = stored(names[0], (n_experts, 2 * ffn, hidden))                             # gate rows first
+    gate = Matrix(gate_up.data, gate_up.type, ffn, hidden, gate_up.row_bytes, gate_up.expert_bytes)
+    up = Matrix(gate_up.data + ffn * gate_up.row_bytes, gate_up.type, ffn, hidden, gate_up.row_bytes,
+                gate_up.expert_bytes)
+    return ExpertMatrices(gate, up, down, n_experts)
+
+
+class DequantizedExperts:
     """Dequantizes one expert at a time on first use; keeps the most recently used ones
     while they fit in `cache_bytes` of float32."""
 
@@ -183,6 +256,12 @@ class ExpertStore:
             for name in spec.expert_tensor_names(layer) if is_moe else ():
                 gguf.tensor(name)  # fail at load, not mid-generation, if one is missing
 
+    def grouped_ffn(self, layer: int, x: np.ndarray, rows: np.ndarray, experts: np.ndarray,
+                    weights: np.ndarray) -> np.ndarray:
+        """out[rows[p]] += weights[p] · FFN_{experts[p]}(x[rows[p]]).  x [T, H]; rows, experts,
+        weights [P] -> [T, H]"""
+        return grouped_ffn(x, rows, experts, weights, lambda expert: self.get(layer, expert))
+
     def get(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
         if key in self._cache:
@@ -195,6 +274,25 @@ class ExpertStore:
         return weights
 
 
+ExpertStore = QuantizedExperts | DequantizedExperts
+
+
+def expert_store(gguf: GGUFFile, spec: ModelSpec, cache_bytes: int, threads: int | None = None) -> ExpertStore:
+    """The CPU kernels over the stored blocks (`threads` threads, default_threads() if None),
+    where this machine has them and they read every expert tensor's type; otherwise, with a
+    notice, experts dequantized to float32 (at most `cache_bytes` of them kept)."""
+    kernels = load_kernels()
+    if kernels is not None:
+        missing = {gguf.tensor(name).ggml_type.name for layer, is_moe in enumerate(spec.moe_layers) if is_moe
+                   for name in spec.expert_tensor_names(layer) if not kernels.supports(gguf.tensor(name).ggml_type)}
+        if not missing:
+            return QuantizedExperts.of_file(kernels, gguf, spec, threads or default_threads())
+        logger.warning(f"{gguf.path.name}: the CPU kernels do not read expert tensors of type "
+                       f"{', '.join(sorted(missing))}; those experts are dequantized to float32 and multiplied "
+                       f"with numpy instead (slower, and 4 bytes of memory per weight)")
+    return DequantizedExperts(gguf, spec, cache_bytes)
+
+
 class CpuExperts:
     """Routed experts computed on the CPU from an ExpertStore: every expert (local ids are
     the global ones), or the `held` global ids per layer."""
@@ -204,7 +302,7 @@ class CpuExperts:
         self.held = None if held is None else {layer: np.asarray(ids, np.int64) for layer, ids in held.items()}
 
     def every_expert(self) -> CpuExperts:
-        """The same cache, addressed by global ids (a parent computing a failed daemon's pairs)."""
+        """The same store, addressed by global ids (a parent computing a failed daemon's pairs)."""
         return CpuExperts(self.store, None)
 
     def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
@@ -214,14 +312,11 @@ class CpuExperts:
         rows, slots = np.nonzero(ids >= 0)
         local = ids[rows, slots]
         experts = local if self.held is None else self.held.get(layer, NO_EXPERTS)[local]
-        result = grouped_ffn(x, rows, experts, weights[rows, slots], self._expert(layer))
+        result = self.store.grouped_ffn(layer, x, rows, experts, weights[rows, slots])
         if out is None:
             return result
         out[...] = result
         return out
-
-    def _expert(self, layer: int) -> Callable[[int], ExpertWeights]:
-        return lambda expert: self.store.get(layer, expert)
 
 
 def load_expert(gguf: GGUFFile, spec: ModelSpec, layer: int, expert: int) -> ExpertWeights:

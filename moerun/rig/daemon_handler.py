@@ -1,7 +1,7 @@
 """The expert daemon's request handling: it holds the experts a parent assigns it and computes
-them on request, on the CPU (experts dequantized to float32 from its own mmap) or on a GPU
-(daemon_gpu.py). The protocol and the session rules live in moerun.ipc.server, which calls
-this as its Handler; moerun.daemons.daemon runs the process.
+them on request, on the CPU (the CPU kernels over its own mmap: nothing to load, so it is
+ready at once) or on a GPU (daemon_gpu.py). The protocol and the session rules live in
+moerun.ipc.server, which calls this as its Handler; moerun.daemons.daemon runs the process.
 
 Shape legend: T tokens, H hidden, P routed pairs (token, expert), F expert FFN width.
 """
@@ -13,8 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moerun.backends.devices import gpu_module, parse_device
-from moerun.backends.numpy_backend import load_expert
-from moerun.backends.numpy_ops import ExpertWeights, grouped_ffn
+from moerun.backends.numpy_backend import ExpertStore, expert_store
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.shm import Arena
 from moerun.models import load_spec
@@ -43,7 +42,7 @@ class ExpertDaemon:
         self.spec = load_spec(self.gguf)
         self._fingerprint = self.gguf.fingerprint()
         self.assigned: dict[int, np.ndarray] = {}                  # layer -> global ids, index = local id
-        self.weights: dict[tuple[int, int], ExpertWeights] = {}    # on the CPU
+        self.store: ExpertStore | None = None                      # on the CPU
         self.gpu = None if device == "cpu" else GpuExpertSet(device, self.gguf, self.spec)
         self.calls = self.tokens = self.pairs = 0
         self.compute_seconds = 0.0
@@ -58,19 +57,15 @@ class ExpertDaemon:
         """Load exactly these experts (global ids per layer) from this daemon's own mmap."""
         self._check_assignment(experts)
         self.assigned.clear()             # the attached arena stays: a new ASSIGN replaces only experts
-        self.weights.clear()
+        self.store = None
         if self.gpu is not None:
             self.gpu.load(experts, progress)
-            self.assigned = {layer: np.asarray(ids, np.int64) for layer, ids in experts.items()}
-            return
-        total = sum(len(ids) for ids in experts.values())
-        done = 0
-        for layer, ids in sorted(experts.items()):
-            for expert in ids:
-                self.weights[(layer, expert)] = load_expert(self.gguf, self.spec, layer, expert)
-                done += 1
-                progress(done, total)
-            self.assigned[layer] = np.asarray(ids, np.int64)
+        else:
+            total = sum(len(ids) for ids in experts.values())
+            expert_bytes = 3 * self.spec.expert_ff * self.spec.hidden * 4
+            self.store = expert_store(self.gguf, self.spec, cache_bytes=total * expert_bytes)
+            progress(total, total)
+        self.assigned = {layer: np.asarray(ids, np.int64) for layer, ids in experts.items()}
 
     def _check_assignment(self, experts: dict[int, list[int]]) -> None:
         for layer, ids in experts.items():
@@ -90,7 +85,7 @@ class ExpertDaemon:
             out = self.gpu.compute(layer, x, counts, local_ids, weights)
         else:
             rows = np.repeat(np.arange(len(counts)), counts)                          # [P]
-            out = grouped_ffn(x, rows, experts[local_ids], weights, lambda e: self.weights[(layer, e)])
+            out = self.store.grouped_ffn(layer, x, rows, experts[local_ids], weights)
         self.calls += 1
         self.tokens += len(counts)
         self.pairs += len(local_ids)
@@ -131,7 +126,7 @@ class ExpertDaemon:
 
     def release(self) -> None:
         self.assigned.clear()
-        self.weights.clear()
+        self.store = None
         if self.gpu is not None:
             self.gpu.release()
 

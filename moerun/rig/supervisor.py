@@ -20,7 +20,7 @@ import zmq
 from threadpoolctl import ThreadpoolController
 
 from moerun.backends.devices import DEVICE_PATTERN, BackendUnavailable
-from moerun.backends.numpy_backend import CpuExperts, ExpertStore
+from moerun.backends.numpy_backend import CpuExperts, expert_store
 from moerun.backends.protocol import Backend, Experts
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.client import DaemonClient
@@ -110,7 +110,7 @@ class Rig:
         ones it holds; a failed daemon's pairs are computed on the parent's CPU from the mmap."""
         if self.gpu is None:
             return CpuDispatcher(self, parent_experts)
-        fallback = CpuExperts(ExpertStore(self.gguf, self.spec, cache_bytes), None)
+        fallback = CpuExperts(expert_store(self.gguf, self.spec, cache_bytes), None)
         return GpuDispatcher(self.backend, parent_experts, self, self.gpu, fallback)
 
     def _start(self, gguf: GGUFFile) -> None:

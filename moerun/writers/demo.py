@@ -2,10 +2,10 @@
 deterministically on first use in the user's cache directory."""
 from __future__ import annotations
 
-import os
 from importlib.resources import files
 from pathlib import Path
 
+from moerun.paths import cache_dir
 from moerun.writers.synthetic import SyntheticConfig, write_synthetic_model
 
 DEMO_CONFIG = SyntheticConfig(name="moerun-demo-moe", weight_std=0.01)
@@ -16,14 +16,6 @@ DESCRIPTION = (
     "statistics of a short built-in text. It runs the whole MoE pipeline, but it is not a "
     "language model: its text only echoes that built-in text. Pass -m MODEL.gguf for a real one."
 )
-
-
-def cache_dir() -> Path:
-    """$MOERUN_CACHE, else $XDG_CACHE_HOME/moerun, else ~/.cache/moerun."""
-    if os.environ.get("MOERUN_CACHE"):
-        return Path(os.environ["MOERUN_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "moerun"
 
 
 def demo_model_path() -> Path:

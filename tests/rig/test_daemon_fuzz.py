@@ -12,8 +12,7 @@ import pytest
 import zmq
 from moerun.ipc.protocol import PROTOCOL_VERSION
 
-from moerun.backends.numpy_backend import ExpertStore
-from moerun.backends.numpy_ops import grouped_ffn
+from moerun.backends.numpy_backend import expert_store
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from tests.support.daemon_fixtures import running_daemons
@@ -106,10 +105,9 @@ def garbage(rng, request_id, hidden) -> list[bytes]:
 
 def expected(path, spec, layer, x, counts, local_ids, weights) -> np.ndarray:
     with GGUFFile(path) as gguf:
-        store = ExpertStore(gguf, spec, 1 << 30)
         rows = np.repeat(np.arange(len(counts)), counts)
         experts = np.asarray(ASSIGNED[layer])[local_ids]
-        return grouped_ffn(x, rows, experts, weights, lambda e: store.get(layer, e))
+        return expert_store(gguf, spec, 1 << 30).grouped_ffn(layer, x, rows, experts, weights)
 
 
 def test_garbage_then_a_valid_request(session):

@@ -8,7 +8,10 @@ import gguf
 
 
 def rewrite_gguf(src: Path, dst: Path, *, drop_tensors: tuple[str, ...] = (), drop_keys: tuple[str, ...] = (),
-                 set_strings: dict[str, str] | None = None, set_uint32: dict[str, int] | None = None) -> Path:
+                 set_strings: dict[str, str] | None = None, set_uint32: dict[str, int] | None = None,
+                 set_tensors: dict[str, tuple[Any, gguf.GGMLQuantizationType]] | None = None) -> Path:
+    """set_tensors: name -> (data as gguf.GGUFWriter.add_tensor takes it, its type), replacing
+    that tensor's data and type."""
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     strings = dict(set_strings or {})
@@ -23,9 +26,11 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_tensors: tuple[str, ...] = (), dr
         writer.add_string(key, value)
     for key, value in (set_uint32 or {}).items():
         writer.add_uint32(key, value)
+    replaced = set_tensors or {}
     for tensor in reader.tensors:
         if tensor.name not in drop_tensors:
-            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+            data, ggml_type = replaced.get(tensor.name, (tensor.data, tensor.tensor_type))
+            writer.add_tensor(tensor.name, data, raw_dtype=ggml_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -17,7 +17,7 @@ LAYERS = [
     ("rig", "moe"),          # rig imports moe, never the other way
     ("backends",),
     ("writers", "models", "gguf"),
-    ("log", "units"),        # leaf modules: import nothing of moerun
+    ("log", "units", "paths"),   # leaf modules: import nothing of moerun
     ("ipc",),
 ]
 RANK = {unit: (layer, position) for layer, units in enumerate(LAYERS) for position, unit in enumerate(units)}
@@ -101,4 +101,4 @@ def test_backends_import_neither_engine_rig_nor_server():
 
 
 def test_leaf_modules_import_nothing_of_moerun():
-    assert [edge for edge in EDGES if edge[0] in ("log", "units")] == []
+    assert [edge for edge in EDGES if edge[0] in ("log", "units", "paths")] == []

@@ -1,0 +1,90 @@
+// The CPU expert kernels: the interface between their parts. The library computes straight
+// from the GGUF blocks in the file's mapping; Python (moerun/backends/cpu/library.py) calls
+// moe_ffn and moe_matmul (ffn.c) through ctypes, with the structs below mirrored there.
+//
+// Shape legend: T tokens, H hidden, F expert FFN width, E experts, P routed pairs,
+// N a matrix's rows, n the values of one row.
+#pragma once
+#include <stdint.h>
+
+#define MOE_API __attribute__((visibility("default")))     // what Python calls; the rest is hidden
+
+// ---- what Python passes ----------------------------------------------------------------------
+
+// One matrix of every expert (or one plain matrix, with n_experts 1): expert e's row r starts
+// at data + e * expert_bytes + r * row_bytes. `type` is the GGML type id.
+struct moe_matrix {
+    const uint8_t* data;
+    int64_t type;
+    int64_t rows;           // N
+    int64_t cols;           // n
+    int64_t row_bytes;
+    int64_t expert_bytes;
+};
+
+// One layer's routed experts: gate and up [E, F, H] (two views of one fused gate_up tensor
+// where the file fuses them), down [E, H, F].
+struct moe_experts {
+    struct moe_matrix gate, up, down;
+    int64_t n_experts;      // E
+};
+
+// Both return a moe_status. moe_ffn: x [T, H] f32; pairs (rows[p] a token row, experts[p]
+// an expert id, weights[p]); out [T, H] = Σ over each token's pairs of weight · FFN_expert(x).
+// moe_matmul: y [T, N] = x [T, n] · Wᵀ for expert 0 of `matrix`. `threads` threads each.
+MOE_API int moe_ffn(const struct moe_experts* experts, const float* x, int64_t n_tokens, const int64_t* rows,
+                    const int64_t* pair_experts, const float* weights, int64_t n_pairs, float* out, int threads);
+MOE_API int moe_matmul(const struct moe_matrix* matrix, const float* x, int64_t n_tokens, float* y, int threads);
+
+enum moe_status {
+    MOE_OK = 0,
+    MOE_UNSUPPORTED_TYPE = 1,
+    MOE_BAD_SHAPE = 2,
+    MOE_BAD_EXPERT = 3,
+    MOE_BAD_ROW = 4,
+    MOE_NO_MEMORY = 5,
+};
+
+// ---- the stored types --------------------------------------------------------------------------
+
+// Dense indices of the types with kernels (GGML ids in types.c).
+enum moe_type { T_F32, T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K, T_Q5_K, T_Q6_K, N_TYPES };
+
+struct type_info {
+    int ggml_id;
+    int block_values;       // values per block
+    int block_bytes;
+};
+
+extern const struct type_info TYPES[N_TYPES];
+int type_index(int64_t ggml_id);            // -1 for a type without kernels
+MOE_API int moe_supports_type(int64_t ggml_id);
+
+// ---- what each instruction set provides ----------------------------------------------------------
+
+#define TILE_ROWS 4         // weight rows a tile multiplies at once
+
+// TILE_ROWS weight rows of n values, dequantized to float32, times the activations x [T, n]
+// (float32, as given) of the tokens in tokens[]: out[t * TILE_ROWS + r] = w[r] · x[tokens[t]].
+struct tile {
+    const float* w[TILE_ROWS];
+    const float* x;
+    int64_t n;
+};
+
+typedef void (*dequantize_fn)(const uint8_t* row, int64_t n, float* w);
+
+// The kernels of one instruction set (isa_*.c, each built from tiles.h).
+struct isa_kernels {
+    const char* name;
+    dequantize_fn dequantize[N_TYPES];
+    void (*multiply)(const struct tile* tile, const int64_t* tokens, int64_t n_tokens, float* out);
+};
+
+// isa.c: the kernels in use; for Python, the instruction sets usable here (best first), the
+// one in use, and choosing one by name (0 if it is not usable here).
+const struct isa_kernels* current_isa(void);
+MOE_API int moe_isa_count(void);
+MOE_API const char* moe_isa_name(int index);
+MOE_API const char* moe_current_isa(void);
+MOE_API int moe_use_isa(const char* name);

@@ -1,0 +1,126 @@
+// The pool behind pool_run. Workers are started on first need and live as long as the
+// process. A job is published by bumping `generation`; workers take tasks from a shared
+// counter. Between jobs a worker spins for SPIN_NS (the next layer's job usually comes sooner),
+// then sleeps on a condition variable. Every started worker acknowledges every job, so none
+// can lag a job behind.
+#define _GNU_SOURCE
+#include "pool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#define SPIN_NS 100000
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int sleeping;                       // workers waiting on `wake` (under `lock`)
+    int workers;                        // started, numbered 1..workers
+    uint64_t started_at;                // the generation before the newest workers' first job
+    atomic_uint_fast64_t generation;    // bumped once per job
+    // the current job
+    task_fn fn;
+    void* context;
+    int64_t tasks;
+    int threads;
+    atomic_int_fast64_t next_task;
+    atomic_int finished;                // workers done with the current job
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void run_tasks(int thread) {
+    int64_t task;
+    while ((task = atomic_fetch_add_explicit(&pool.next_task, 1, memory_order_relaxed)) < pool.tasks)
+        pool.fn(pool.context, task, thread);
+}
+
+static uint64_t wait_for_job(uint64_t seen) {
+    int64_t spin_until = now_ns() + SPIN_NS;
+    for (int i = 0;; i++) {
+        uint64_t generation = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        if (generation != seen) return generation;
+        relax();
+        if ((i & 255) == 255 && now_ns() > spin_until) break;
+    }
+    pthread_mutex_lock(&pool.lock);
+    pool.sleeping++;
+    while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen)
+        pthread_cond_wait(&pool.wake, &pool.lock);
+    pool.sleeping--;
+    pthread_mutex_unlock(&pool.lock);
+    return atomic_load_explicit(&pool.generation, memory_order_acquire);
+}
+
+static void* worker(void* arg) {
+    int thread = (int)(intptr_t)arg;
+    uint64_t seen = pool.started_at;    // not the generation now: the first job may be out already
+    for (;;) {
+        seen = wait_for_job(seen);
+        if (thread < pool.threads) run_tasks(thread);
+        atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static void start_workers(int wanted) {
+    pool.started_at = atomic_load_explicit(&pool.generation, memory_order_relaxed);
+    while (pool.workers < wanted) {
+        pthread_t id;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&id, &attr, worker, (void*)(intptr_t)(pool.workers + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) return;             // run with the workers there are
+        pool.workers++;
+    }
+}
+
+// A forked child has none of the parent's threads.
+static void forget_workers(void) {
+    pool.workers = 0;
+    pool.sleeping = 0;
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+}
+
+static void watch_forks(void) { pthread_atfork(NULL, NULL, forget_workers); }
+
+void pool_run(int threads, int64_t tasks, task_fn fn, void* context) {
+    static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > tasks) threads = (int)tasks;
+    if (threads <= 1) {
+        for (int64_t task = 0; task < tasks; task++) fn(context, task, 0);
+        return;
+    }
+    pthread_once(&fork_handler, watch_forks);
+    start_workers(threads - 1);
+    if (threads > pool.workers + 1) threads = pool.workers + 1;
+    pool.fn = fn;
+    pool.context = context;
+    pool.tasks = tasks;
+    pool.threads = threads;
+    atomic_store_explicit(&pool.next_task, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    if (pool.sleeping) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    run_tasks(0);
+    while (atomic_load_explicit(&pool.finished, memory_order_acquire) < pool.workers) relax();
+}

@@ -1,0 +1,33 @@
+// What moe_ffn (ffn.c) and moe_matmul (matmul.c) share: checking a matrix, dequantizing a
+// tile of its rows, one thread's scratch, and memory kept from call to call.
+#pragma once
+#include <stddef.h>
+#include "moe_cpu.h"
+
+#define ROWS_PER_TASK 32        // weight rows one task computes (a multiple of TILE_ROWS)
+
+// Both calls hold this while they run: one job at a time in the pool and the buffers.
+void lock_kernels(void);
+void unlock_kernels(void);
+
+// MOE_OK and the type's index in *type when m is rows x cols of a type with kernels.
+int check_matrix(const struct moe_matrix* m, int64_t rows, int64_t cols, int* type);
+
+// Rows row..row+count-1 (count <= TILE_ROWS) of expert `expert` of m, of type index `type`,
+// dequantized into `buffer` [TILE_ROWS, m->cols]; the tile's rows past `count` repeat the last.
+void dequantize_rows(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert,
+                     int64_t row, int count, float* buffer, struct tile* tile);
+
+// One thread's scratch: `sets` row buffers [TILE_ROWS, n] and `outs` tile outputs
+// [max_tokens, TILE_ROWS].
+struct scratch {
+    float* rows[3];
+    float* outs[2];
+};
+
+// Scratch of each thread (indexed by thread), NULL if it cannot grow.
+struct scratch* thread_scratch(int threads, int sets, int64_t n, int outs, int64_t max_tokens);
+
+// A workspace buffer that keeps its memory between calls, grown as needed (64-byte aligned).
+enum workspace_slot { SLOT_H, SLOT_PAIRS, SLOT_GROUPS, SLOT_SCRATCH, N_SLOTS };
+void* workspace(int slot, size_t bytes);

@@ -1,0 +1,105 @@
+"""The compiled CPU kernels through ctypes: the structs of kernels/moe_cpu.h, the functions
+(moe_ffn, the grouped expert FFN, called by numpy_backend.QuantizedExperts; moe_matmul, one
+matrix's product), the instruction set they run with, and the threads they use by default.
+load_kernels() builds or loads the library once per process; where it cannot, it says why once
+and returns None (the caller then takes the numpy path).
+
+Shape legend: T tokens, N a matrix's rows, n its columns.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from ctypes import POINTER, c_char_p, c_int, c_int64, c_void_p
+
+import numpy as np
+
+from moerun.backends.cpu.build import KernelsUnavailable, library_path
+
+logger = logging.getLogger(__name__)
+
+STATUS = {1: "a tensor type without CPU kernels", 2: "matrix shapes that do not fit together",
+          3: "an expert id out of range", 4: "a token row out of range"}
+NO_MEMORY = 5
+
+
+class Matrix(ctypes.Structure):
+    """struct moe_matrix: expert e's row r starts at data + e·expert_bytes + r·row_bytes."""
+    _fields_ = [("data", c_void_p), ("type", c_int64), ("rows", c_int64), ("cols", c_int64),
+                ("row_bytes", c_int64), ("expert_bytes", c_int64)]
+
+
+class ExpertMatrices(ctypes.Structure):
+    """struct moe_experts: one layer's gate and up [E, F, H] and down [E, H, F]."""
+    _fields_ = [("gate", Matrix), ("up", Matrix), ("down", Matrix), ("n_experts", c_int64)]
+
+
+class CpuKernels:
+    def __init__(self, path):
+        self.lib = lib = ctypes.CDLL(str(path))
+        # arrays go as their data addresses: x, rows, experts, weights, out (contiguous, of the
+        # dtypes moe_cpu.h names)
+        lib.moe_ffn.argtypes = [POINTER(ExpertMatrices), c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
+                                c_void_p, c_int]
+        lib.moe_matmul.argtypes = [POINTER(Matrix), c_void_p, c_int64, c_void_p, c_int]
+        lib.moe_supports_type.argtypes = [c_int64]
+        lib.moe_isa_name.argtypes = [c_int]
+        lib.moe_isa_name.restype = c_char_p
+        lib.moe_current_isa.restype = c_char_p
+        lib.moe_use_isa.argtypes = [c_char_p]
+
+    @property
+    def isa(self) -> str:
+        """The instruction set the kernels run with: avx512_vnni, avx512, avx2, neon or scalar."""
+        return self.lib.moe_current_isa().decode()
+
+    def isas(self) -> list[str]:
+        """Those this machine can run, best first (the first is the default)."""
+        return [self.lib.moe_isa_name(i).decode() for i in range(self.lib.moe_isa_count())]
+
+    def use_isa(self, name: str) -> None:
+        if not self.lib.moe_use_isa(name.encode()):
+            raise ValueError(f"instruction set {name!r} is not usable here (usable: {', '.join(self.isas())})")
+
+    def supports(self, ggml_type: int) -> bool:
+        return bool(self.lib.moe_supports_type(int(ggml_type)))
+
+    def matmul(self, matrix: Matrix, x: np.ndarray, threads: int) -> np.ndarray:
+        """x [T, n] · Wᵀ -> [T, N] for expert 0 of `matrix`."""
+        x = np.ascontiguousarray(x, np.float32)
+        y = np.empty((len(x), matrix.rows), np.float32)
+        status = self.lib.moe_matmul(ctypes.byref(matrix), x.ctypes.data, len(x), y.ctypes.data, threads)
+        if status:
+            raise kernel_error(status)
+        return y
+
+
+def kernel_error(status: int) -> Exception:
+    """The exception for a moe_status other than MOE_OK."""
+    if status == NO_MEMORY:
+        return MemoryError("the CPU kernels could not allocate their buffers")
+    return ValueError(f"the CPU kernels were given {STATUS.get(status, f'something they refuse ({status})')}")
+
+
+def default_threads() -> int:
+    """$OMP_NUM_THREADS where set (a spawned daemon gets its share of the cores that way), else
+    every CPU this process may run on."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@functools.cache
+def load_kernels() -> CpuKernels | None:
+    """The kernels, built at first use; None (with one notice) where they cannot be had."""
+    try:
+        kernels = CpuKernels(library_path())
+    except (KernelsUnavailable, OSError) as err:
+        logger.warning(f"CPU expert kernels unavailable: {err}. Experts on the CPU are dequantized to float32 "
+                       f"and multiplied with numpy instead (slower, and 4 bytes of memory per weight).")
+        return None
+    logger.debug(f"CPU expert kernels: {kernels.isa} (usable here: {', '.join(kernels.isas())})")
+    return kernels

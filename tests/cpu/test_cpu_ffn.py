@@ -1,0 +1,110 @@
+"""The grouped expert FFN of the CPU kernels against numpy_ops.grouped_ffn on the same
+weights dequantized to float32: decode (one token, K experts), small batches with tokens that
+have no pair here, prefill batches, gate and up fused in one tensor, and sizes that leave
+partial tiles and tasks. Results do not depend on the thread count; bad pairs are refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moerun.backends.cpu.library import ExpertMatrices, Matrix
+from moerun.backends.numpy_backend import QuantizedExperts
+from moerun.backends.numpy_ops import grouped_ffn
+from tests.support.stored import T, random_stored, row_bytes, stored_values
+
+BOUND = 1e-5          # |got - want| / |want| over the output: float32 throughout, other summation orders
+N_EXPERTS = 12
+
+
+class Stack:
+    """E experts of one matrix [E, N, n] as stored, and their values."""
+
+    def __init__(self, ggml_type: T, rows: int, cols: int, rng: np.random.Generator):
+        self.raw = np.stack([random_stored(ggml_type, rows, cols, rng) for _ in range(N_EXPERTS)])
+        self.values = np.stack([stored_values(r, ggml_type).reshape(rows, cols) for r in self.raw]).astype(np.float32)
+        self.matrix = Matrix(self.raw.ctypes.data, int(ggml_type), rows, cols, row_bytes(ggml_type, cols),
+                             rows * row_bytes(ggml_type, cols))
+
+
+def experts_of(types: tuple[T, T], hidden: int, ffn: int, fused: bool, kernels, threads: int):
+    """QuantizedExperts of one layer (layer 0) and the float32 (gate, up, down) of each expert."""
+    rng = np.random.default_rng(hash((types, hidden, ffn, fused)) % 2**32)
+    gate_up_type, down_type = types
+    down = Stack(down_type, hidden, ffn, rng)
+    if fused:
+        both = Stack(gate_up_type, 2 * ffn, hidden, rng)
+        m = both.matrix
+        gate = Matrix(m.data, m.type, ffn, hidden, m.row_bytes, m.expert_bytes)
+        up = Matrix(m.data + ffn * m.row_bytes, m.type, ffn, hidden, m.row_bytes, m.expert_bytes)
+        values = [(v[:ffn], v[ffn:], d) for v, d in zip(both.values, down.values)]
+        keep = [both.raw, down.raw]
+    else:
+        gate_stack, up_stack = Stack(gate_up_type, ffn, hidden, rng), Stack(gate_up_type, ffn, hidden, rng)
+        gate, up = gate_stack.matrix, up_stack.matrix
+        values = list(zip(gate_stack.values, up_stack.values, down.values))
+        keep = [gate_stack.raw, up_stack.raw, down.raw]
+    layers = {0: ExpertMatrices(gate, up, down.matrix, N_EXPERTS)}
+    return QuantizedExperts(kernels, layers, threads, keep), values
+
+
+def routed(n_tokens: int, k: int, rng: np.random.Generator, idle_share: float = 0.0):
+    """Pairs (rows, experts, weights) of n_tokens tokens with k distinct experts each; a share
+    of the tokens (never the first) has none."""
+    busy = np.flatnonzero((rng.random(n_tokens) >= idle_share) | (np.arange(n_tokens) == 0))
+    rows = np.repeat(busy, k)
+    experts = np.concatenate([rng.permutation(N_EXPERTS)[:k] for _ in busy])
+    return rows, experts, rng.random(len(rows)).astype(np.float32)
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+CASES = [  # (gate/up type, down type), hidden, ffn, fused
+    ((T.Q4_K, T.Q6_K), 256, 256, False),
+    ((T.Q5_K, T.Q8_0), 512, 256, True),
+    ((T.Q8_0, T.Q4_0), 160, 96, False),
+    ((T.Q5_1, T.Q5_0), 96, 224, True),
+    ((T.Q4_1, T.Q8_0), 64, 32, False),
+    ((T.F16, T.BF16), 67, 45, False),
+    ((T.BF16, T.F32), 33, 70, True),
+]
+
+
+@pytest.mark.parametrize("types, hidden, ffn, fused", CASES,
+                         ids=[f"{a.name}-{b.name}-{h}x{f}{'-fused' if fused else ''}" for (a, b), h, f, fused in CASES])
+@pytest.mark.parametrize("n_tokens, k, idle_share", [(1, 8, 0.0), (5, 3, 0.4), (300, 4, 0.1)],
+                         ids=["decode", "few", "prefill"])
+def test_grouped_ffn_matches_numpy(kernels, types, hidden, ffn, fused, n_tokens, k, idle_share):
+    experts, values = experts_of(types, hidden, ffn, fused, kernels, threads=2)
+    rng = np.random.default_rng(n_tokens)
+    x = rng.normal(size=(n_tokens, hidden)).astype(np.float32)
+    rows, ids, weights = routed(n_tokens, k, rng, idle_share)
+    want = grouped_ffn(x, rows, ids, weights, lambda e: values[e])
+    got = experts.grouped_ffn(0, x, rows, ids, weights)
+    assert got.shape == x.shape and got.dtype == np.float32
+    idle = np.setdiff1d(np.arange(n_tokens), rows)
+    assert not got[idle].any(), "tokens without pairs here get zeros"
+    assert relative_error(got, want) < BOUND
+
+
+def test_threads_do_not_change_the_result(kernels):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 256)).astype(np.float32)
+    rows, ids, weights = routed(40, 4, rng)
+    results = []
+    for threads in (1, 2, 3, 7):
+        experts, _ = experts_of((T.Q4_K, T.Q6_K), 256, 256, False, kernels, threads)
+        results.append(experts.grouped_ffn(0, x, rows, ids, weights))
+    for result in results[1:]:
+        np.testing.assert_array_equal(result, results[0])
+
+
+def test_bad_pairs_are_refused(kernels):
+    experts, _ = experts_of((T.Q8_0, T.Q8_0), 64, 32, False, kernels, threads=2)
+    x = np.ones((2, 64), np.float32)
+    one = np.ones(1, np.float32)
+    with pytest.raises(ValueError, match="expert id out of range"):
+        experts.grouped_ffn(0, x, np.array([0]), np.array([N_EXPERTS]), one)
+    with pytest.raises(ValueError, match="token row out of range"):
+        experts.grouped_ffn(0, x, np.array([2]), np.array([0]), one)

@@ -1,0 +1,119 @@
+"""One MoE layer's routed experts on the CPU: the CPU kernels against the float32 numpy path
+(experts already dequantized into its cache: its best case), per stored type and thread count.
+
+    python scripts/bench_cpu_experts.py                          # every type, 1 and 2 threads
+    python scripts/bench_cpu_experts.py --types Q4_K,Q8_0 --threads 4,16
+
+Shapes of Qwen3-30B-A3B (H 2048, F 768, E 128, K 8). Decode: one token, K experts drawn anew
+each step (so their weights come from memory, as a decode step's do), the median step. Prefill:
+512 tokens routed uniformly (about 32 per expert), the best of 3 runs. Weights are random bytes
+with valid scales: speed does not depend on the values.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from threadpoolctl import threadpool_limits
+
+from moerun.backends.cpu.library import ExpertMatrices, Matrix, load_kernels
+from moerun.backends.numpy_backend import QuantizedExperts
+from moerun.backends.numpy_ops import grouped_ffn
+
+T = GGMLQuantizationType
+HIDDEN, FFN, EXPERTS, TOP_K = 2048, 768, 128, 8
+TYPES = "Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16,F32"
+SCALE_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q4_K: (0, 2),
+                T.Q5_K: (0, 2), T.Q6_K: (208,)}       # f16 fields set to a small normal value
+DECODE_STEPS = 40
+PREFILL_TOKENS = 512
+
+
+def stored(ggml_type: T, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, Matrix]:
+    """Every expert's matrix [E, rows, cols] as stored, and its struct."""
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    row_bytes = cols // block_size * type_size
+    if ggml_type in SCALE_FIELDS:
+        raw = rng.integers(0, 256, (EXPERTS * rows * cols // block_size, type_size), dtype=np.uint8)
+        for offset in SCALE_FIELDS[ggml_type]:
+            raw[:, offset:offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    else:
+        values = rng.standard_normal(EXPERTS * rows * cols, np.float32) * np.float32(0.02)
+        raw = values if ggml_type == T.F32 else values.astype(np.float16) if ggml_type == T.F16 else \
+            (values.view(np.uint32) >> 16).astype(np.uint16)
+    raw = raw.view(np.uint8).reshape(EXPERTS, rows, row_bytes)
+    return raw, Matrix(raw.ctypes.data, int(ggml_type), rows, cols, row_bytes, rows * row_bytes)
+
+
+def float_experts(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """What the numpy path holds once it has dequantized every expert: gate, up [F, H], down [H, F]."""
+    return [tuple(rng.standard_normal(shape, np.float32) * np.float32(0.02)
+                  for shape in ((FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN))) for _ in range(EXPERTS)]
+
+
+def decode_seconds(ffn, rng: np.random.Generator) -> float:
+    """The median step of one token through TOP_K experts drawn anew each step."""
+    steps = []
+    for _ in range(DECODE_STEPS + 3):
+        x = rng.standard_normal((1, HIDDEN), np.float32)
+        experts = rng.permutation(EXPERTS)[:TOP_K]
+        started = time.perf_counter()
+        ffn(x, np.zeros(TOP_K, np.int64), experts, np.full(TOP_K, 1 / TOP_K, np.float32))
+        steps.append(time.perf_counter() - started)
+    return float(np.median(steps[3:]))
+
+
+def prefill_seconds(ffn, rng: np.random.Generator) -> float:
+    x = rng.standard_normal((PREFILL_TOKENS, HIDDEN), np.float32)
+    experts = np.concatenate([rng.permutation(EXPERTS)[:TOP_K] for _ in range(PREFILL_TOKENS)])
+    rows = np.repeat(np.arange(PREFILL_TOKENS), TOP_K)
+    weights = np.full(len(rows), 1 / TOP_K, np.float32)
+    ffn(x, rows, experts, weights)
+    runs = []
+    for _ in range(3):
+        started = time.perf_counter()
+        ffn(x, rows, experts, weights)
+        runs.append(time.perf_counter() - started)
+    return min(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default=TYPES, help=f"stored types [default: {TYPES}]")
+    parser.add_argument("--threads", default="1,2", help="thread counts [default: 1,2]")
+    parser.add_argument("--no-float", action="store_true", help="skip the float32 numpy path")
+    args = parser.parse_args()
+    kernels = load_kernels()
+    if kernels is None:
+        raise SystemExit("the CPU kernels are not available here (see the notice above)")
+    rng = np.random.default_rng(0)
+    threads = [int(t) for t in args.threads.split(",")]
+    print(f"instruction set: {kernels.isa}; shapes H {HIDDEN}, F {FFN}, E {EXPERTS}, K {TOP_K}")
+    print(f"{'type':5} {'threads':>7} {'decode ms':>10} {'float32':>8} {'x':>5} {'prefill tok/s':>14} "
+          f"{'float32':>8} {'x':>5}")
+    reference = {} if args.no_float else float_experts(rng)
+    for name in args.types.split(","):
+        ggml_type = T[name]
+        arrays = [stored(ggml_type, rows, cols, rng) for rows, cols in ((FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN))]
+        layer = ExpertMatrices(*(matrix for _, matrix in arrays), EXPERTS)
+        for count in threads:
+            experts = QuantizedExperts(kernels, {0: layer}, count, [raw for raw, _ in arrays])
+            kernel_ffn = lambda *pairs: experts.grouped_ffn(0, *pairs)          # noqa: E731
+            decode, prefill = decode_seconds(kernel_ffn, rng), prefill_seconds(kernel_ffn, rng)
+            line = f"{name:5} {count:7d} {decode * 1e3:10.2f}"
+            if reference:
+                def float_ffn(x, rows, ids, weights):
+                    return grouped_ffn(x, rows, ids, weights, lambda e: reference[e])
+                with threadpool_limits(count):
+                    float_decode, float_prefill = decode_seconds(float_ffn, rng), prefill_seconds(float_ffn, rng)
+                line += (f" {float_decode * 1e3:8.2f} {float_decode / decode:5.1f} {PREFILL_TOKENS / prefill:14.0f}"
+                         f" {PREFILL_TOKENS / float_prefill:8.0f} {float_prefill / prefill:5.1f}")
+            else:
+                line += f" {'':8} {'':5} {PREFILL_TOKENS / prefill:14.0f}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -194,7 +194,8 @@ def test_markdown_table_adds_daemon_columns_and_a_silent_daemon_shows_a_dash(mod
     assert [row[4] for row in rows] == ["pp8", "tg2"]
     for row in rows:
         calls, mib, wait_ms, daemon_ms = row[7:]
-        assert float(calls) > 0 and float(mib) > 0 and float(wait_ms) > 0 and daemon_ms == "-"
+        # the wait is rounded to 0.1 ms in the table (the JSON test above checks it is counted)
+        assert float(calls) > 0 and float(mib) > 0 and float(wait_ms) >= 0 and daemon_ms == "-"
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,5 +1,6 @@
 """One MoE layer's routed experts on the CPU: the CPU kernels against the float32 numpy path
-(experts already dequantized into its cache: its best case), per stored type and thread count.
+(experts already dequantized into its cache: its best case, the same for every stored type),
+per stored type and thread count.
 
     python scripts/bench_cpu_experts.py                          # every type, 1 and 2 threads
     python scripts/bench_cpu_experts.py --types Q4_K,Q8_0 --threads 4,16
@@ -93,7 +94,7 @@ def main() -> None:
     print(f"instruction set: {kernels.isa}; shapes H {HIDDEN}, F {FFN}, E {EXPERTS}, K {TOP_K}")
     print(f"{'type':5} {'threads':>7} {'decode ms':>10} {'float32':>8} {'x':>5} {'prefill tok/s':>14} "
           f"{'float32':>8} {'x':>5}")
-    reference = {} if args.no_float else float_experts(rng)
+    baseline = {} if args.no_float else float_baseline(threads, rng)
     for name in args.types.split(","):
         ggml_type = T[name]
         arrays = [stored(ggml_type, rows, cols, rng) for rows, cols in ((FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN))]
@@ -103,16 +104,26 @@ def main() -> None:
             kernel_ffn = lambda *pairs: experts.grouped_ffn(0, *pairs)          # noqa: E731
             decode, prefill = decode_seconds(kernel_ffn, rng), prefill_seconds(kernel_ffn, rng)
             line = f"{name:5} {count:7d} {decode * 1e3:10.2f}"
-            if reference:
-                def float_ffn(x, rows, ids, weights):
-                    return grouped_ffn(x, rows, ids, weights, lambda e: reference[e])
-                with threadpool_limits(count):
-                    float_decode, float_prefill = decode_seconds(float_ffn, rng), prefill_seconds(float_ffn, rng)
+            if baseline:
+                float_decode, float_prefill = baseline[count]
                 line += (f" {float_decode * 1e3:8.2f} {float_decode / decode:5.1f} {PREFILL_TOKENS / prefill:14.0f}"
                          f" {PREFILL_TOKENS / float_prefill:8.0f} {float_prefill / prefill:5.1f}")
             else:
                 line += f" {'':8} {'':5} {PREFILL_TOKENS / prefill:14.0f}"
             print(line, flush=True)
+
+
+def float_baseline(threads: list[int], rng: np.random.Generator) -> dict[int, tuple[float, float]]:
+    """Thread count -> (decode, prefill) seconds of the float32 numpy path."""
+    experts = float_experts(rng)
+
+    def float_ffn(x, rows, ids, weights):
+        return grouped_ffn(x, rows, ids, weights, lambda e: experts[e])
+    seconds = {}
+    for count in threads:
+        with threadpool_limits(count):
+            seconds[count] = decode_seconds(float_ffn, rng), prefill_seconds(float_ffn, rng)
+    return seconds
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ needs no compiler; a machine without one gets KernelsUnavailable and the numpy p
 Each instruction set's file is compiled with its own flags and the library picks among them
 at run time (isa.c), so one build serves any CPU of the architecture. A variant the compiler
 cannot build (an old compiler without AVX-512, say) is left out; the others still load.
-The files compile in parallel: about 2 s on 2 cores with gcc 12.
+The files compile in parallel: about 1 s on 2 cores with gcc 12.
 """
 from __future__ import annotations
 

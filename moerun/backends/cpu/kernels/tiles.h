@@ -5,6 +5,7 @@
 //   NT_MAX                 tokens a block multiplies at once (what the registers hold:
 //                          TILE_ROWS·NT_MAX accumulators, NT_MAX activation vectors, one weight vector)
 //   ISA_NAME, ISA_TABLE    its name and the struct isa_kernels this file defines
+//   and the conversions vectors.h lists, which the blocks (blocks.h) are dequantized with.
 //
 // A tile is TILE_ROWS weight rows, dequantized to float32 (blocks.h), times each of a list of
 // tokens' activations, in float32. Each output is computed by the same operations in the same

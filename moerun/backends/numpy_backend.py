@@ -206,12 +206,15 @@ class QuantizedExperts:
                     weights: np.ndarray) -> np.ndarray:
         """out[rows[p]] += weights[p] · FFN_{experts[p]}(x[rows[p]]).  x [T, H]; rows, experts,
         weights [P] -> [T, H]"""
+        matrices = self.layers[layer]
+        if x.ndim != 2 or x.shape[1] != matrices.down.rows:
+            raise ValueError(f"layer {layer}'s experts take rows of {matrices.down.rows} values, not {x.shape[1:]}")
         x = np.ascontiguousarray(x, np.float32)
         rows = np.ascontiguousarray(rows, np.int64)
         experts = np.ascontiguousarray(experts, np.int64)
         weights = np.ascontiguousarray(weights, np.float32)
         out = np.empty_like(x)
-        status = self.kernels.lib.moe_ffn(ctypes.byref(self.layers[layer]), x.ctypes.data, len(x), rows.ctypes.data,
+        status = self.kernels.lib.moe_ffn(ctypes.byref(matrices), x.ctypes.data, len(x), rows.ctypes.data,
                                           experts.ctypes.data, weights.ctypes.data, len(rows), out.ctypes.data,
                                           self.threads)
         if status:

@@ -89,7 +89,7 @@ def test_grouped_ffn_matches_numpy(kernels, types, hidden, ffn, fused, n_tokens,
 
 
 def test_threads_do_not_change_the_result(kernels):
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(3)               # 40 tokens x 4 experts: enough work for several threads
     x = rng.normal(size=(40, 256)).astype(np.float32)
     rows, ids, weights = routed(40, 4, rng)
     results = []
@@ -108,3 +108,5 @@ def test_bad_pairs_are_refused(kernels):
         experts.grouped_ffn(0, x, np.array([0]), np.array([N_EXPERTS]), one)
     with pytest.raises(ValueError, match="token row out of range"):
         experts.grouped_ffn(0, x, np.array([2]), np.array([0]), one)
+    with pytest.raises(ValueError, match="rows of 64 values"):
+        experts.grouped_ffn(0, np.ones((2, 63), np.float32), np.array([0]), np.array([0]), one)

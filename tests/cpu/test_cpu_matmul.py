@@ -78,7 +78,7 @@ def test_dequantized_values_are_ggml_s(kernels, ggml_type):
 @pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q8_0, T.BF16], ids=lambda t: t.name)
 def test_results_do_not_depend_on_threads_or_batching(kernels, ggml_type):
     rng = np.random.default_rng(7)
-    rows, cols, tokens = 45, 512, 11
+    rows, cols, tokens = 45, 2048, 11         # enough work for several threads
     raw = random_stored(ggml_type, rows, cols, rng)           # kept alive: the struct points into it
     stored = matrix(raw, ggml_type, rows, cols)
     x = rng.normal(size=(tokens, cols)).astype(np.float32)

@@ -152,11 +152,9 @@ int moe_ffn(const struct moe_experts* experts, const float* x, int64_t n_tokens,
     if (status == MOE_OK) status = check_matrix(&experts->down, hidden, ffn, &job.down_type);
     if (status == MOE_OK) status = check_pairs(rows, pair_experts, n_pairs, n_tokens, experts->n_experts);
     if (status != MOE_OK || n_tokens == 0) return status;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     lock_kernels();
     job.isa = current_isa();
-    status = run(&job, rows, pair_experts, weights, n_pairs, threads);
+    status = run(&job, rows, pair_experts, weights, n_pairs, threads_for(threads, 3.0 * n_pairs * hidden * ffn));
     unlock_kernels();
     return status;
 }

@@ -32,8 +32,7 @@ int moe_matmul(const struct moe_matrix* matrix, const float* x, int64_t n_tokens
     struct matmul_job job = {.matrix = matrix, .x = x, .n_tokens = n_tokens, .y = y};
     int status = check_matrix(matrix, matrix->rows, matrix->cols, &job.type);
     if (status != MOE_OK || n_tokens == 0) return status;
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    threads = threads_for(threads, (double)n_tokens * matrix->rows * matrix->cols);
     lock_kernels();
     job.isa = current_isa();
     int64_t* tokens = workspace(SLOT_PAIRS, (size_t)n_tokens * sizeof(int64_t));

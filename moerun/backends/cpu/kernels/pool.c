@@ -2,15 +2,19 @@
 // process. A job is published by bumping `generation`; workers take tasks from a shared
 // counter. Between jobs a worker spins for SPIN_NS (the next layer's job usually comes sooner),
 // then sleeps on a condition variable. Every started worker acknowledges every job, so none
-// can lag a job behind.
+// can lag a job behind. Spinning threads yield the CPU every YIELD_EVERY turns: where threads
+// outnumber free cores (daemons and a parent on one host, other programs), a spinning waiter
+// would otherwise hold the core the thread it waits for needs.
 #define _GNU_SOURCE
 #include "pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
 
 #define SPIN_NS 100000
+#define YIELD_EVERY 256
 
 static struct {
     pthread_mutex_t lock;
@@ -28,12 +32,14 @@ static struct {
     atomic_int finished;                // workers done with the current job
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
-static inline void relax(void) {
+// One turn of a spin: a pause, and every YIELD_EVERY turns the CPU to whoever waits for it.
+static inline void relax(int turn) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #elif defined(__aarch64__)
     __asm__ volatile("yield");
 #endif
+    if (turn % YIELD_EVERY == YIELD_EVERY - 1) sched_yield();
 }
 
 static int64_t now_ns(void) {
@@ -53,8 +59,8 @@ static uint64_t wait_for_job(uint64_t seen) {
     for (int i = 0;; i++) {
         uint64_t generation = atomic_load_explicit(&pool.generation, memory_order_acquire);
         if (generation != seen) return generation;
-        relax();
-        if ((i & 255) == 255 && now_ns() > spin_until) break;
+        relax(i);
+        if (i % YIELD_EVERY == YIELD_EVERY - 1 && now_ns() > spin_until) break;
     }
     pthread_mutex_lock(&pool.lock);
     pool.sleeping++;
@@ -122,5 +128,5 @@ void pool_run(int threads, int64_t tasks, task_fn fn, void* context) {
     if (pool.sleeping) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     run_tasks(0);
-    while (atomic_load_explicit(&pool.finished, memory_order_acquire) < pool.workers) relax();
+    for (int i = 0; atomic_load_explicit(&pool.finished, memory_order_acquire) < pool.workers; i++) relax(i);
 }

@@ -2,10 +2,17 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#include "pool.h"
 
 #define ALIGN 64
 
 static pthread_mutex_t kernels_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int threads_for(int threads, double macs) {
+    double useful = macs / MACS_PER_THREAD;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    return useful < 1 ? 1 : useful < threads ? (int)useful : threads < 1 ? 1 : threads;
+}
 
 void lock_kernels(void) { pthread_mutex_lock(&kernels_lock); }
 void unlock_kernels(void) { pthread_mutex_unlock(&kernels_lock); }

@@ -6,6 +6,11 @@
 
 #define ROWS_PER_TASK 32        // weight rows one task computes (a multiple of TILE_ROWS)
 
+// At most `threads`, and fewer for small work (about MACS_PER_THREAD multiply-adds each at
+// least): waking a thread costs more than a few microseconds of multiply-adds.
+#define MACS_PER_THREAD (1 << 17)
+int threads_for(int threads, double macs);
+
 // Both calls hold this while they run: one job at a time in the pool and the buffers.
 void lock_kernels(void);
 void unlock_kernels(void);

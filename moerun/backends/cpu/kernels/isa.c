@@ -2,6 +2,9 @@
 // leaves out a variant its compiler cannot make, hence the weak references), or one named.
 #include <string.h>
 #include "moe_cpu.h"
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 extern const struct isa_kernels isa_scalar;
 #if defined(__x86_64__)
@@ -28,7 +31,9 @@ static void find_candidates(void) {
     if (n_candidates) return;
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    unsigned eax, ebx, ecx = 0, edx;
+    __get_cpuid(1, &eax, &ebx, &ecx, &edx);       // F16C: clang's __builtin_cpu_supports does not know it
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && (ecx & bit_F16C);
     add(&isa_avx512, avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl"));
     add(&isa_avx2, avx2);

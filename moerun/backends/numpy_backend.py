@@ -253,7 +253,7 @@ class DequantizedExperts:
         self.gguf = gguf
         self.spec = spec
         self.cache_bytes = cache_bytes
-        self.expert_bytes = 3 * spec.expert_ff * spec.hidden * 4
+        self.expert_bytes = float32_expert_bytes(spec)
         self._cache: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
         for layer, is_moe in enumerate(spec.moe_layers):
             for name in spec.expert_tensor_names(layer) if is_moe else ():
@@ -278,6 +278,11 @@ class DequantizedExperts:
 
 
 ExpertStore = QuantizedExperts | DequantizedExperts
+
+
+def float32_expert_bytes(spec: ModelSpec) -> int:
+    """One expert's gate, up and down dequantized to float32."""
+    return 3 * spec.expert_ff * spec.hidden * 4
 
 
 def expert_store(gguf: GGUFFile, spec: ModelSpec, cache_bytes: int, threads: int | None = None) -> ExpertStore:

@@ -13,7 +13,11 @@ from collections.abc import Callable
 import numpy as np
 
 from moerun.backends.devices import gpu_module, parse_device
-from moerun.backends.numpy_backend import ExpertStore, expert_store
+from moerun.backends.numpy_backend import (
+    ExpertStore,
+    expert_store,
+    float32_expert_bytes,
+)
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.shm import Arena
 from moerun.models import load_spec
@@ -62,8 +66,7 @@ class ExpertDaemon:
             self.gpu.load(experts, progress)
         else:
             total = sum(len(ids) for ids in experts.values())
-            expert_bytes = 3 * self.spec.expert_ff * self.spec.hidden * 4
-            self.store = expert_store(self.gguf, self.spec, cache_bytes=total * expert_bytes)
+            self.store = expert_store(self.gguf, self.spec, cache_bytes=total * float32_expert_bytes(self.spec))
             progress(total, total)
         self.assigned = {layer: np.asarray(ids, np.int64) for layer, ids in experts.items()}
 

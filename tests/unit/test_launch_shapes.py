@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from moerun.backends.gpu_kernels import BLOCK, ROW_GROUP, blocks_of_rows, fitting_group, row_group
+from moerun.backends.gpu_kernels import (
+    BLOCK,
+    ROW_GROUP,
+    blocks_of_rows,
+    fitting_group,
+    row_group,
+)
 
 
 @pytest.mark.parametrize("units_per_row, units_per_lane, want", [

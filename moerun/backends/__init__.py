@@ -12,11 +12,12 @@ from moerun.models.spec import ModelSpec
 __all__ = ["BackendUnavailable", "open_backend"]
 
 
-def open_backend(device: str, spec: ModelSpec, graphs: bool = True):
-    """The backend for `device` (cpu, cuda:N, hip:N); `graphs` False keeps GPU decode eager."""
+def open_backend(device: str, spec: ModelSpec, graphs: bool = True, threads: int | None = None):
+    """The backend for `device` (cpu, cuda:N, hip:N); `graphs` False keeps GPU decode eager;
+    `threads`: the CPU kernels' on the CPU."""
     parsed = parse_device(device)
     if parsed.platform == "cpu":
         from moerun.backends.numpy_backend import NumpyBackend
-        return NumpyBackend(spec)
+        return NumpyBackend(spec, threads)
     from moerun.backends.gpu_backend import GpuBackend
     return GpuBackend(parsed, spec, graphs=graphs)

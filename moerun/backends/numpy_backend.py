@@ -51,8 +51,10 @@ class NumpyBackend:
     name = "cpu"
     kind = "CPU"
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, threads: int | None = None):
+        """threads: the CPU kernels' (default_threads() if None)."""
         self.spec = spec
+        self.threads = threads
         self._store: ExpertStore | None = None
 
     # -- weights
@@ -76,7 +78,7 @@ class NumpyBackend:
     def load_experts(self, gguf: GGUFFile, held: dict[int, list[int]] | None, cache_bytes: int) -> CpuExperts:
         """Experts computed from the mmap, through one store per backend."""
         if self._store is None:
-            self._store = expert_store(gguf, self.spec, cache_bytes)
+            self._store = expert_store(gguf, self.spec, cache_bytes, self.threads)
         return CpuExperts(self._store, held)
 
     # -- sequences and steps

@@ -40,7 +40,7 @@ NORM_BLOCK = 1024              # threads per row of rms_norm
 NORM_VALUES = 8                # values each of them holds (NORM_VALUES in layers.cu): rows of at most 8192
 FEW_ROWS = 512                 # a float matrix of at most this many rows (a router) gets a block per row
 FEW_ROWS_THREADS = 64          # threads of each of those blocks
-DECODE_CHUNK = 64              # cache positions per split of decode attention (<= MAX_CHUNK in layers.cu)
+DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
 NULL = np.uint64(0)            # a null pointer argument
 
 
@@ -54,6 +54,18 @@ def i64(value: int) -> np.int64:
 
 def pointer(array: Any | None) -> Any:
     return NULL if array is None else array
+
+
+def attention_splits(span: int, heads: int, wave: int) -> int:
+    """Splits per (token, head) of decode attention over `span` cache positions, for `heads`
+    (T·NH) rows of blocks: as many as one wave of resident blocks (`wave`) holds, at most one per
+    DECODE_CHUNK positions, at least one. Each thread of a split keeps only a few loads in flight,
+    so a long position needs every block the GPU holds at once to keep its memory busy, and a
+    second wave would add a whole block's latency; a split past the token's position costs one
+    block that reads the position and writes (-inf, 0). The 30B-A3B shape on an H100 (32 heads;
+    46 registers by nvcc's count, so 5 blocks of 256 threads per multiprocessor): 20 splits per
+    head at a 4096 context or longer, where splits of 64 positions made 64 at 4096, 512 at 32768."""
+    return max(1, min(wave // heads, math.ceil(span / DECODE_CHUNK)))
 
 
 class GpuKVCache:
@@ -194,7 +206,7 @@ class GpuBackend:
             q, ds = self.q8_of(x)
             self.kernels.rows(f"gemv_q8_{weight.kind}", (weight.rows + 1) // 2, weight.cols // UNIT, 1,  # rows in pairs
                               (weight.data, i64(weight.row_bytes), q, ds, i32(weight.cols), y, i32(weight.rows),
-                               i32(n_tokens), pointer(residual)), UNITS_PER_LANE)
+                               i32(n_tokens), pointer(residual)), UNITS_PER_LANE, staged_bytes=2 * weight.row_bytes)
         elif n_tokens <= MAX_GEMV_TOKENS and weight.rows <= FEW_ROWS:
             y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
             self.kernels.launch(f"gemv_few_rows_{weight.kind}", (weight.rows,), (FEW_ROWS_THREADS,),
@@ -225,7 +237,8 @@ class GpuBackend:
         segments = [arg for w, y in zip(weights, outs)
                     for arg in (w.data, i64(w.row_bytes), i32(INT_KINDS.index(w.kind)), i32(w.rows), y)]
         self.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), weights[0].cols // UNIT, 1,
-                          (*segments, q, ds, i32(weights[0].cols), i32(n_tokens)), UNITS_PER_LANE)
+                          (*segments, q, ds, i32(weights[0].cols), i32(n_tokens)), UNITS_PER_LANE,
+                          staged_bytes=max(w.row_bytes for w in weights))
         for y, bias in zip(outs, biases):
             if bias is not None:
                 y += bias
@@ -255,19 +268,19 @@ class GpuBackend:
         return self._split_attention(q, cache, layer, positions)
 
     def _split_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
-        """A single token spans the whole capacity, so a captured step serves every position."""
+        """Each token's positions [0, pos] in equal shares over a fixed number of splits per head;
+        a single token's count comes from the capacity, so a captured step serves every position."""
         spec, cupy = self.spec, self.cupy
         n_tokens = q.shape[0]
         span = cache.capacity if n_tokens == 1 else cache.length + n_tokens
-        splits = math.ceil(span / DECODE_CHUNK)
-        acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)
+        splits = attention_splits(span, n_tokens * spec.n_heads, self.kernels.wave("attention_partial"))
+        acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)    # [T, NH, splits, Dv]
         max_sum = cupy.empty((n_tokens, spec.n_heads, splits, 2), cupy.float32)
         self.kernels.launch(
             "attention_partial",
-            (n_tokens, spec.n_heads, splits), (128,),
+            (n_tokens, spec.n_heads, splits), (BLOCK,),
             (q, cache.k[layer], cache.v[layer], positions, i32(spec.n_heads), i32(spec.n_kv_heads),
-             i32(spec.head_dim_k), i32(spec.head_dim_v), i32(DECODE_CHUNK),
-             np.float32(1.0 / math.sqrt(spec.head_dim_k)),
+             i32(spec.head_dim_k), i32(spec.head_dim_v), np.float32(1.0 / math.sqrt(spec.head_dim_k)),
              acc, max_sum))
         out = cupy.empty((n_tokens, spec.n_heads * spec.head_dim_v), cupy.float32)
         q, ds = self._planes_for(out) if spec.head_dim_v % UNIT == 0 else (None, None)

@@ -249,20 +249,44 @@ def test_three_products_in_one_launch(backend, n_tokens):
         assert relative_error(got.get(), q8_round_trip(x) @ reference.T + bias) < 1e-5
 
 
-@pytest.mark.parametrize("n_tokens", [1, 3])
-def test_decode_attention_matches_numpy(backend, n_tokens):
-    """Split-K attention of a few tokens over a cache of several splits, some of them past the
-    tokens, against numpy; the 8-bit planes the combine writes are quantize_q8's of its output."""
-    from moerun.backends.gpu_backend import DECODE_CHUNK
+# Decode attention: (cache capacity, first token's position, tokens, splits per head). None keeps
+# the backend's own count (at most one split per 64 positions of the span; counted here as on an
+# H100); a forced count gives shares past the 256 rows a split scores at a time (walked with the
+# running softmax) and empty splits that a large GPU's count would not. The comments give each
+# token's splits (rows [a, b)).
+ATTENTION_CASES = {
+    "position-0": (4096, 0, 1, None),                   # 64 splits: [0, 1), 63 empty
+    "small-position-many-chunks": (4096, 5, 1, None),   # 64 splits: [0, 6), 63 empty
+    "uneven": (256, 133, 1, None),                      # 4 splits of 64: the third [128, 134), one empty
+    "last-row": (256, 255, 1, None),                    # 4 full splits of 64
+    "uneven-3-tokens": (256, 133, 3, None),             # 3 splits; each token's third ends at its position
+    "8-tokens": (512, 500, 8, None),                    # 8 splits; each token's last ends at its position
+    "one-split-4-chunks": (1024, 1000, 1, 1),           # [0, 1001) in chunks of 256
+    "3-splits-2-chunks-each": (1024, 1000, 1, 3),       # [0, 352), [352, 704), [704, 1001)
+    "7-splits-5-empty": (1024, 40, 1, 7),               # [0, 32), [32, 41), 5 empty
+    "last-row-5-splits": (1024, 1023, 1, 5),            # 4 of 224, then [896, 1024)
+    "3-tokens-2-splits": (1024, 600, 3, 2),             # [0, 320), [320, position + 1)
+}
+
+
+@pytest.mark.parametrize("capacity, start, n_tokens, splits", ATTENTION_CASES.values(), ids=list(ATTENTION_CASES))
+def test_decode_attention_matches_numpy(backend, monkeypatch, capacity, start, n_tokens, splits):
+    """Split-K attention of tokens at positions start.. over the cache, each split an equal share of
+    its token's own positions, against numpy; the 8-bit planes the combine writes are quantize_q8's
+    of its output."""
+    from moerun.backends import gpu_backend
     from moerun.backends.numpy_ops import causal_attention
+    if splits is not None:
+        monkeypatch.setattr(gpu_backend, "attention_splits", lambda span, heads, wave: splits)
     spec, cupy = backend.spec, backend.cupy
     rng = np.random.default_rng()
-    start = 2 * DECODE_CHUNK + 5
-    cache = backend.new_cache(4 * DECODE_CHUNK)
+    cache = backend.new_cache(capacity)
     k = rng.normal(size=(start + n_tokens, spec.n_kv_heads, spec.head_dim_k)).astype(np.float32)
     v = rng.normal(size=(start + n_tokens, spec.n_kv_heads, spec.head_dim_v)).astype(np.float32)
     cache.k[0][: len(k)] = cupy.asarray(k)
     cache.v[0][: len(v)] = cupy.asarray(v)
+    cache.k[0][len(k):] = cupy.nan                       # rows past the tokens must not be read
+    cache.v[0][len(v):] = cupy.nan
     cache.length = start
     q = rng.normal(size=(n_tokens, spec.n_heads * spec.head_dim_k)).astype(np.float32)
     positions = cupy.arange(start, start + n_tokens, dtype=cupy.int32)

@@ -4,7 +4,8 @@
 #include "q8_dot.cuh"
 
 #define MAX_HEAD_DIM 256
-#define MAX_CHUNK 256
+#define ATTENTION_CHUNK 256     // cache rows a split of decode attention scores at a time
+#define ATTENTION_GRANULE 32    // a split's share of the rows is a multiple of this: one pass of 256 threads
 #define NORM_VALUES 8           // values of a row each rms_norm thread holds
 
 // out[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight, and in 8-bit planes (q8_dot.cuh)
@@ -82,21 +83,28 @@ extern "C" __global__ void qk_norm_rope_append(
         v_cache[slot * head_dim_v + j] = v_src[j];
 }
 
-// Split-K causal attention, first pass. Grid (T, NH, splits); split c covers cache
-// rows [c*chunk, (c+1)*chunk) up to the token's own position. Writes the split's
-// unnormalised output acc [T, NH, splits, Dv] and its (max, sum) [T, NH, splits, 2].
+// Split-K causal attention of a few tokens, first pass. Grid (T, NH, splits), blockDim <= 256
+// (scratch holds the [strides, Dv] partial sums: 4·blockDim floats; launched with 256).
+// Token t attends to cache rows [0, positions[t]]; split c takes an equal share of them,
+// rounded up to whole ATTENTION_GRANULE rows (so the last splits may get fewer, or none),
+// and walks it ATTENTION_CHUNK rows at a time with a running max and sum. Writes the
+// split's unnormalised output acc [T, NH, splits, Dv] and its (max, sum) [T, NH, splits, 2],
+// (-inf, 0) for a split with no rows.
 extern "C" __global__ void attention_partial(
         const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
         const int* __restrict__ positions, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,
-        int chunk, float scale, float* __restrict__ acc, float* __restrict__ max_sum) {
+        float scale, float* __restrict__ acc, float* __restrict__ max_sum) {
     wait_for_previous_grid();
     __shared__ float q_shared[MAX_HEAD_DIM];
-    __shared__ float probs[MAX_CHUNK];
+    __shared__ float probs[ATTENTION_CHUNK];
     __shared__ float scratch[1024];
     int t = blockIdx.x, head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     int kv_head = head / (n_heads / n_kv_heads);
     long long part = ((long long)t * n_heads + head) * splits + split;
-    int begin = split * chunk, end = min(begin + chunk, positions[t] + 1);
+    int length = positions[t] + 1;
+    int share = (length + splits - 1) / splits;
+    share = (share + ATTENTION_GRANULE - 1) / ATTENTION_GRANULE * ATTENTION_GRANULE;
+    int begin = split * share, end = min(begin + share, length);
     if (begin >= end) {
         if (threadIdx.x == 0) { max_sum[2 * part] = NEG_INF; max_sum[2 * part + 1] = 0.f; }
         return;
@@ -104,51 +112,59 @@ extern "C" __global__ void attention_partial(
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
         q_shared[d] = q[((long long)t * n_heads + head) * head_dim + d];
     __syncthreads();
-    // Scores: each group of 8 threads takes one key at a time, 4 dims per load, so a
-    // block has 16 keys' loads in flight per pass. Every thread runs every pass (the
-    // shuffles need the whole warp); groups past the end add nothing.
+    // Scores: each group of 8 threads takes one key at a time, 4 dims per load, so a block of
+    // 256 has 32 keys' loads in flight per pass. Values: thread i takes 4 dims (column i % columns)
+    // of every strides-th key from i / columns, kept in registers across the chunks; the strides
+    // partial sums meet in shared memory at the end. Dv % 4 == 0, Dv / 4 <= blockDim.
     int lane = threadIdx.x % 8, groups = blockDim.x / 8;
-    float local_max = NEG_INF;
-    for (int pass = begin; pass < end; pass += groups) {
-        int s = pass + threadIdx.x / 8;
-        float dot = 0.f;
-        if (s < end) {
-            const float* key = k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim;
-            for (int d = 4 * lane; d < head_dim; d += 32) {
-                float4 kv = *reinterpret_cast<const float4*>(key + d);
-                dot += q_shared[d] * kv.x + q_shared[d + 1] * kv.y + q_shared[d + 2] * kv.z + q_shared[d + 3] * kv.w;
+    int columns = head_dim_v / 4, strides = blockDim.x / columns, first = threadIdx.x / columns;
+    const float4* values = reinterpret_cast<const float4*>(v_cache + (long long)kv_head * head_dim_v)
+                           + threadIdx.x % columns;
+    long long key_stride = (long long)n_kv_heads * columns;
+    float best = NEG_INF, total = 0.f;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int from = begin; from < end; from += ATTENTION_CHUNK) {
+        int to = min(from + ATTENTION_CHUNK, end);
+        // Every thread runs every pass (the shuffles need the whole warp); groups past the end add nothing.
+        float local_max = NEG_INF;
+        for (int pass = from; pass < to; pass += groups) {
+            int s = pass + threadIdx.x / 8;
+            float dot = 0.f;
+            if (s < to) {
+                const float* key = k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim;
+                for (int d = 4 * lane; d < head_dim; d += 32) {
+                    float4 kv = *reinterpret_cast<const float4*>(key + d);
+                    dot += q_shared[d] * kv.x + q_shared[d + 1] * kv.y + q_shared[d + 2] * kv.z + q_shared[d + 3] * kv.w;
+                }
+            }
+            dot = group_sum(dot, 8) * scale;
+            if (s < to) {
+                if (lane == 0) probs[s - from] = dot;
+                local_max = fmaxf(local_max, dot);
             }
         }
-        dot = group_sum(dot, 8) * scale;
-        if (s < end) {
-            if (lane == 0) probs[s - begin] = dot;
-            local_max = fmaxf(local_max, dot);
+        // The running max over the chunks so far; what was summed under the old one is rescaled
+        // (by e^(-inf) = 0 on the first chunk).
+        float chunk_best = fmaxf(best, block_max(local_max, scratch));
+        float rescale = expf(best - chunk_best);
+        best = chunk_best;
+        float local_sum = 0.f;
+        for (int s = from + threadIdx.x; s < to; s += blockDim.x) {
+            float p = expf(probs[s - from] - best);
+            probs[s - from] = p;
+            local_sum += p;
         }
+        total = total * rescale + block_sum(local_sum, scratch);
+        sum.x *= rescale; sum.y *= rescale; sum.z *= rescale; sum.w *= rescale;
+        if (first < strides)
+            for (int s = from + first; s < to; s += strides) {
+                float p = probs[s - from];
+                float4 v = values[s * key_stride];
+                sum.x += p * v.x; sum.y += p * v.y; sum.z += p * v.z; sum.w += p * v.w;
+            }
+        __syncthreads();                                             // probs is rewritten by the next chunk
     }
-    __syncthreads();
-    float best = block_max(local_max, scratch);
-    float local_sum = 0.f;
-    for (int s = begin + threadIdx.x; s < end; s += blockDim.x) {
-        float p = expf(probs[s - begin] - best);
-        probs[s - begin] = p;
-        local_sum += p;
-    }
-    float total = block_sum(local_sum, scratch);
-    // Values: thread i takes 4 dims (column i % columns) of every strides-th key from i / columns,
-    // then the strides partial sums meet in shared memory. Dv % 4 == 0, Dv / 4 <= blockDim.
-    int columns = head_dim_v / 4, strides = blockDim.x / columns, first = threadIdx.x / columns;
-    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (first < strides) {
-        const float4* values = reinterpret_cast<const float4*>(v_cache + (long long)kv_head * head_dim_v)
-                               + threadIdx.x % columns;
-        long long key_stride = (long long)n_kv_heads * columns;
-        for (int s = begin + first; s < end; s += strides) {
-            float p = probs[s - begin];
-            float4 v = values[s * key_stride];
-            sum.x += p * v.x; sum.y += p * v.y; sum.z += p * v.z; sum.w += p * v.w;
-        }
-        reinterpret_cast<float4*>(scratch)[threadIdx.x] = sum;       // [strides, Dv]
-    }
+    if (first < strides) reinterpret_cast<float4*>(scratch)[threadIdx.x] = sum;   // [strides, Dv]
     __syncthreads();
     for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {
         float value = 0.f;
@@ -158,25 +174,30 @@ extern "C" __global__ void attention_partial(
     if (threadIdx.x == 0) { max_sum[2 * part] = best; max_sum[2 * part + 1] = total; }
 }
 
-// Second pass: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] / Σ_c e^(m_c - M) l_c, and in 8-bit
-// planes into q, ds when q is given (Dv a multiple of 32). Grid (T, NH), blockDim a multiple of 32.
+// Second pass: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] / Σ_c e^(m_c - M) l_c over the splits
+// that saw rows (m_c > -inf), and in 8-bit planes into q, ds when q is given (Dv a multiple of 32).
+// Grid (T, NH), blockDim a multiple of 32: the threads read the splits' (max, sum) side by side.
 extern "C" __global__ void attention_combine(const float* __restrict__ acc, const float* __restrict__ max_sum,
                                              int splits, int n_heads, int head_dim_v, float* __restrict__ out,
                                              int4* __restrict__ q, float2* __restrict__ ds) {
     wait_for_previous_grid();
+    __shared__ float scratch[32];
     int t = blockIdx.x, head = blockIdx.y;
-    long long first = ((long long)t * n_heads + head) * splits;
+    const float2* parts = reinterpret_cast<const float2*>(max_sum) + ((long long)t * n_heads + head) * splits;
     float best = NEG_INF;
-    for (int c = 0; c < splits; c++) best = fmaxf(best, max_sum[2 * (first + c)]);
+    for (int c = threadIdx.x; c < splits; c += blockDim.x) best = fmaxf(best, parts[c].x);
+    best = block_max(best, scratch);
     float denominator = 0.f;
-    for (int c = 0; c < splits; c++)
-        if (max_sum[2 * (first + c)] > NEG_INF) denominator += expf(max_sum[2 * (first + c)] - best) * max_sum[2 * (first + c) + 1];
+    for (int c = threadIdx.x; c < splits; c += blockDim.x)
+        if (parts[c].x > NEG_INF) denominator += expf(parts[c].x - best) * parts[c].y;
+    denominator = block_sum(denominator, scratch);
+    const float* head_acc = acc + ((long long)t * n_heads + head) * splits * head_dim_v;
     for (int start = 0; start < head_dim_v; start += blockDim.x) {
         int d = start + threadIdx.x;
         if (d - threadIdx.x % UNIT >= head_dim_v) break;      // the whole warp is past the head
         float sum = 0.f;
         for (int c = 0; c < splits && d < head_dim_v; c++)
-            if (max_sum[2 * (first + c)] > NEG_INF) sum += expf(max_sum[2 * (first + c)] - best) * acc[(first + c) * head_dim_v + d];
+            if (parts[c].x > NEG_INF) sum += expf(parts[c].x - best) * head_acc[(long long)c * head_dim_v + d];
         long long at = ((long long)t * n_heads + head) * head_dim_v + d;
         if (d < head_dim_v) out[at] = sum / denominator;
         if (q) quantize_unit_of_warp(sum / denominator, at / UNIT, q, ds);

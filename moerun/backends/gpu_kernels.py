@@ -22,6 +22,7 @@ INT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # 
 UNITS_PER_LANE = 2              # weight units each thread of an integer GEMV reads at least (loads in flight)
 ROW_GROUP = 32                  # most threads sharing one output row (a power of two, <= 32)
 PROGRAMMATIC_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+STAGE_LIMIT = 48 * 1024         # most shared memory per block for staged weight rows (no opt-in needed)
 
 
 class Kernels:
@@ -39,20 +40,29 @@ class Kernels:
             function = self._functions[name] = self.module.get_function(name)
         return function
 
-    def launch(self, name: str, grid: tuple, block: tuple, args: tuple) -> None:
+    def launch(self, name: str, grid: tuple, block: tuple, args: tuple, shared_bytes: int = 0) -> None:
         if self._dependent is None:
-            self[name](grid, block, args)
+            self[name](grid, block, args, shared_mem=shared_bytes)
         else:
-            self._dependent.launch(self[name].kernel.ptr, grid, block, args, self.cupy.cuda.get_current_stream().ptr)
+            self._dependent.launch(self[name].kernel.ptr, grid, block, args, shared_bytes,
+                                   self.cupy.cuda.get_current_stream().ptr)
 
     def rows(self, name: str, n_rows: int, units_per_row: int, grid_y: int, args: tuple,
-             units_per_lane: int = 1) -> None:
+             units_per_lane: int = 1, staged_bytes: int | None = None) -> None:
         """Launch a row-parallel kernel: one group of threads per output row, the group as
         wide as the row has units (for at least `units_per_lane` each; a power of two, at
-        most ROW_GROUP; see fitting_group), as its last argument."""
+        most ROW_GROUP; see fitting_group), as its last argument. A kernel that stages its
+        weight rows in shared memory (stage_rows in gemv_q8.cu) is given `staged_bytes`, the
+        bytes of one group's rows: the stride between groups (0 where they cannot be staged)
+        goes before the group."""
         group = fitting_group(row_group(units_per_row, units_per_lane), n_rows, grid_y, self.wave(name))
         grid = (blocks_of_rows(n_rows, group), grid_y)
-        self.launch(name, grid, (BLOCK,), (*args, self.cupy.int32(group)))
+        if staged_bytes is None:
+            self.launch(name, grid, (BLOCK,), (*args, self.cupy.int32(group)))
+            return
+        stride = stage_stride(staged_bytes, BLOCK // group)
+        self.launch(name, grid, (BLOCK,), (*args, self.cupy.int32(stride), self.cupy.int32(group)),
+                    stride * (BLOCK // group))
 
     def wave(self, name: str) -> int:
         """Blocks of BLOCK threads of kernel `name` the whole GPU holds at once."""
@@ -76,6 +86,14 @@ def row_group(units_per_row: int, units_per_lane: int = 1) -> int:
 
 def blocks_of_rows(n_rows: int, group: int) -> int:
     return -(-n_rows // (BLOCK // group))
+
+
+def stage_stride(group_bytes: int, groups: int) -> int:
+    """Bytes between the staged rows of consecutive thread groups: 16 more than theirs (so
+    consecutive groups start in other shared memory banks), or 0 (no staging) where the rows are
+    not whole 16-byte copies or the block's would pass STAGE_LIMIT."""
+    stride = group_bytes + 16
+    return stride if group_bytes % 16 == 0 and stride * groups <= STAGE_LIMIT else 0
 
 
 def fitting_group(group: int, n_rows: int, grid_y: int, wave: int) -> int:
@@ -123,11 +141,11 @@ class DependentLauncher:
         except (OSError, AttributeError):
             return None
 
-    def launch(self, function: int, grid: tuple, block: tuple, args: tuple, stream: int) -> None:
+    def launch(self, function: int, grid: tuple, block: tuple, args: tuple, shared_bytes: int, stream: int) -> None:
         grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
         values = [self._argument(a) for a in args]
         params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), 0, stream,
+        config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_bytes, stream,
                                ctypes.pointer(self._attribute), 1)
         status = self._launch(ctypes.byref(config), function, params, None)
         if status:

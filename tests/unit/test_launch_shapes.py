@@ -10,6 +10,7 @@ from moerun.backends.gpu_kernels import (
     blocks_of_rows,
     fitting_group,
     row_group,
+    stage_stride,
 )
 
 
@@ -44,3 +45,17 @@ def test_blocks_cover_every_row():
         for n_rows in (1, rows_per_block - 1, rows_per_block, rows_per_block + 1, 5000):
             blocks = blocks_of_rows(n_rows, group)
             assert (blocks - 1) * rows_per_block < n_rows <= blocks * rows_per_block
+
+
+def test_staged_rows_are_padded_whole_16_byte_copies_within_the_limit():
+    """A Q4_K row of 2048 columns is 1152 bytes: 16 groups of a block stage 16 rows."""
+    assert stage_stride(1152, 16) == 1168
+    assert stage_stride(1152, 16) % 16 == 0
+
+
+@pytest.mark.parametrize("group_bytes, groups, want", [
+    (2 * 630, 8, 0),         # two Q6_K rows of 768 columns: not whole 16-byte copies
+    (144, 32, 160),          # a Q4_K row of 256 columns: 32 groups fit
+    (2 * 2304, 16, 0)])      # two Q4_K rows of 4096 columns for 16 groups: over STAGE_LIMIT
+def test_a_stride_only_where_rows_are_whole_copies_within_the_limit(group_bytes, groups, want):
+    assert stage_stride(group_bytes, groups) == want

@@ -68,20 +68,47 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
     }
 }
 
+// Weight rows staged in shared memory: each group of threads copies its rows' `bytes` (a
+// multiple of 16) into its `stride` bytes of the block's dynamic shared memory before the kernel
+// waits for the one before it. Weights are written by no kernel, so under programmatic dependent
+// launches (the blocks resident while the kernel before still runs) these DRAM reads overlap
+// that kernel's end. stride 0: no staging, the rows are read where they are. Every thread of
+// the block calls both halves; `staged_rows` returns where the group's rows are read from.
+__device__ __forceinline__ void stage_rows(const u8* rows, long long bytes, int stride, int lane, int group,
+                                           bool valid) {
+    extern __shared__ int4 staged[];
+    if (stride == 0 || !valid) return;
+    int4* dst = staged + (threadIdx.x / group) * (stride / 16);
+    const int4* src = reinterpret_cast<const int4*>(rows);
+    for (long long c = lane; c < bytes / 16; c += group) copy_16_async(dst + c, src + c);
+}
+
+__device__ __forceinline__ const u8* staged_rows(const u8* rows, int stride, int group) {
+    extern __shared__ int4 staged[];
+    if (stride == 0) return rows;
+    wait_copies();
+    __syncthreads();
+    return reinterpret_cast<const u8*>(staged + (threadIdx.x / group) * (stride / 16));
+}
+
 // y[t, r] = W[r, :] · x[t, :] (+ residual[t, r]).  W: N rows of row_bytes; x [T, K_in] in planes;
-// y, residual [T, N].  Block: groups of `group` threads, two consecutive rows per group.
+// y, residual [T, N].  Block: groups of `group` threads, two consecutive rows per group, staged
+// (stage_rows) when `stride` is not 0.
 #define DEFINE_GEMV_Q8(TYPE)                                                                               \
     extern "C" __global__ void gemv_q8_##TYPE(const u8* __restrict__ weight, long long row_bytes,         \
                                               const int4* __restrict__ xq, const float2* __restrict__ xds, \
                                               int in_features, float* __restrict__ y, int out_features,    \
-                                              int n_tokens, const float* __restrict__ residual, int group) { \
-        wait_for_previous_grid();                                                                          \
+                                              int n_tokens, const float* __restrict__ residual, int stride, \
+                                              int group) {                                                 \
         int row = 2 * (blockIdx.x * (blockDim.x / group) + threadIdx.x / group);                           \
         int lane = threadIdx.x % group, units = in_features / UNIT;                                        \
+        bool valid = row < out_features, pair = row + 1 < out_features;                                    \
+        stage_rows(weight + row * row_bytes, (pair ? 2 : 1) * row_bytes, stride, lane, group, valid);      \
+        wait_for_previous_grid();                                                                          \
+        const u8* first = staged_rows(weight + row * row_bytes, stride, group);                            \
         float acc[2][MAX_TOKENS] = {{0.f}};                                                                \
-        if (row < out_features) {                                                                          \
-            const u8* rows[2] = {weight + row * row_bytes,                                                 \
-                                 weight + (row + 1 < out_features ? row + 1 : row) * row_bytes};           \
+        if (valid) {                                                                                       \
+            const u8* rows[2] = {first, first + (pair ? row_bytes : 0)};                                   \
             accumulate_rows_q8<int_unit_##TYPE, 2>(rows, units, {xq, xds}, 0, units, n_tokens, lane, group, acc); \
         }                                                                                                  \
         for (int t = 0; t < MAX_TOKENS; t++) {                                                             \
@@ -161,7 +188,7 @@ FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
 // Up to three matrices over the same activations in one launch (q, k and v): matrix s (a, b, c)
 // has rows_s rows of row_bytes_s in type kind_s (its place in FOR_EACH_INT_TYPE) and writes
 // y_s [T, rows_s]. The rows of the three are numbered one after the other; a group of `group`
-// threads per row.
+// threads per row, staged (stage_rows) when `stride` is not 0.
 __device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* const* row, int units, Q8Activations x,
                                                        int n_tokens, int lane, int group, float (*acc)[MAX_TOKENS]) {
     switch (kind) {
@@ -180,8 +207,8 @@ extern "C" __global__ void gemv_q8_three(
         const u8* __restrict__ weight_a, long long row_bytes_a, int kind_a, int rows_a, float* __restrict__ y_a,
         const u8* __restrict__ weight_b, long long row_bytes_b, int kind_b, int rows_b, float* __restrict__ y_b,
         const u8* __restrict__ weight_c, long long row_bytes_c, int kind_c, int rows_c, float* __restrict__ y_c,
-        const int4* __restrict__ xq, const float2* __restrict__ xds, int in_features, int n_tokens, int group) {
-    wait_for_previous_grid();
+        const int4* __restrict__ xq, const float2* __restrict__ xds, int in_features, int n_tokens, int stride,
+        int group) {
     int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;
     int lane = threadIdx.x % group, units = in_features / UNIT;
     const u8* weight = weight_a;
@@ -197,8 +224,10 @@ extern "C" __global__ void gemv_q8_three(
         }
     }
     bool valid = row < rows;
+    stage_rows(weight + row * row_bytes, row_bytes, stride, lane, group, valid);
+    wait_for_previous_grid();
     float acc[1][MAX_TOKENS] = {{0.f}};
-    const u8* row_data[1] = {weight + row * row_bytes};
+    const u8* row_data[1] = {staged_rows(weight + row * row_bytes, stride, group)};
     if (valid) accumulate_row_of_kind(kind, row_data, units, {xq, xds}, n_tokens, lane, group, acc);
     for (int t = 0; t < MAX_TOKENS; t++) {
         if (t >= n_tokens) break;

@@ -88,12 +88,21 @@ def blocks_of_rows(n_rows: int, group: int) -> int:
     return -(-n_rows // (BLOCK // group))
 
 
+def staged_bytes(matrices: tuple, rows_per_group: int) -> int:
+    """Bytes of weight rows one thread group stages (its rows of the widest of `matrices`, each
+    with .data and .row_bytes), or 0 where some matrix's rows are not whole 16-byte copies from
+    16-byte aligned addresses."""
+    if any(m.row_bytes % 16 or m.data.data.ptr % 16 for m in matrices):
+        return 0
+    return rows_per_group * max(m.row_bytes for m in matrices)
+
+
 def stage_stride(group_bytes: int, groups: int) -> int:
     """Bytes between the staged rows of consecutive thread groups: 16 more than theirs (so
-    consecutive groups start in other shared memory banks), or 0 (no staging) where the rows are
-    not whole 16-byte copies or the block's would pass STAGE_LIMIT."""
+    consecutive groups start in other shared memory banks), or 0 (no staging) where there are
+    none (staged_bytes) or the block's would pass STAGE_LIMIT."""
     stride = group_bytes + 16
-    return stride if group_bytes % 16 == 0 and stride * groups <= STAGE_LIMIT else 0
+    return stride if group_bytes and stride * groups <= STAGE_LIMIT else 0
 
 
 def fitting_group(group: int, n_rows: int, grid_y: int, wave: int) -> int:

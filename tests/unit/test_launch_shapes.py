@@ -11,6 +11,7 @@ from moerun.backends.gpu_kernels import (
     fitting_group,
     row_group,
     stage_stride,
+    staged_bytes,
 )
 
 
@@ -54,8 +55,26 @@ def test_staged_rows_are_padded_whole_16_byte_copies_within_the_limit():
 
 
 @pytest.mark.parametrize("group_bytes, groups, want", [
-    (2 * 630, 8, 0),         # two Q6_K rows of 768 columns: not whole 16-byte copies
+    (0, 8, 0),               # rows staged_bytes refused
     (144, 32, 160),          # a Q4_K row of 256 columns: 32 groups fit
     (2 * 2304, 16, 0)])      # two Q4_K rows of 4096 columns for 16 groups: over STAGE_LIMIT
 def test_a_stride_only_where_rows_are_whole_copies_within_the_limit(group_bytes, groups, want):
     assert stage_stride(group_bytes, groups) == want
+
+
+class _Matrix:
+    def __init__(self, row_bytes: int, address: int):
+        self.row_bytes = row_bytes
+        self.data = type("DeviceArray", (), {"data": type("Pointer", (), {"ptr": address})})
+
+
+def test_a_group_stages_its_rows_of_the_widest_matrix():
+    """q, k (Q4_K, 1152 bytes a row) and v (Q6_K, 1680) of the 30B-A3B shape."""
+    assert staged_bytes((_Matrix(1152, 4096), _Matrix(1152, 8192), _Matrix(1680, 12288)), 1) == 1680
+    assert staged_bytes((_Matrix(1152, 4096),), 2) == 2304
+
+
+@pytest.mark.parametrize("row_bytes, address", [(210, 4096), (1152, 4104)])
+def test_no_staging_for_rows_that_are_not_aligned_16_byte_copies(row_bytes, address):
+    """A Q6_K row of 256 columns beside a Q4_K one; a matrix at an 8-byte aligned address."""
+    assert staged_bytes((_Matrix(1152, 4096), _Matrix(row_bytes, address)), 1) == 0

@@ -9,6 +9,8 @@ names must be valid UTF-8.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import mmap
 import operator
@@ -35,6 +37,9 @@ SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4
 MAX_ARRAY_NESTING = 8
 FINGERPRINT_SAMPLE = 4096  # bytes of each tensor's data that go into the fingerprint
+# bytes per madvise(MADV_WILLNEED): Linux reads at most the larger of the device's read-ahead
+# and its largest request (128 KiB at the least) of the range one call names
+WILLNEED_CHUNK = 128 << 10
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -183,6 +188,33 @@ class GGUFFile:
             raise IndexError(f"expert {expert} out of range for tensor '{name}' of shape {self.tensors[name].shape}")
         return raw[expert]
 
+    def expert_ranges(self, name: str, experts: Iterable[int]) -> list[tuple[int, int]]:
+        """(start, length) in the file of these experts of an expert tensor [E, ...]: one range
+        per run of consecutive ids."""
+        info = self.tensor(name)
+        stride = info.nbytes // info.shape[0]
+        ranges: list[tuple[int, int]] = []
+        for expert in sorted(set(experts)):
+            start = info.offset + expert * stride
+            if ranges and sum(ranges[-1]) == start:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + stride)
+            else:
+                ranges.append((start, stride))
+        return ranges
+
+    def will_need(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Have the kernel read these (start, length) byte ranges into the page cache ahead of
+        use (madvise MADV_WILLNEED; nothing where the OS has no such advice). It takes about as
+        long as the reads: call it off the path that waits. The mapping stays while it runs."""
+        data = self._data                  # while held, close() leaves the file mapped
+        if data is None or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        madvise, base = _madvise(), data.ctypes.data
+        for start, length in ranges:
+            end = start + length
+            for chunk in range(start - start % mmap.PAGESIZE, end, WILLNEED_CHUNK):
+                madvise(base + chunk, min(WILLNEED_CHUNK, end - chunk), mmap.MADV_WILLNEED)
+
     def dequantize(self, name: str) -> np.ndarray:
         """Float32 copy of the whole tensor, of shape info.shape."""
         return self._dequantize(name, self.raw(name))
@@ -238,6 +270,15 @@ class GGUFFile:
     def __repr__(self) -> str:
         counts = f"tensors={len(self.tensors)}, metadata={len(self.metadata)}"
         return f"GGUFFile('{self.path}', version={self.version}, {counts})"
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise through ctypes, which lets other threads run while it reads (mmap.madvise
+    holds the GIL)."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
 def _align_up(offset: int, alignment: int) -> int:

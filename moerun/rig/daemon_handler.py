@@ -7,6 +7,7 @@ Shape legend: T tokens, H hidden, P routed pairs (token, expert), F expert FFN w
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -39,14 +40,17 @@ def check_device(device: str) -> str:
 class ExpertDaemon:
     """The Handler behind moerun.ipc.server.Server for one model file on one device."""
 
-    def __init__(self, model_path: str, device: str):
+    def __init__(self, model_path: str, device: str, threads: int | None = None):
+        """threads: the CPU kernels' (default_threads() if None)."""
         self.backend = check_device(device)
         self.device = device
+        self.threads = threads
         self.gguf = GGUFFile(model_path)
         self.spec = load_spec(self.gguf)
         self._fingerprint = self.gguf.fingerprint()
         self.assigned: dict[int, np.ndarray] = {}                  # layer -> global ids, index = local id
         self.store: ExpertStore | None = None                      # on the CPU
+        self.prefetch: threading.Thread | None = None              # reads the assigned experts' pages ahead
         self.gpu = None if device == "cpu" else GpuExpertSet(device, self.gguf, self.spec)
         self.calls = self.tokens = self.pairs = 0
         self.compute_seconds = 0.0
@@ -66,9 +70,20 @@ class ExpertDaemon:
             self.gpu.load(experts, progress)
         else:
             total = sum(len(ids) for ids in experts.values())
-            self.store = expert_store(self.gguf, self.spec, cache_bytes=total * float32_expert_bytes(self.spec))
+            self.store = expert_store(self.gguf, self.spec, cache_bytes=total * float32_expert_bytes(self.spec),
+                                      threads=self.threads)
             progress(total, total)
+            self._prefetch(experts)
         self.assigned = {layer: np.asarray(ids, np.int64) for layer, ids in experts.items()}
+
+    def _prefetch(self, experts: dict[int, list[int]]) -> None:
+        """Have the kernel read the assigned experts' bytes of the file into the page cache, in the
+        background: READY goes out at once, and the first requests find most pages there."""
+        ranges = [span for layer, ids in experts.items() for name in self.spec.expert_tensor_names(layer)
+                  for span in self.gguf.expert_ranges(name, ids)]
+        self.prefetch = threading.Thread(target=self.gguf.will_need, args=(ranges,), name="moerun-prefetch",
+                                         daemon=True)
+        self.prefetch.start()
 
     def _check_assignment(self, experts: dict[int, list[int]]) -> None:
         for layer, ids in experts.items():

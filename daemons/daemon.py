@@ -4,6 +4,7 @@ SHUTDOWN, SIGTERM/SIGINT, or the death of the parent that spawned it (whose run 
 then removes, the parent being unable to)."""
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -13,18 +14,27 @@ from moerun.ipc.processes import pid_alive
 from moerun.ipc.server import Server
 
 from moerun import log
+from moerun.rig.cores import format_cpus, restrict_to_node
 from moerun.rig.daemon_handler import ExpertDaemon
 from moerun.rig.spawn import remove_orphaned_run_dir
 
+logger = logging.getLogger(__name__)
+
 
 def serve(model_path: str, device: str, listen: str, parent_pid: int | None,
-          curve_secret_key: str | None = None, curve_authorized_keys: str | None = None) -> None:
+          curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
+          threads: int | None = None, numa_node: int | None = None) -> None:
     """Run a daemon until SHUTDOWN, SIGTERM/SIGINT, or the death of `parent_pid`. On a tcp://
     address other hosts can reach it needs its CURVE secret key file and the public key file
-    (or directory of them) of the parents it serves; elsewhere they are optional."""
+    (or directory of them) of the parents it serves; elsewhere they are optional. A CPU daemon
+    computes with `threads` threads (default_threads() if None), on NUMA node `numa_node`'s
+    CPUs only when given (held there before anything is loaded)."""
     log.use_daemon_format()
     curve = server_keys_for(listen, curve_secret_key, curve_authorized_keys)
-    daemon = ExpertDaemon(model_path, device)
+    if numa_node is not None:
+        cpus = restrict_to_node(numa_node)
+        logger.info(f"on NUMA node {numa_node}: CPUs {format_cpus(cpus)}")
+    daemon = ExpertDaemon(model_path, device, threads)
     server = Server(listen, daemon, curve=curve)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())

@@ -125,6 +125,8 @@ TOP_LEVEL = {
     "batch_capacity": Key(integer(1, MAX_BATCH_CAPACITY)),
     "daemon_timeout": Key(number(above=0)),
     "require_daemons": Key(boolean),
+    "threads": Key(integer(1)),
+    "pin": Key(boolean),
     "ctx": Key(integer(1)),
     "kv_pool": Key(integer(1)),
     "ubatch": Key(integer(1)),
@@ -168,6 +170,8 @@ DAEMON = {
     "curve_public_key": Key(text, path=True),
     "curve_secret_key": Key(text, path=True),
     "curve_authorized_keys": Key(text, path=True),
+    "threads": Key(integer(1)),
+    "numa_node": Key(integer(0)),
 }
 TOP_LEVEL_NAMES = (*TOP_LEVEL, *TABLES, "daemon")
 
@@ -294,6 +298,9 @@ class _Reader:
         if ((entry.curve_secret_key is None) != (entry.curve_authorized_keys is None)
                 and not failed("curve_secret_key", "curve_authorized_keys")):
             self.problem(where, f"[[daemon]] {name}: curve_secret_key and curve_authorized_keys go together")
+        for key in ("threads", "numa_node"):
+            if getattr(entry, key) is not None and entry.device != "cpu" and not failed("device"):
+                self.problem(where + (key,), f"[[daemon]] {name}: {key} is for a CPU daemon (device = \"cpu\")")
         if not failed("name") and any(other.name == name and not self.failed(("daemon", number, "name"))
                                       for number, other in enumerate(before)):
             self.problem(where + ("name",), f"two [[daemon]] tables are named {name!r}")

@@ -21,8 +21,9 @@ from click.core import ParameterSource
 
 from moerun.commands.options import friendly_errors
 from moerun.config import load_config_file
+from moerun.rig.cores import share_host
 from moerun.rig.links import RigError
-from moerun.rig.settings import DaemonEntry
+from moerun.rig.settings import DaemonEntry, RigConfig
 from moerun.rig.spawn import (
     LocalDaemon,
     make_run_dir,
@@ -63,7 +64,11 @@ def launch(ctx, config_file, workload_flags):
         if to_start and model is None:
             from moerun.writers.demo import demo_model_path
             model = demo_model_path()
-        with StartedDaemons(to_start, model):
+        # the parent divides the host's CPUs the same way when it starts: these daemons are in its split
+        rig = RigConfig(daemons=tuple(entry.spec for entry in entries), daemon_entries=entries,
+                        **{name: _setting(command, values, name) for name in ("device", "threads", "pin")})
+        cpus = share_host(rig)
+        with StartedDaemons(to_start, model, {entry.name: cpus.spawn_settings(i) for i, entry in enumerate(entries)}):
             workload.invoke(command)
 
 
@@ -71,10 +76,11 @@ class StartedDaemons:
     """The daemons launch starts: each waited for until it listens, restarted with back-off
     when it exits (the parent's rig then brings it back in), all stopped at the end."""
 
-    def __init__(self, entries: list[DaemonEntry], model: str | Path):
+    def __init__(self, entries: list[DaemonEntry], model: str | Path, cpu_settings: dict[str, dict]):
+        """cpu_settings: spawn_daemon's threads and cpus for each daemon, by name."""
         self.entries = entries
         self.model = model
-        self.cpu_threads = max(1, (os.cpu_count() or 1) // (1 + sum(entry.device == "cpu" for entry in entries)))
+        self.cpu_settings = cpu_settings
         self.run_dir = make_run_dir()
         self.made_folders: list[Path] = []        # socket folders made here, removed at the end if empty
         self.daemons: dict[str, LocalDaemon] = {}
@@ -111,7 +117,8 @@ class StartedDaemons:
         if listen.startswith("ipc://"):
             self._make_folder(Path(listen.removeprefix("ipc://")).parent)
         self.daemons[entry.name] = spawn_daemon(entry.device, self.model, listen, self.run_dir / f"{entry.name}.log",
-                                                self.cpu_threads, entry.curve_flags)
+                                                **self.cpu_settings[entry.name],
+                                                extra_args=(*entry.curve_flags, *entry.node_flags))
 
     def _make_folder(self, folder: Path) -> None:
         """The folder and its missing parents (0700), remembered to be removed at the end."""
@@ -142,6 +149,13 @@ class StartedDaemons:
                 self._spawn(entry)
                 started[entry.name] = time.monotonic()
                 delays[entry.name] = min(2 * delays[entry.name], RESTART_MAX_S)
+
+
+def _setting(command: click.Context, values: dict, name: str):
+    """A parameter of the workload as it will run: given on the command line, else the file's, else its default."""
+    if command.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+        return command.params[name]
+    return values.get(name, command.params[name])
 
 
 def _wait_until_listening(entry: DaemonEntry, daemon: LocalDaemon, since_ns: int, deadline: float) -> None:

@@ -21,6 +21,12 @@ DEMO_DAEMONS = ("cpu", "cpu")   # `moerun run` and `serve` run the built-in demo
 MODEL_HELP = "GGUF model file [default: the built-in demo model]."
 
 
+threads_option = click.option(
+    "--threads", type=click.IntRange(min=1), default=None,
+    help="The parent's CPU threads [default: its share of this host's CPUs, split with the CPU daemons that "
+         "run here; one for a GPU parent beside them].")
+
+
 def friendly_errors(command):
     """Turn every expected failure into one `Error: ...` line and exit status 1."""
     @functools.wraps(command)
@@ -124,16 +130,19 @@ def runtime_options(command):
                                              "its experts itself."),
         click.option("--require-daemons", is_flag=True,
                      help="Stop with an error instead of computing a failed daemon's experts on the parent."),
+        threads_option,
+        click.option("--pin", is_flag=True,
+                     help="Hold the parent and each CPU daemon it starts to CPUs of its own (Linux)."),
     ]):
         decorated = option(decorated)
     return decorated
 
 
 def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, daemons, hot, placement, transport, mode,
-                 batch_capacity, payload_dtype, daemon_timeout, require_daemons, daemon_entries,
+                 batch_capacity, payload_dtype, daemon_timeout, require_daemons, threads, pin, daemon_entries,
                  client_secret_key) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
                     require_daemons=require_daemons, device=device, graphs=graphs, daemon_entries=daemon_entries,
-                    client_secret_key=client_secret_key)
+                    client_secret_key=client_secret_key, threads=threads, pin=pin)
     return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig)

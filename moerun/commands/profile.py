@@ -5,11 +5,17 @@ from pathlib import Path
 
 import click
 
-from moerun.commands.options import MODEL_HELP, friendly_errors, model_or_demo
+from moerun.commands.options import (
+    MODEL_HELP,
+    friendly_errors,
+    model_or_demo,
+    threads_option,
+)
 from moerun.engine.runtime import DEFAULT_UBATCH, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.chat import render_messages
 from moerun.moe.hotness import write_hotness
+from moerun.rig.settings import RigConfig
 
 
 @click.command()
@@ -22,13 +28,15 @@ from moerun.moe.hotness import write_hotness
 @click.option("--chat", is_flag=True, help="Render each prompt with the model's chat template.")
 @click.option("--ctx", type=click.IntRange(min=1), default=None, help="Context length [default: the model's, at most 4096].")
 @click.option("--ubatch", type=click.IntRange(min=1), default=DEFAULT_UBATCH, show_default=True)
+@threads_option
 @friendly_errors
-def profile(model, prompts_file, output, n_predict, chat, ctx, ubatch):
+def profile(model, prompts_file, output, n_predict, chat, ctx, ubatch, threads):
     """Count how often each expert is routed to over a set of prompts (for `plan --hotness`)."""
     prompts = [line for line in Path(prompts_file).read_text().splitlines() if line.strip()]
     if not prompts:
         raise click.BadParameter("the file has no prompts", param_hint="-f")
-    with Runtime(model_or_demo(model), ctx=ctx, ubatch=ubatch, count_routing=True) as runtime:
+    with Runtime(model_or_demo(model), ctx=ctx, ubatch=ubatch, rig=RigConfig(threads=threads),
+                 count_routing=True) as runtime:
         tokens = 0
         for prompt in prompts:
             text = render_messages(runtime.tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt

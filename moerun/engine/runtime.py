@@ -25,6 +25,7 @@ from moerun.models import load_spec
 from moerun.moe.executor import LocalExecutor, MoEStats
 from moerun.moe.hotness import RoutingCounter
 from moerun.moe.placement import PARENT
+from moerun.rig.cores import HostShares, share_host
 from moerun.rig.settings import RigConfig
 from moerun.rig.supervisor import Rig
 
@@ -68,15 +69,19 @@ class Runtime:
             raise RequestError(f"--ubatch must be at least 1 (got {ubatch})")
         self.gguf = GGUFFile(path)
         self.rig: Rig | None = None
+        self.cpus: HostShares | None = None
         self._tokenizer: Tokenizer | None = None
         self.ubatch = ubatch
         try:
             self.spec = load_spec(self.gguf)
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
             self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
-            self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs)
+            self.cpus = share_host(rig)         # the parent's CPU threads, and those of this host's CPU daemons
+            self.cpus.apply_to_parent()
+            self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs, threads=self.cpus.parent.threads)
             if rig.daemons:
-                self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=self.kv_pool or self.ctx)
+                self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=self.kv_pool or self.ctx,
+                               cpus=self.cpus)
             held = self.rig.placement.experts_of(PARENT) if self.rig else None
             weights = load_weights(self.gguf, self.spec, self.backend, held, expert_cache_bytes)
             executor = (self.rig.executor(weights.experts, expert_cache_bytes) if self.rig
@@ -116,6 +121,8 @@ class Runtime:
         if self.rig is not None:
             self.rig.close()
             self.rig = None
+        if self.cpus is not None:
+            self.cpus.release()
         self.gguf.close()
 
     def __enter__(self) -> "Runtime":

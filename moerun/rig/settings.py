@@ -35,6 +35,8 @@ class DaemonEntry:
     curve_public_key: str | None = None  # its CURVE public key file, for the parent
     curve_secret_key: str | None = None  # its CURVE secret key file, on its host
     curve_authorized_keys: str | None = None   # the public key file (or directory) of the parents it serves
+    threads: int | None = None           # a CPU daemon's threads [default: its share of this host's CPUs]
+    numa_node: int | None = None         # a CPU daemon held to this NUMA node's CPUs
 
     @property
     def spec(self) -> str:
@@ -47,6 +49,11 @@ class DaemonEntry:
         if self.curve_secret_key is None:
             return ()
         return ("--curve-secret-key", self.curve_secret_key, "--curve-authorized-keys", self.curve_authorized_keys)
+
+    @property
+    def node_flags(self) -> tuple[str, ...]:
+        """The `moerun daemon` flags that hold it to its NUMA node, if it has one."""
+        return () if self.numa_node is None else ("--numa-node", str(self.numa_node))
 
     def runs_here(self) -> bool:
         """Whether it runs on this host: no host given, localhost, or this host's name."""
@@ -68,6 +75,8 @@ class RigConfig:
     graphs: bool = True                  # --no-graph: GPU decode steps run eagerly instead of as CUDA graphs
     daemon_entries: tuple[DaemonEntry, ...] = ()   # the config file's [[daemon]] tables behind `daemons`, if any
     client_secret_key: str | None = None           # the parent's CURVE secret key file ([auth])
+    threads: int | None = None           # the parent's CPU threads [default: its share of this host's CPUs]
+    pin: bool = False                    # hold the parent and its CPU daemons to their own cores
 
     def __post_init__(self) -> None:
         for spec in self.daemons:
@@ -82,6 +91,7 @@ class RigConfig:
              f"--batch-capacity must be between 1 and {MAX_BATCH_CAPACITY} (got {self.batch_capacity})"),
             (self.daemon_timeout_s > 0, f"--daemon-timeout must be > 0 (got {self.daemon_timeout_s})"),
             (self.hot is None or self.hot >= 0, f"--hot must be >= 0 (got {self.hot})"),
+            (self.threads is None or self.threads >= 1, f"--threads must be >= 1 (got {self.threads})"),
             (not (self.hot is not None and self.placement), "give --hot or --placement, not both"),
             (not (self.placement and not self.daemons),
              f"--placement {self.placement} places experts on daemons, but no --daemon (or [[daemon]] table) "

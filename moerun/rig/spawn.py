@@ -3,6 +3,7 @@ the parent: the parent's own, and the ones `moerun launch` starts; and their run
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import signal
@@ -82,30 +83,32 @@ def sweep_stale_run_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def spawn_local_daemon(spec: str, model_path: str | Path, run_dir: Path, index: int,
-                       cpu_threads: int) -> LocalDaemon:
+def spawn_local_daemon(spec: str, model_path: str | Path, run_dir: Path, index: int, threads: int | None = None,
+                       cpus: tuple[int, ...] | None = None, extra_args: tuple[str, ...] = ()) -> LocalDaemon:
     """Start `moerun daemon` on `spec`'s device on a socket in `run_dir`; see spawn_daemon."""
     return spawn_daemon(spec, model_path, f"ipc://{run_dir}/daemon-{index}.sock", run_dir / f"daemon-{index}.log",
-                        cpu_threads)
+                        threads, cpus, extra_args)
 
 
-def spawn_daemon(spec: str, model_path: str | Path, listen: str, log_path: Path, cpu_threads: int,
-                 extra_args: tuple[str, ...] = ()) -> LocalDaemon:
+def spawn_daemon(spec: str, model_path: str | Path, listen: str, log_path: Path, threads: int | None = None,
+                 cpus: tuple[int, ...] | None = None, extra_args: tuple[str, ...] = ()) -> LocalDaemon:
     """Start `moerun daemon` on `spec`'s device, listening on `listen`, seeing only that device,
-    its output in `log_path`, with `extra_args` added to its command line; a CPU daemon's
-    BLAS gets `cpu_threads` threads unless the environment already says how many."""
+    its output in `log_path`, with `extra_args` added to its command line. A CPU daemon runs
+    `threads` threads (its BLAS too, unless the environment already says how many); `cpus`
+    pins it to those CPUs before it starts (Linux)."""
     device, pinning = pinned_device(spec)
     env = {**os.environ, **pinning}
-    if device == "cpu":
+    if device == "cpu" and threads is not None:
+        extra_args = ("--threads", str(threads), *extra_args)
         for variable in BLAS_THREAD_VARIABLES:
-            env.setdefault(variable, str(cpu_threads))
+            env.setdefault(variable, str(threads))
     # -P: the installed moerun, never a source tree that happens to be the working directory
     command = [sys.executable, "-P", "-m", "moerun", "daemon", "--model", str(model_path), "--device", device,
                "--listen", listen, "--parent-pid", str(os.getpid()), *extra_args]
     with log_path.open("ab") as log:     # a restarted daemon adds to its predecessor's log
         log_start = log.tell()
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                   preexec_fn=_die_with_parent)
+                                   preexec_fn=functools.partial(_start_child, cpus))
     return LocalDaemon(spec, listen, process, log_path, log_start)
 
 
@@ -126,10 +129,12 @@ def pinned_device(spec: str, environment: dict[str, str] | None = None) -> tuple
     return (f"{kind}:0" if number else kind), variables
 
 
-def _die_with_parent() -> None:
+def _start_child(cpus: tuple[int, ...] | None) -> None:
     """In the child before exec: its own process group (a Ctrl-C at the terminal reaches
-    only the parent, which then stops its daemons in order), and SIGTERM when the parent
-    dies (Linux)."""
+    only the parent, which then stops its daemons in order), SIGTERM when the parent dies
+    (Linux), and its CPUs, when it is pinned (every thread it starts inherits them)."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     os.setpgrp()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

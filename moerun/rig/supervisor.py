@@ -10,14 +10,12 @@ generation.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import zmq
-from threadpoolctl import ThreadpoolController
 
 from moerun.backends.devices import DEVICE_PATTERN, BackendUnavailable
 from moerun.backends.numpy_backend import CpuExperts, expert_store
@@ -39,6 +37,7 @@ from moerun.moe.planner import (
     model_sizes,
     plan,
 )
+from moerun.rig.cores import HostShares
 from moerun.rig.cpu_dispatch import CpuDispatcher
 from moerun.rig.daemon_handler import check_device
 from moerun.rig.gpu_channels import GpuAttachments
@@ -74,9 +73,12 @@ logger = logging.getLogger(__name__)
 
 
 class Rig:
-    def __init__(self, config: RigConfig, gguf: GGUFFile, spec: ModelSpec, backend: Backend, kv_tokens: int):
-        """backend: the parent's; a GPU parent attaches the daemons' arenas for its kernels."""
+    def __init__(self, config: RigConfig, gguf: GGUFFile, spec: ModelSpec, backend: Backend, kv_tokens: int,
+                 cpus: HostShares):
+        """backend: the parent's; a GPU parent attaches the daemons' arenas for its kernels. cpus:
+        the threads (and with --pin the cores) of the parent and of each CPU daemon spawned here."""
         self.config = config
+        self.cpus = cpus
         self.backend = backend
         self.gpu = GpuAttachments(backend) if backend.kind != "CPU" else None
         self.gguf = gguf
@@ -88,8 +90,6 @@ class Rig:
         self.links: list[DaemonLink] = []
         self.closing = threading.Event()
         self._watchers: list[threading.Thread] = []
-        self._cpu_threads = 1
-        self._blas_limit = None
         self.context = zmq.Context()
         sweep_stale_segments()
         sweep_stale_run_dirs()
@@ -110,14 +110,10 @@ class Rig:
         ones it holds; a failed daemon's pairs are computed on the parent's CPU from the mmap."""
         if self.gpu is None:
             return CpuDispatcher(self, parent_experts)
-        fallback = CpuExperts(expert_store(self.gguf, self.spec, cache_bytes), None)
+        fallback = CpuExperts(expert_store(self.gguf, self.spec, cache_bytes, self.cpus.parent.threads), None)
         return GpuDispatcher(self.backend, parent_experts, self, self.gpu, fallback)
 
     def _start(self, gguf: GGUFFile) -> None:
-        cpu_daemons = sum(spec == "cpu" for spec in self.config.daemons)
-        self._cpu_threads = max(1, (os.cpu_count() or 1) // (cpu_daemons + 1))
-        if cpu_daemons:   # the parent's BLAS threads spin while it waits: share the cores, don't fight
-            self._blas_limit = ThreadpoolController().limit(limits=self._cpu_threads, user_api="blas")
         locals_ = {i: self._spawn(i, spec) for i, spec in enumerate(self.config.daemons) if DEVICE_PATTERN.match(spec)}
         for i, spec in enumerate(self.config.daemons):
             local = locals_.get(i)
@@ -168,9 +164,11 @@ class Rig:
     def _spawn(self, index: int, spec: str) -> LocalDaemon:
         """Start daemon `index` on this host; a device it could not drive is refused here, in one
         message, rather than by the daemon's own error."""
+        entry = self._entry(index)
         try:
             check_device(spec)
-            return spawn_local_daemon(spec, self.model_path, self.run_dir, index, self._cpu_threads)
+            return spawn_local_daemon(spec, self.model_path, self.run_dir, index, **self.cpus.spawn_settings(index),
+                                      extra_args=entry.node_flags if entry else ())
         except (ValueError, BackendUnavailable) as err:      # a GPU this process cannot see or drive
             raise RigError(f"--daemon {err}") from None
 
@@ -420,8 +418,6 @@ class Rig:
         self.links = []
         remove_run_dir(self.run_dir)
         self.context.term()
-        if self._blas_limit is not None:
-            self._blas_limit.restore_original_limits()
 
 
 def _placement(config: RigConfig, spec: ModelSpec, fingerprint: str) -> Placement:

@@ -28,7 +28,7 @@ from moerun.backends.gpu_kernels import (
     MAX_GEMV_TOKENS,
     UNITS_PER_LANE,
     Kernels,
-    staged_bytes,
+    stage_stride,
 )
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
@@ -207,12 +207,13 @@ class GpuBackend:
             q, ds = self.q8_of(x)
             self.kernels.rows(f"gemv_q8_{weight.kind}", (weight.rows + 1) // 2, weight.cols // UNIT, 1,  # rows in pairs
                               (weight.data, i64(weight.row_bytes), q, ds, i32(weight.cols), y, i32(weight.rows),
-                               i32(n_tokens), pointer(residual)), UNITS_PER_LANE, staged_bytes=staged_bytes((weight,), 2))
+                               i32(n_tokens), pointer(residual)), UNITS_PER_LANE, staged_bytes=2 * weight.row_bytes)
         elif n_tokens <= MAX_GEMV_TOKENS and weight.rows <= FEW_ROWS:
             y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
+            stride = stage_stride(weight.row_bytes, 1)
             self.kernels.launch(f"gemv_few_rows_{weight.kind}", (weight.rows,), (FEW_ROWS_THREADS,),
                                 (weight.data, i64(weight.row_bytes), x, i32(weight.cols), y, i32(weight.rows),
-                                 i32(n_tokens), pointer(residual)))
+                                 i32(n_tokens), pointer(residual), i32(stride)), stride)
         elif n_tokens <= MAX_GEMV_TOKENS:
             y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
             self.kernels.rows(f"gemv_{weight.kind}", weight.rows, weight.cols // UNIT, 1,
@@ -239,7 +240,7 @@ class GpuBackend:
                     for arg in (w.data, i64(w.row_bytes), i32(INT_KINDS.index(w.kind)), i32(w.rows), y)]
         self.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), weights[0].cols // UNIT, 1,
                           (*segments, q, ds, i32(weights[0].cols), i32(n_tokens)), UNITS_PER_LANE,
-                          staged_bytes=staged_bytes(weights, 1))
+                          staged_bytes=max(w.row_bytes for w in weights))
         for y, bias in zip(outs, biases):
             if bias is not None:
                 y += bias

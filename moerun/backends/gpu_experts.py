@@ -24,6 +24,7 @@ from moerun.backends.gpu_kernels import (
     MAX_GEMV_TOKENS,
     UNITS_PER_LANE,
     row_group,
+    stage_stride,
 )
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.models.spec import ModelSpec
@@ -87,12 +88,14 @@ class GpuExperts:
             kernels.launch(f"moe_gate_up_q8_{stack.kind}", (ffn // UNIT, n_tokens * top_k), (GATE_UP_BLOCK,), (
                 stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xq, xds,
                 np.int32(hidden), ids, np.int32(top_k), aq, ads, np.int32(ffn)))
-            group = row_group(ffn // UNIT, UNITS_PER_LANE)
+            group, warps = row_group(ffn // UNIT, UNITS_PER_LANE), min(top_k, DOWN_WARPS)
+            stride = stage_stride(32 // group * down.row_bytes, warps)    # a warp's rows of one expert
             kernels.launch(
                 f"moe_down_q8_{down.kind}",
-                (-(-hidden * group // 32), n_tokens), (32 * min(top_k, DOWN_WARPS),),
+                (-(-hidden * group // 32), n_tokens), (32 * warps,),
                 (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), aq, ads, np.int32(ffn),
-                 ids, weights, np.int32(top_k), out, np.int32(hidden), np.int32(group)))
+                 ids, weights, np.int32(top_k), out, np.int32(hidden), np.int32(stride), np.int32(group)),
+                stride * warps)
             return out
         act = cupy.empty((n_tokens * top_k, ffn), cupy.float32)                      # [P, F]
         kernels.rows(f"moe_gate_up_{stack.kind}", ffn, hidden // UNIT, n_tokens * top_k,

@@ -52,9 +52,8 @@ class Kernels:
         """Launch a row-parallel kernel: one group of threads per output row, the group as
         wide as the row has units (for at least `units_per_lane` each; a power of two, at
         most ROW_GROUP; see fitting_group), as its last argument. A kernel that stages its
-        weight rows in shared memory (stage_rows in gemv_q8.cu) is given `staged_bytes`, the
-        bytes of one group's rows: the stride between groups (0 where they cannot be staged)
-        goes before the group."""
+        weight rows in shared memory (staging.cuh), a slot per group, is given `staged_bytes`,
+        the bytes of one group's rows: the slots' stride goes before the group."""
         group = fitting_group(row_group(units_per_row, units_per_lane), n_rows, grid_y, self.wave(name))
         grid = (blocks_of_rows(n_rows, group), grid_y)
         if staged_bytes is None:
@@ -88,21 +87,13 @@ def blocks_of_rows(n_rows: int, group: int) -> int:
     return -(-n_rows // (BLOCK // group))
 
 
-def staged_bytes(matrices: tuple, rows_per_group: int) -> int:
-    """Bytes of weight rows one thread group stages (its rows of the widest of `matrices`, each
-    with .data and .row_bytes), or 0 where some matrix's rows are not whole 16-byte copies from
-    16-byte aligned addresses."""
-    if any(m.row_bytes % 16 or m.data.data.ptr % 16 for m in matrices):
-        return 0
-    return rows_per_group * max(m.row_bytes for m in matrices)
-
-
-def stage_stride(group_bytes: int, groups: int) -> int:
-    """Bytes between the staged rows of consecutive thread groups: 16 more than theirs (so
-    consecutive groups start in other shared memory banks), or 0 (no staging) where there are
-    none (staged_bytes) or the block's would pass STAGE_LIMIT."""
-    stride = group_bytes + 16
-    return stride if group_bytes and stride * groups <= STAGE_LIMIT else 0
+def stage_stride(slot_bytes: int, slots: int) -> int:
+    """Bytes of each of a block's `slots` slots of staged weight rows (staging.cuh), for rows of
+    `slot_bytes` at any alignment: room for their offset within 16 bytes, in whole 16-byte
+    pieces, and 16 more so that consecutive slots start in other shared memory banks. 0 (no
+    staging) where a block's slots would pass STAGE_LIMIT."""
+    stride = -(-(slot_bytes + 15) // 16) * 16 + 16
+    return stride if stride * slots <= STAGE_LIMIT else 0
 
 
 def fitting_group(group: int, n_rows: int, grid_y: int, wave: int) -> int:

@@ -7,11 +7,11 @@ import pytest
 from moerun.backends.gpu_kernels import (
     BLOCK,
     ROW_GROUP,
+    STAGE_LIMIT,
     blocks_of_rows,
     fitting_group,
     row_group,
     stage_stride,
-    staged_bytes,
 )
 
 
@@ -48,33 +48,17 @@ def test_blocks_cover_every_row():
             assert (blocks - 1) * rows_per_block < n_rows <= blocks * rows_per_block
 
 
-def test_staged_rows_are_padded_whole_16_byte_copies_within_the_limit():
-    """A Q4_K row of 2048 columns is 1152 bytes: 16 groups of a block stage 16 rows."""
-    assert stage_stride(1152, 16) == 1168
-    assert stage_stride(1152, 16) % 16 == 0
+def test_a_slot_holds_its_rows_at_any_offset_within_16_bytes_plus_a_bank_step():
+    """Two Q4_K rows of 2048 columns (2304 bytes) for 8 groups; a warp's 4 Q6_K rows of 768
+    columns (2520 bytes, 2-byte aligned) for 8 warps."""
+    assert stage_stride(2304, 8) == 2304 + 16 + 16
+    assert stage_stride(2520, 8) == 2544 + 16
+    for slot_bytes in (1, 15, 16, 17, 630, 2520):
+        stride = stage_stride(slot_bytes, 1)
+        assert stride % 16 == 0 and stride - 16 >= slot_bytes + 15
 
 
-@pytest.mark.parametrize("group_bytes, groups, want", [
-    (0, 8, 0),               # rows staged_bytes refused
-    (144, 32, 160),          # a Q4_K row of 256 columns: 32 groups fit
-    (2 * 2304, 16, 0)])      # two Q4_K rows of 4096 columns for 16 groups: over STAGE_LIMIT
-def test_a_stride_only_where_rows_are_whole_copies_within_the_limit(group_bytes, groups, want):
-    assert stage_stride(group_bytes, groups) == want
-
-
-class _Matrix:
-    def __init__(self, row_bytes: int, address: int):
-        self.row_bytes = row_bytes
-        self.data = type("DeviceArray", (), {"data": type("Pointer", (), {"ptr": address})})
-
-
-def test_a_group_stages_its_rows_of_the_widest_matrix():
-    """q, k (Q4_K, 1152 bytes a row) and v (Q6_K, 1680) of the 30B-A3B shape."""
-    assert staged_bytes((_Matrix(1152, 4096), _Matrix(1152, 8192), _Matrix(1680, 12288)), 1) == 1680
-    assert staged_bytes((_Matrix(1152, 4096),), 2) == 2304
-
-
-@pytest.mark.parametrize("row_bytes, address", [(210, 4096), (1152, 4104)])
-def test_no_staging_for_rows_that_are_not_aligned_16_byte_copies(row_bytes, address):
-    """A Q6_K row of 256 columns beside a Q4_K one; a matrix at an 8-byte aligned address."""
-    assert staged_bytes((_Matrix(1152, 4096), _Matrix(row_bytes, address)), 1) == 0
+def test_no_stride_where_a_block_would_pass_the_limit():
+    """Two Q4_K rows of 4096 columns for 16 groups: 74 KB."""
+    assert stage_stride(2 * 2304, 16) == 0
+    assert stage_stride(2 * 2304, 8) * 8 <= STAGE_LIMIT

@@ -32,24 +32,6 @@ __device__ __forceinline__ void wait_for_previous_grid() {
 #endif
 }
 
-// 16 bytes from global to shared memory (both 16-byte aligned): asynchronously on CUDA GPUs
-// of compute capability 8.0 and later (finished by wait_copies), else a plain copy.
-__device__ __forceinline__ void copy_16_async(void* shared, const void* global) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_AMD__)
-    unsigned at = (unsigned)__cvta_generic_to_shared(shared);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(global) : "memory");
-#else
-    *reinterpret_cast<int4*>(shared) = *reinterpret_cast<const int4*>(global);
-#endif
-}
-
-// This thread's copy_16_async copies have landed; a __syncthreads after makes the block's visible.
-__device__ __forceinline__ void wait_copies() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_AMD__)
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 #define NEG_INF (__int_as_float(0xff800000))
 #define MAX_TOKENS 8      // most tokens one GEMV launch carries
 

@@ -2,6 +2,7 @@
 // Shape legend: T tokens (<= MAX_TOKENS), K_in input features, N output rows,
 // H hidden, F expert FFN width, P routed (token, expert) pairs = T * top_k.
 #include "matvec.cuh"
+#include "staging.cuh"
 
 // y[t, r] = W[r, :] · x[t, :] (+ residual[t, r]).  W: N rows of row_bytes; x [T, K_in];
 // y, residual [T, N].  Block: groups of `group` threads, one row per group.
@@ -29,19 +30,22 @@
     }
 
 // The same product for a matrix of few rows (a router): one block per row, its threads taking
-// the row's units in turn and reading x straight from global memory (no staging), so that
-// the rows spread over as many multiprocessors as there are rows. Grid (N).
+// the row's units in turn and reading x straight from global memory, so that the rows spread
+// over as many multiprocessors as there are rows; the row staged (stage_rows) when `stride` is
+// not 0. Grid (N).
 #define DEFINE_GEMV_FEW_ROWS(TYPE)                                                                        \
     extern "C" __global__ void gemv_few_rows_##TYPE(const u8* __restrict__ weight, long long row_bytes,   \
                                                     const float* __restrict__ x, int in_features,         \
                                                     float* __restrict__ y, int out_features, int n_tokens, \
-                                                    const float* __restrict__ residual) {                 \
-        wait_for_previous_grid();                                                                         \
+                                                    const float* __restrict__ residual, int stride) {     \
         __shared__ float scratch[32];                                                                     \
         int row = blockIdx.x;                                                                             \
+        stage_rows(weight + row * row_bytes, row_bytes, stride, 0, threadIdx.x, blockDim.x);              \
+        wait_for_previous_grid();                                                                         \
+        const u8* staged = staged_rows(weight + row * row_bytes, stride, 0);                              \
         float acc[MAX_TOKENS];                                                                            \
         for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;                                                \
-        accumulate_row<dequant_unit_##TYPE>(weight + row * row_bytes, in_features / UNIT,                 \
+        accumulate_row<dequant_unit_##TYPE>(staged, in_features / UNIT,                                   \
                                             {x, in_features, UNIT}, 0, n_tokens, threadIdx.x, blockDim.x, \
                                             acc);                                                         \
         for (int t = 0; t < n_tokens; t++) {                                                              \

@@ -4,6 +4,7 @@
 // Shape legend: T tokens (<= MAX_TOKENS), K_in input features, N output rows,
 // H hidden, F expert FFN width, P routed (token, expert) pairs = T * top_k, U units of 32.
 #include "q8_dot.cuh"
+#include "staging.cuh"
 
 #define DOWN_SLOTS 32          // most experts per token the down kernel sums
 
@@ -68,29 +69,6 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
     }
 }
 
-// Weight rows staged in shared memory: each group of threads copies its rows' `bytes` (a
-// multiple of 16) into its `stride` bytes of the block's dynamic shared memory before the kernel
-// waits for the one before it. Weights are written by no kernel, so under programmatic dependent
-// launches (the blocks resident while the kernel before still runs) these DRAM reads overlap
-// that kernel's end. stride 0: no staging, the rows are read where they are. Every thread of
-// the block calls both halves; `staged_rows` returns where the group's rows are read from.
-__device__ __forceinline__ void stage_rows(const u8* rows, long long bytes, int stride, int lane, int group,
-                                           bool valid) {
-    extern __shared__ int4 staged[];
-    if (stride == 0 || !valid) return;
-    int4* dst = staged + (threadIdx.x / group) * (stride / 16);
-    const int4* src = reinterpret_cast<const int4*>(rows);
-    for (long long c = lane; c < bytes / 16; c += group) copy_16_async(dst + c, src + c);
-}
-
-__device__ __forceinline__ const u8* staged_rows(const u8* rows, int stride, int group) {
-    extern __shared__ int4 staged[];
-    if (stride == 0) return rows;
-    wait_copies();
-    __syncthreads();
-    return reinterpret_cast<const u8*>(staged + (threadIdx.x / group) * (stride / 16));
-}
-
 // y[t, r] = W[r, :] · x[t, :] (+ residual[t, r]).  W: N rows of row_bytes; x [T, K_in] in planes;
 // y, residual [T, N].  Block: groups of `group` threads, two consecutive rows per group, staged
 // (stage_rows) when `stride` is not 0.
@@ -103,9 +81,10 @@ __device__ __forceinline__ const u8* staged_rows(const u8* rows, int stride, int
         int row = 2 * (blockIdx.x * (blockDim.x / group) + threadIdx.x / group);                           \
         int lane = threadIdx.x % group, units = in_features / UNIT;                                        \
         bool valid = row < out_features, pair = row + 1 < out_features;                                    \
-        stage_rows(weight + row * row_bytes, (pair ? 2 : 1) * row_bytes, stride, lane, group, valid);      \
+        const u8* src = weight + row * row_bytes;                                                          \
+        stage_rows(src, valid ? (pair ? 2 : 1) * row_bytes : 0, stride, threadIdx.x / group, lane, group); \
         wait_for_previous_grid();                                                                          \
-        const u8* first = staged_rows(weight + row * row_bytes, stride, group);                            \
+        const u8* first = staged_rows(src, stride, threadIdx.x / group);                                   \
         float acc[2][MAX_TOKENS] = {{0.f}};                                                                \
         if (valid) {                                                                                       \
             const u8* rows[2] = {first, first + (pair ? row_bytes : 0)};                                   \
@@ -150,22 +129,30 @@ __device__ __forceinline__ const u8* staged_rows(const u8* rows, int stride, int
 // out[t, r] = Σ_k weights[p] · down_e[r, :] · act[p, :] over the token's pairs p = t*top_k + k
 // with ids[p] >= 0, summed in k order (deterministic). down: E experts of expert_bytes, H rows
 // of row_bytes; act [P, F] as q8; out [T, H]. Grid (H / rows per warp, T); one warp per expert
-// slot k (looping when top_k exceeds the warps), 32 / group rows per warp.
+// slot k (looping when top_k exceeds the warps), 32 / group rows per warp; each warp's rows of
+// its first slot's expert staged (stage_rows, a slot per warp) when `stride` is not 0. The ids
+// were written before the gate/up launch that precedes this one, which waited for them.
 #define DEFINE_MOE_DOWN_Q8(TYPE)                                                                           \
     extern "C" __global__ void moe_down_q8_##TYPE(                                                         \
             const u8* __restrict__ down, long long expert_bytes, long long row_bytes,                      \
             const int4* __restrict__ aq, const float2* __restrict__ ads, int ffn,                          \
             const int* __restrict__ ids, const float* __restrict__ weights, int top_k,                     \
-            float* __restrict__ out, int hidden, int group) {                                              \
-        wait_for_previous_grid();                                                                          \
+            float* __restrict__ out, int hidden, int stride, int group) {                                  \
         __shared__ float partial[DOWN_SLOTS][32];                                                          \
         int rows = 32 / group, token = blockIdx.y;                                                         \
         int warp = threadIdx.x / 32, local_row = (threadIdx.x % 32) / group, lane = threadIdx.x % group;   \
         int row = blockIdx.x * rows + local_row, units = ffn / UNIT;                                       \
+        int first_expert = warp < top_k ? load_from_l2(ids + token * top_k + warp) : -1;                   \
+        const u8* first_rows = down + first_expert * expert_bytes + blockIdx.x * rows * row_bytes;         \
+        int staged_count = first_expert < 0 ? 0 : max(0, min(rows, hidden - blockIdx.x * rows));          \
+        stage_rows(first_rows, staged_count * row_bytes, stride, warp, threadIdx.x % 32, 32);              \
+        wait_for_previous_grid();                                                                          \
+        first_rows = staged_rows(first_rows, stride, warp);                                                \
         for (int k = warp; k < top_k; k += blockDim.x / 32) {                                              \
             int pair = token * top_k + k, expert = ids[pair];                                              \
             float acc[1][MAX_TOKENS] = {{0.f}};                                                            \
-            const u8* rows[1] = {down + expert * expert_bytes + row * row_bytes};                          \
+            const u8* rows[1] = {k == warp ? first_rows + local_row * row_bytes                            \
+                                           : down + expert * expert_bytes + row * row_bytes};              \
             if (expert >= 0 && row < hidden)                                                               \
                 accumulate_rows_q8<int_unit_##TYPE, 1>(rows, units, {aq, ads}, (long long)pair * units, 0, 1, \
                                                        lane, group, acc);                                  \
@@ -224,10 +211,10 @@ extern "C" __global__ void gemv_q8_three(
         }
     }
     bool valid = row < rows;
-    stage_rows(weight + row * row_bytes, row_bytes, stride, lane, group, valid);
+    stage_rows(weight + row * row_bytes, valid ? row_bytes : 0, stride, threadIdx.x / group, lane, group);
     wait_for_previous_grid();
     float acc[1][MAX_TOKENS] = {{0.f}};
-    const u8* row_data[1] = {staged_rows(weight + row * row_bytes, stride, group)};
+    const u8* row_data[1] = {staged_rows(weight + row * row_bytes, stride, threadIdx.x / group)};
     if (valid) accumulate_row_of_kind(kind, row_data, units, {xq, xds}, n_tokens, lane, group, acc);
     for (int t = 0; t < MAX_TOKENS; t++) {
         if (t >= n_tokens) break;

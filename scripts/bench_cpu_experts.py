@@ -32,19 +32,20 @@ DECODE_STEPS = 40
 PREFILL_TOKENS = 512
 
 
-def stored(ggml_type: T, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, Matrix]:
+def stored(ggml_type: T, rows: int, cols: int, rng: np.random.Generator,
+           experts: int = EXPERTS) -> tuple[np.ndarray, Matrix]:
     """Every expert's matrix [E, rows, cols] as stored, and its struct."""
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     row_bytes = cols // block_size * type_size
     if ggml_type in SCALE_FIELDS:
-        raw = rng.integers(0, 256, (EXPERTS * rows * cols // block_size, type_size), dtype=np.uint8)
+        raw = rng.integers(0, 256, (experts * rows * cols // block_size, type_size), dtype=np.uint8)
         for offset in SCALE_FIELDS[ggml_type]:
             raw[:, offset:offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     else:
-        values = rng.standard_normal(EXPERTS * rows * cols, np.float32) * np.float32(0.02)
+        values = rng.standard_normal(experts * rows * cols, np.float32) * np.float32(0.02)
         raw = values if ggml_type == T.F32 else values.astype(np.float16) if ggml_type == T.F16 else \
             (values.view(np.uint32) >> 16).astype(np.uint16)
-    raw = raw.view(np.uint8).reshape(EXPERTS, rows, row_bytes)
+    raw = raw.view(np.uint8).reshape(experts, rows, row_bytes)
     return raw, Matrix(raw.ctypes.data, int(ggml_type), rows, cols, row_bytes, rows * row_bytes)
 
 

@@ -38,13 +38,12 @@ static void gate_up_task(void* context, int64_t task, int thread) {
     int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
     int64_t n = job->group_start[group + 1] - first_pair;
     const int64_t* tokens = job->pair_token + first_pair;
-    struct tile gate = {.x = job->x, .n = job->hidden}, up = gate;
     for (int64_t row = first_row; row < min64(job->ffn, first_row + ROWS_PER_TASK); row += TILE_ROWS) {
         int count = (int)min64(TILE_ROWS, job->ffn - row);
-        dequantize_rows(job->isa, &job->experts->gate, job->gate_type, expert, row, count, s->rows[0], &gate);
-        job->isa->multiply(&gate, tokens, n, s->outs[0]);
-        dequantize_rows(job->isa, &job->experts->up, job->up_type, expert, row, count, s->rows[1], &up);
-        job->isa->multiply(&up, tokens, n, s->outs[1]);
+        tile_product(job->isa, &job->experts->gate, job->gate_type, expert, row, count, job->x, tokens, n, s->rows[0],
+                     s->outs[0]);
+        tile_product(job->isa, &job->experts->up, job->up_type, expert, row, count, job->x, tokens, n, s->rows[1],
+                     s->outs[1]);
         for (int64_t i = 0; i < n; i++)
             for (int r = 0; r < count; r++) {
                 float g = s->outs[0][i * TILE_ROWS + r], u = s->outs[1][i * TILE_ROWS + r];
@@ -59,14 +58,13 @@ static void down_task(void* context, int64_t task, int thread) {
     int64_t first_row = task * ROWS_PER_TASK, end_row = min64(job->hidden, first_row + ROWS_PER_TASK);
     for (int64_t t = 0; t < job->n_tokens; t++)
         memset(job->out + t * job->hidden + first_row, 0, (size_t)(end_row - first_row) * sizeof(float));
-    struct tile down = {.x = job->h, .n = job->ffn};
     for (int64_t group = 0; group < job->n_groups; group++) {
         int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
         int64_t n = job->group_start[group + 1] - first_pair;
         for (int64_t row = first_row; row < end_row; row += TILE_ROWS) {
             int count = (int)min64(TILE_ROWS, end_row - row);
-            dequantize_rows(job->isa, &job->experts->down, job->down_type, expert, row, count, s->rows[2], &down);
-            job->isa->multiply(&down, job->pair_index + first_pair, n, s->outs[0]);
+            tile_product(job->isa, &job->experts->down, job->down_type, expert, row, count, job->h,
+                         job->pair_index + first_pair, n, s->rows[2], s->outs[0]);
             for (int64_t i = 0; i < n; i++) {
                 float weight = job->pair_weight[first_pair + i];
                 float* out = job->out + job->pair_token[first_pair + i] * job->hidden + row;

@@ -18,11 +18,10 @@ static void matmul_task(void* context, int64_t task, int thread) {
     const struct matmul_job* job = context;
     struct scratch* s = &job->scratch[thread];
     int64_t rows = job->matrix->rows, end = task * ROWS_PER_TASK + ROWS_PER_TASK;
-    struct tile tile = {.x = job->x, .n = job->matrix->cols};
     for (int64_t row = task * ROWS_PER_TASK; row < end && row < rows; row += TILE_ROWS) {
         int count = rows - row < TILE_ROWS ? (int)(rows - row) : TILE_ROWS;
-        dequantize_rows(job->isa, job->matrix, job->type, 0, row, count, s->rows[0], &tile);
-        job->isa->multiply(&tile, job->tokens, job->n_tokens, s->outs[0]);
+        tile_product(job->isa, job->matrix, job->type, 0, row, count, job->x, job->tokens, job->n_tokens, s->rows[0],
+                     s->outs[0]);
         for (int64_t t = 0; t < job->n_tokens; t++)
             for (int r = 0; r < count; r++) job->y[t * rows + row + r] = s->outs[0][t * TILE_ROWS + r];
     }

@@ -64,20 +64,35 @@ MOE_API int moe_supports_type(int64_t ggml_id);
 
 #define TILE_ROWS 4         // weight rows a tile multiplies at once
 
-// TILE_ROWS weight rows of n values, dequantized to float32, times the activations x [T, n]
-// (float32, as given) of the tokens in tokens[]: out[t * TILE_ROWS + r] = w[r] · x[tokens[t]].
+// TILE_ROWS weight rows of n values times the activations x [T, n] (float32, as given) of the
+// tokens in tokens[]: out[t * TILE_ROWS + r] = w[r] · x[tokens[t]]. A tile's rows are either
+// dequantized to float32 first (struct tile, for many tokens) or read as stored and
+// dequantized in registers as they are multiplied (struct stored_tile, for a few): the same
+// operations in the same order, so the same results.
 struct tile {
     const float* w[TILE_ROWS];
     const float* x;
     int64_t n;
 };
 
-typedef void (*dequantize_fn)(const uint8_t* row, int64_t n, float* w);
+struct stored_tile {
+    const uint8_t* rows[TILE_ROWS];
+    const float* x;
+    int64_t n;
+    const uint8_t* next;        // the first row of the tile the caller computes next (NULL: none),
+    int64_t row_bytes;          // its rows this far apart: fetched ahead as this one is read
+};
 
-// The kernels of one instruction set (isa_*.c, each built from tiles.h).
+typedef void (*dequantize_fn)(const uint8_t* row, int64_t n, float* w);
+typedef void (*fused_fn)(const struct stored_tile* tile, const int64_t* tokens, int64_t n_tokens, float* out);
+
+// The kernels of one instruction set (isa_*.c, each built from tiles.h). `fused` takes at most
+// `fused_tokens` tokens and rows whose length is a multiple of 16.
 struct isa_kernels {
     const char* name;
     dequantize_fn dequantize[N_TYPES];
+    fused_fn fused[N_TYPES];
+    int fused_tokens;
     void (*multiply)(const struct tile* tile, const int64_t* tokens, int64_t n_tokens, float* out);
 };
 

@@ -1,18 +1,20 @@
-// The kernels of one instruction set, written once over its vector primitives. An isa_*.c
-// file defines these, then includes this file:
-//   vf, VL                 a vector of VL floats
-//   vf_zero vf_load vf_fma(acc, a, b) = a·b + acc, vf_sum (all lanes added)
+// The kernels of one instruction set, written once over its vector primitives (vectors.h
+// lists them). An isa_*.c file defines those, and
 //   NT_MAX                 tokens a block multiplies at once (what the registers hold:
 //                          TILE_ROWS·NT_MAX accumulators, NT_MAX activation vectors, one weight vector)
+//   NT_FUSED               the same for the fused tile, whose weights take more registers
+//   FUSED_TOKENS           up to how many tokens the fused tile is faster (measured)
 //   ISA_NAME, ISA_TABLE    its name and the struct isa_kernels this file defines
-//   and the conversions vectors.h lists, which the blocks (blocks.h) are dequantized with.
+// then includes this file.
 //
-// A tile is TILE_ROWS weight rows, dequantized to float32 (blocks.h), times each of a list of
-// tokens' activations, in float32. Each output is computed by the same operations in the same
-// order whatever the number of tokens or threads, so results do not depend on batching.
+// A tile is TILE_ROWS weight rows times each of a list of tokens' activations, in float32:
+// acc[r][t] = fma(w[r][i..], x[t][i..], acc[r][t]) for i = 0, VL, 2·VL, ... in order, the lanes
+// added at the end, the values past the last full vector (element types) one by one. Either
+// the rows are dequantized first into a buffer that every block of NT_MAX tokens reads
+// (`multiply`), or, for a few tokens, each 16 values of a row are dequantized in registers and
+// multiplied at once (`fused_T`): the same operations on the same values in the same order,
+// so each output is the same whatever the number of tokens or threads.
 #include "blocks.h"
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE void block(const struct tile* tile, const int64_t* tokens, const int nt, float* out) {
     const int64_t n = tile->n;
@@ -38,26 +40,73 @@ ALWAYS_INLINE void block(const struct tile* tile, const int64_t* tokens, const i
         }
 }
 
+// Tokens in blocks of `most` (a constant, NT_MAX or NT_FUSED), the rest in blocks of 4, 2 and 1:
+// each block a call of `block_fn`, whose token count is a constant there. (A block size the
+// registers do not hold is never reached: its condition is false, its constant made 1.)
+#define BY_TOKEN_BLOCKS(block_fn, most, tile, tokens, n_tokens, out)                                 \
+    do {                                                                                            \
+        int64_t t = 0;                                                                              \
+        for (; t + most <= n_tokens; t += most) block_fn(tile, tokens + t, most, out + t * TILE_ROWS); \
+        if (most > 4 && t + 4 <= n_tokens) {                                                        \
+            block_fn(tile, tokens + t, most > 4 ? 4 : 1, out + t * TILE_ROWS);                      \
+            t += 4;                                                                                 \
+        }                                                                                           \
+        if (most > 2 && t + 2 <= n_tokens) {                                                        \
+            block_fn(tile, tokens + t, most > 2 ? 2 : 1, out + t * TILE_ROWS);                      \
+            t += 2;                                                                                 \
+        }                                                                                           \
+        for (; t < n_tokens; t++) block_fn(tile, tokens + t, 1, out + t * TILE_ROWS);              \
+    } while (0)
+
 static void multiply(const struct tile* tile, const int64_t* tokens, int64_t n_tokens, float* out) {
-    int64_t t = 0;
-    for (; t + NT_MAX <= n_tokens; t += NT_MAX) block(tile, tokens + t, NT_MAX, out + t * TILE_ROWS);
-#if NT_MAX > 4
-    if (t + 4 <= n_tokens) {
-        block(tile, tokens + t, 4, out + t * TILE_ROWS);
-        t += 4;
-    }
-#endif
-#if NT_MAX > 2
-    if (t + 2 <= n_tokens) {
-        block(tile, tokens + t, 2, out + t * TILE_ROWS);
-        t += 2;
-    }
-#endif
-    for (; t < n_tokens; t++) block(tile, tokens + t, 1, out + t * TILE_ROWS);
+    BY_TOKEN_BLOCKS(block, NT_MAX, tile, tokens, n_tokens, out);
 }
+
+// The cache lines of bytes [start, start + size) of row r of the tile that comes next.
+ALWAYS_INLINE void prefetch_block(const struct stored_tile* tile, int r, int64_t start, int64_t size) {
+    if (!tile->next) return;
+    const uint8_t* row = tile->next + r * tile->row_bytes;
+    for (int64_t line = start & ~63; line < start + size; line += 64) __builtin_prefetch(row + line);
+}
+
+// fused_T: the stored rows' blocks read once per block of tokens, 16 values at a time.
+#define FUSED_TILE(name, type, values, bytes)                                                        \
+    ALWAYS_INLINE void fused_block_##name(const struct stored_tile* tile, const int64_t* tokens, const int nt, \
+                                          float* out) {                                              \
+        const float* x[NT_FUSED];                                                                    \
+        for (int t = 0; t < nt; t++) x[t] = tile->x + tokens[t] * tile->n;                           \
+        vf acc[TILE_ROWS][NT_FUSED];                                                                 \
+        for (int r = 0; r < TILE_ROWS; r++)                                                          \
+            for (int t = 0; t < nt; t++) acc[r][t] = vf_zero();                                      \
+        for (int64_t b = 0; b < tile->n / values; b++) {                                             \
+            struct block_state s[TILE_ROWS];                                                         \
+            for (int r = 0; r < TILE_ROWS; r++) {                                                    \
+                prefetch_block(tile, r, b * bytes, bytes);                                          \
+                prepare_##name(tile->rows[r] + b * bytes, &s[r]);                                   \
+            }                                                                                        \
+            UNROLL_GROUPS for (int g = 0; g < values / 16; g++)                           \
+                for (int r = 0; r < TILE_ROWS; r++) {                                                \
+                    v16 w = group_##name(tile->rows[r] + b * bytes, &s[r], g);                       \
+                    for (int p = 0; p < 16 / VL; p++)                                                \
+                        for (int t = 0; t < nt; t++)                                                 \
+                            acc[r][t] = vf_fma(acc[r][t], w.v[p], vf_load(x[t] + b * values + 16 * g + p * VL)); \
+                }                                                                                    \
+        }                                                                                            \
+        for (int r = 0; r < TILE_ROWS; r++)                                                          \
+            for (int t = 0; t < nt; t++) out[t * TILE_ROWS + r] = vf_sum(acc[r][t]);                 \
+    }                                                                                                \
+    static void fused_##name(const struct stored_tile* tile, const int64_t* tokens, int64_t n_tokens, float* out) { \
+        BY_TOKEN_BLOCKS(fused_block_##name, NT_FUSED, tile, tokens, n_tokens, out);                  \
+    }
+TYPES(FUSED_TILE)
+
+#define TABLE_ENTRY(name, type, values, bytes) [type] = dequantize_##name,
+#define FUSED_ENTRY(name, type, values, bytes) [type] = fused_##name,
 
 const struct isa_kernels ISA_TABLE = {
     .name = ISA_NAME,
-    DEQUANTIZE_TABLE,
+    .dequantize = {TYPES(TABLE_ENTRY)},
+    .fused = {TYPES(FUSED_ENTRY)},
+    .fused_tokens = FUSED_TOKENS,
     .multiply = multiply,
 };

@@ -1,9 +1,14 @@
 // 16 bytes as one vector (a register on every target: SSE2, AVX, NEON), the unit the blocks
-// are unpacked in, and the conversions each instruction set's file provides on top of it:
-//   scaled(q, add, mul, out):       out[i] = ((float)q[i] + add) · mul      for i < 16
-//   scaled_plus(q, mul, plus, out): out[i] = (float)q[i] · mul + plus
-//   halves_to_floats(halves, out):  16 IEEE halves (unaligned) to floats
-//   half_to_float(h):               one
+// are unpacked in. Each instruction set's file (isa_*.c) then defines a float vector of VL
+// lanes and its primitives, which the blocks (blocks.h) and the tiles (tiles.h) are written in:
+//   vf, VL                          the vector and its lanes
+//   vf_zero vf_set1 vf_load vf_store vf_add vf_mul
+//   vf_fma(acc, a, b)               a·b + acc, one rounding (two on scalar)
+//   vf_sum(v)                       the lanes added
+//   vf_bytes(q, part)               bytes VL·part .. VL·part + VL-1 of q as floats, unsigned
+//   vf_signed_bytes(q, part)        the same, the bytes read as int8
+//   vf_halves(p), vf_bf16(p)        VL IEEE halves / bfloat16s (unaligned) as floats
+//   half_to_float(h)                one half
 #pragma once
 #include <stdint.h>
 #include <string.h>

@@ -28,13 +28,22 @@ int check_matrix(const struct moe_matrix* m, int64_t rows, int64_t cols, int* ty
     return MOE_OK;
 }
 
-void dequantize_rows(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert,
-                     int64_t row, int count, float* buffer, struct tile* tile) {
+void tile_product(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert, int64_t row,
+                  int count, const float* x, const int64_t* tokens, int64_t n_tokens, float* buffer, float* out) {
     const uint8_t* first = m->data + expert * m->expert_bytes + row * m->row_bytes;
+    if (n_tokens <= isa->fused_tokens && m->cols % 16 == 0) {
+        struct stored_tile tile = {.x = x, .n = m->cols, .row_bytes = m->row_bytes,
+                                   .next = row + TILE_ROWS < m->rows ? first + TILE_ROWS * m->row_bytes : NULL};
+        for (int r = 0; r < TILE_ROWS; r++) tile.rows[r] = first + (r < count ? r : count - 1) * m->row_bytes;
+        isa->fused[type](&tile, tokens, n_tokens, out);
+        return;
+    }
+    struct tile tile = {.x = x, .n = m->cols};
     for (int r = 0; r < TILE_ROWS; r++) {
         if (r < count) isa->dequantize[type](first + r * m->row_bytes, m->cols, buffer + r * m->cols);
-        tile->w[r] = buffer + (r < count ? r : count - 1) * m->cols;
+        tile.w[r] = buffer + (r < count ? r : count - 1) * m->cols;
     }
+    isa->multiply(&tile, tokens, n_tokens, out);
 }
 
 // ---- memory -----------------------------------------------------------------------------------

@@ -19,9 +19,11 @@ void unlock_kernels(void);
 int check_matrix(const struct moe_matrix* m, int64_t rows, int64_t cols, int* type);
 
 // Rows row..row+count-1 (count <= TILE_ROWS) of expert `expert` of m, of type index `type`,
-// dequantized into `buffer` [TILE_ROWS, m->cols]; the tile's rows past `count` repeat the last.
-void dequantize_rows(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert,
-                     int64_t row, int count, float* buffer, struct tile* tile);
+// times x [.., m->cols] of the tokens in tokens[]: out [n_tokens, TILE_ROWS] (the rows past
+// `count` repeat the last). Few tokens: the fused tile, which fetches the next TILE_ROWS rows
+// into the caches as it goes; more: the rows dequantized into `buffer` [TILE_ROWS, m->cols] first.
+void tile_product(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert, int64_t row,
+                  int count, const float* x, const int64_t* tokens, int64_t n_tokens, float* buffer, float* out);
 
 // One thread's scratch: `sets` row buffers [TILE_ROWS, n] and `outs` tile outputs
 // [max_tokens, TILE_ROWS].

@@ -67,7 +67,7 @@ def main() -> None:
                         with threadpool_limits(count):
                             seconds = best_seconds(lambda: x @ weights.T)
                     else:
-                        seconds = best_seconds(lambda: kernels.matmul(matrix, x, count))
+                        seconds = best_seconds(lambda: kernels.matmul([matrix], x, count))
                     gmacs = n_tokens * rows * cols / seconds / 1e9 / count
                     print(f"{name:5} {shape:>5} {n_tokens:4d} {count:7d} {seconds * 1e6:10.1f} {gmacs:10.2f} "
                           f"{nbytes / seconds / 1e9:7.2f}", flush=True)

@@ -1,11 +1,13 @@
 """The reference backend: every operation in float32 numpy on the CPU (the math is in
-numpy_ops), but for the routed experts, which the CPU kernels (moerun.backends.cpu) compute
-straight from their stored blocks in the mmap.
+numpy_ops), but for the weight matrices, which the CPU kernels (moerun.backends.cpu) multiply
+straight from their stored blocks in the mmap: the routed experts (QuantizedExperts) and the
+dense matrices, attention, shared experts and the LM head (StoredMatrix). F32 matrices (the
+routers) stay numpy, on a view of the mapping; the embedding rows are dequantized on use.
 
-Weights are dequantized at load, the embedding rows on use. Where the kernels cannot run (no
-C compiler, an expert type they do not read) the experts are dequantized one at a time on
-first use, straight from the mmap, into a byte-bounded cache: the float32 reference the
-kernels' tests compare against. The KV cache grows in pages as the sequence does.
+Where the kernels cannot run (no C compiler, a type they do not read) the dense matrices are
+dequantized to float32 at load, and the experts one at a time on first use, straight from the
+mmap, into a byte-bounded cache: the float32 reference the kernels' tests compare against.
+The KV cache grows in pages as the sequence does.
 Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv head dims,
 E experts, K experts per token, F expert FFN width, S cached positions.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,7 +40,7 @@ from moerun.backends.numpy_ops import (
     silu,
 )
 from moerun.backends.protocol import ContextFull, Forward
-from moerun.gguf.quants import RowTable, row_nbytes
+from moerun.gguf.quants import RowTable, T, row_nbytes
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.models.spec import ModelSpec
 
@@ -59,15 +62,28 @@ class NumpyBackend:
 
     # -- weights
     def begin_loading(self, gguf: GGUFFile) -> None:
-        pass
+        self._loading = (gguf.path.name, set())           # the file, the types dequantized to float32
 
     def finish_loading(self) -> None:
-        pass
+        name, float_types = self._loading
+        if float_types:
+            logger.warning(f"{name}: the CPU kernels do not read matrices of type {', '.join(sorted(float_types))}; "
+                           f"those are dequantized to float32 and multiplied with numpy instead (slower, and 4 "
+                           f"bytes of memory per weight)")
 
-    def matrix(self, gguf: GGUFFile, name: str) -> np.ndarray:
-        """[N, K] float32; a 1-D tensor becomes one row."""
-        values = gguf.dequantize(name)
-        return values.reshape(1, -1) if values.ndim == 1 else values
+    def matrix(self, gguf: GGUFFile, name: str) -> np.ndarray | StoredMatrix:
+        """[N, K]: as stored, for the CPU kernels, where they read its type; F32 as a float32 view
+        of the mapping; else (with a notice) dequantized to float32. A 1-D tensor becomes one row."""
+        info = gguf.tensor(name)
+        kernels = load_kernels()
+        if info.ggml_type == T.F32:
+            return gguf.raw(name).reshape(-1, info.shape[-1])
+        if kernels is not None and kernels.supports(info.ggml_type):
+            return StoredMatrix(kernels, gguf.raw(name), info.ggml_type, info.shape[-1],
+                                self.threads or default_threads())
+        if kernels is not None:
+            self._loading[1].add(info.ggml_type.name)
+        return gguf.dequantize(name).reshape(-1, info.shape[-1])
 
     def vector(self, values: np.ndarray) -> np.ndarray:
         return values
@@ -98,16 +114,21 @@ class NumpyBackend:
     def rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return rms_norm(x, weight, self.spec.rms_eps)
 
-    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None,
+    def linear(self, x: np.ndarray, weight: np.ndarray | StoredMatrix, bias: np.ndarray | None = None,
                residual: np.ndarray | None = None) -> np.ndarray:
         """x [T, K] · weight [N, K]ᵀ (+ bias [N]) (+ residual [T, N])"""
-        y = x @ weight.T
+        y = stored_products(x, [weight]) if isinstance(weight, StoredMatrix) else x @ weight.T
         if bias is not None:
             y = y + bias
         return y if residual is None else residual + y
 
     def linears(self, x: np.ndarray, weights: tuple, biases: tuple) -> tuple[np.ndarray, ...]:
-        return tuple(self.linear(x, weight, bias) for weight, bias in zip(weights, biases))
+        """Stored matrices in one call of the kernels (column views of its [T, ΣN] output)."""
+        if not all(isinstance(weight, StoredMatrix) for weight in weights):
+            return tuple(self.linear(x, weight, bias) for weight, bias in zip(weights, biases))
+        ends = np.cumsum([weight.shape[0] for weight in weights])
+        parts = np.split(stored_products(x, weights), ends[:-1], axis=1)
+        return tuple(part if bias is None else part + bias for part, bias in zip(parts, biases))
 
     def rope_append(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray | None,
                     k_norm: np.ndarray | None, cache: PagedKVCache, layer: int, positions: np.ndarray) -> np.ndarray:
@@ -182,6 +203,24 @@ def _grown(array: np.ndarray, size: int) -> np.ndarray:
     grown = np.empty((size, *array.shape[1:]), np.float32)
     grown[: array.shape[0]] = array
     return grown
+
+
+class StoredMatrix:
+    """A weight matrix [N, K] multiplied by the CPU kernels straight from its blocks in the
+    mapped file: nothing is dequantized or copied, so memory stays at the mapped bytes."""
+
+    def __init__(self, kernels: CpuKernels, raw: np.ndarray, ggml_type: T, cols: int, threads: int):
+        row_bytes = row_nbytes(ggml_type, cols)
+        self.kernels = kernels
+        self.raw = raw                         # the mapped bytes, alive as long as the struct points into them
+        self.threads = threads
+        self.shape = (raw.nbytes // row_bytes, cols)
+        self.struct = Matrix(raw.ctypes.data, int(ggml_type), self.shape[0], cols, row_bytes, raw.nbytes)
+
+
+def stored_products(x: np.ndarray, matrices: Sequence[StoredMatrix]) -> np.ndarray:
+    """x [T, K] · Wᵢᵀ for each matrix, side by side: [T, ΣN]."""
+    return matrices[0].kernels.matmul([matrix.struct for matrix in matrices], x, matrices[0].threads)
 
 
 class QuantizedExperts:

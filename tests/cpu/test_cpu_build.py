@@ -1,6 +1,7 @@
 """The kernels' build: compiled once into the cache and loaded from there after; a variant the
 compiler cannot build is left out and the rest still load; a machine without a compiler, or a
-file whose expert type the kernels do not read, gets one notice and the float32 numpy path."""
+file whose expert type (or a dense matrix's) the kernels do not read, gets one notice and the
+float32 numpy path."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,8 @@ import numpy as np
 
 from moerun.backends.cpu import build
 from moerun.backends.cpu.library import CpuKernels, load_kernels
-from moerun.backends.numpy_backend import DequantizedExperts, expert_store
+from moerun.backends.numpy_backend import DequantizedExperts, StoredMatrix, expert_store
+from moerun.engine.runtime import Runtime
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from tests.support.gguf_edit import rewrite_gguf
@@ -74,3 +76,26 @@ def test_an_expert_type_without_kernels_takes_the_numpy_path(kernels, tmp_path, 
         store = expert_store(file, load_spec(file), 1 << 20)
     assert isinstance(store, DequantizedExperts)
     assert any("do not read expert tensors of type Q2_K" in r.getMessage() for r in caplog.records)
+
+
+def test_a_dense_type_without_kernels_is_dequantized_with_one_notice(kernels, tmp_path, caplog):
+    base = write_gguf(tiny_model("qwen3moe", seed=2, hidden_size=256), tmp_path / "model.gguf", "F32")
+    rng = np.random.default_rng(0)
+    retyped = {}
+    for tensor in gguf.GGUFReader(base).tensors:
+        if tensor.name.endswith("attn_q.weight"):                    # every layer's: Q2_K
+            rows, cols = tensor.data.shape
+            blocks = rng.integers(0, 256, (rows, cols // 256 * 84), dtype=np.uint8)
+            blocks[..., 80:84] = 0
+            retyped[tensor.name] = (blocks, gguf.GGMLQuantizationType.Q2_K)
+        elif tensor.name.endswith("attn_k.weight"):
+            retyped[tensor.name] = (gguf.quants.quantize(np.array(tensor.data), gguf.GGMLQuantizationType.Q8_0),
+                                    gguf.GGMLQuantizationType.Q8_0)
+    path = rewrite_gguf(base, tmp_path / "q2k.gguf", set_tensors=retyped)
+    with caplog.at_level(logging.WARNING), Runtime(path) as runtime:
+        layers = runtime.model.weights.layers
+        logits = runtime.logits([1, 2, 3])
+    assert all(isinstance(layer.attn_q, np.ndarray) and layer.attn_q.dtype == np.float32 for layer in layers)
+    assert all(isinstance(layer.attn_k, StoredMatrix) for layer in layers)
+    notices = [r.getMessage() for r in caplog.records if "do not read matrices of type Q2_K" in r.getMessage()]
+    assert len(notices) == 1 and np.isfinite(logits).all()

@@ -1,14 +1,19 @@
 """Whole models on the CPU kernels against the float32 reference engine (the same files with
-every expert dequantized to float32 and multiplied by numpy): every architecture, every
+every matrix dequantized to float32 and multiplied by numpy): every architecture, every
 expert type (each model's three layers mix them, gate/up of one type and down of another),
-gate and up fused in one tensor (mixtral here); prefill in chunks and decode steps."""
+gate and up fused in one tensor (mixtral here), the dense matrices (attention, shared expert,
+LM head) in other types the kernels read; prefill in chunks and decode steps."""
 from __future__ import annotations
 
 import gguf
 import numpy as np
 import pytest
 
-from moerun.backends.numpy_backend import DequantizedExperts, QuantizedExperts
+from moerun.backends.numpy_backend import (
+    DequantizedExperts,
+    QuantizedExperts,
+    StoredMatrix,
+)
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.writers.bench_model import BLOCK_FILLERS, random_blocks
@@ -27,6 +32,8 @@ LAYER_TYPES = {   # (gate/up, down) of layers 0, 1, 2: every type the kernels re
     "olmoe": [(T.Q8_0, T.Q5_K), (T.F16, T.Q4_0), (T.Q4_1, T.BF16)],
     "mixtral": [(T.Q5_1, T.Q5_0), (T.F32, T.Q6_K), (T.Q4_K, T.Q8_0)],
 }
+DENSE_TYPES = {       # 2-D matrices but the routers: rows of a multiple of 256 values, the others
+    "qwen3moe": (T.Q4_K, T.Q8_0), "qwen2moe": (T.Q6_K, T.Q5_1), "olmoe": (T.Q5_K, T.F16), "mixtral": (T.Q4_0, T.BF16)}
 EXPERT_STD = 0.15     # the tiny models' weight std (random blocks get it too)
 
 
@@ -53,7 +60,11 @@ def mixed_model(request, tmp_path_factory):
         if "_exps." in tensor.name:
             layer = int(tensor.name.split(".")[1])
             ggml_type = LAYER_TYPES[arch][layer]["down" in tensor.name]
-            retyped[tensor.name] = (stored_as(np.array(tensor.data), ggml_type, rng), ggml_type)
+        elif len(tensor.data.shape) == 2 and "ffn_gate_inp" not in tensor.name:
+            ggml_type = DENSE_TYPES[arch][tensor.data.shape[1] % 256 != 0]
+        else:
+            continue
+        retyped[tensor.name] = (stored_as(np.array(tensor.data), ggml_type, rng), ggml_type)
     return rewrite_gguf(base, folder / "mixed.gguf", set_tensors=retyped)
 
 
@@ -63,8 +74,10 @@ def run(path, reference: bool, monkeypatch):
         if reference:
             patch.setattr("moerun.backends.numpy_backend.load_kernels", lambda: None)
         with Runtime(path, ubatch=7) as runtime:
-            store = runtime.model.weights.experts.store
-            assert isinstance(store, DequantizedExperts if reference else QuantizedExperts)
+            weights = runtime.model.weights
+            assert isinstance(weights.experts.store, DequantizedExperts if reference else QuantizedExperts)
+            assert isinstance(weights.output, np.ndarray if reference else StoredMatrix)
+            assert isinstance(weights.layers[0].attn_output, np.ndarray if reference else StoredMatrix)
             logits = runtime.logits(PROMPT)
             tokens = list(runtime.generate(PROMPT[:5], 6, SamplingParams(temperature=0.0)))
     return logits, tokens

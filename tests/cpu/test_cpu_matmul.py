@@ -55,7 +55,7 @@ def test_product_matches_the_dequantized_weights(kernels, ggml_type):
         want = x.astype(np.float64) @ want_matrix.T
         for isa in kernels.isas():
             kernels.use_isa(isa)
-            got = kernels.matmul(matrix(raw, ggml_type, rows, cols), x, threads=3)
+            got = kernels.matmul([matrix(raw, ggml_type, rows, cols)], x, threads=3)
             assert got.shape == (tokens, rows) and got.dtype == np.float32
             error = relative_error(got, want)
             assert error < BOUND, f"{isa} {ggml_type.name} {rows}x{cols}, {tokens} tokens: {error:.1e}"
@@ -71,7 +71,7 @@ def test_dequantized_values_are_ggml_s(kernels, ggml_type):
     want = stored_values(raw, ggml_type).reshape(rows, cols).astype(np.float32)
     for isa in kernels.isas():
         kernels.use_isa(isa)
-        got = kernels.matmul(matrix(raw, ggml_type, rows, cols), np.eye(cols, dtype=np.float32), threads=2).T
+        got = kernels.matmul([matrix(raw, ggml_type, rows, cols)], np.eye(cols, dtype=np.float32), threads=2).T
         np.testing.assert_array_equal(got, want, err_msg=f"{isa} {ggml_type.name}")
 
 
@@ -82,7 +82,7 @@ def test_results_do_not_depend_on_threads_or_batching(kernels, ggml_type):
     rng = np.random.default_rng(7)
     rows, cols, tokens = 45, 2048, 19         # enough work for several threads
     raw = random_stored(ggml_type, rows, cols, rng)           # kept alive: the struct points into it
-    stored = matrix(raw, ggml_type, rows, cols)
+    stored = [matrix(raw, ggml_type, rows, cols)]
     x = rng.normal(size=(tokens, cols)).astype(np.float32)
     for isa in kernels.isas():
         kernels.use_isa(isa)
@@ -94,11 +94,27 @@ def test_results_do_not_depend_on_threads_or_batching(kernels, ggml_type):
             np.testing.assert_array_equal(np.concatenate(batches), one, err_msg=f"{isa}, {size} at a time")
 
 
+def test_several_matrices_at_once(kernels):
+    """q, k and v (say) in one call: each one's product, side by side, the bits of its own call."""
+    rng = np.random.default_rng(9)
+    shapes = [(T.Q4_K, 67), (T.Q6_K, 9), (T.Q8_0, 130)]              # type, rows; all 512 columns
+    raws = [random_stored(ggml_type, rows, 512, rng) for ggml_type, rows in shapes]
+    matrices = [matrix(raw, ggml_type, rows, 512) for raw, (ggml_type, rows) in zip(raws, shapes)]
+    for tokens in (1, 3, 17):
+        x = rng.normal(size=(tokens, 512)).astype(np.float32)
+        want = np.concatenate([kernels.matmul([m], x, threads=1) for m in matrices], axis=1)
+        np.testing.assert_array_equal(kernels.matmul(matrices, x, threads=3), want)
+
+
 def test_refuses_what_it_cannot_read(kernels):
     raw = np.zeros((4, row_bytes(T.Q8_0, 64)), np.uint8)
     x = np.zeros((1, 64), np.float32)
     with pytest.raises(ValueError, match="type without CPU kernels"):
-        kernels.matmul(Matrix(raw.ctypes.data, int(T.Q2_K), 4, 64, raw.shape[1], 0), x, threads=1)
+        kernels.matmul([Matrix(raw.ctypes.data, int(T.Q2_K), 4, 64, raw.shape[1], 0)], x, threads=1)
     with pytest.raises(ValueError, match="shapes"):
-        kernels.matmul(Matrix(raw.ctypes.data, int(T.Q8_0), 4, 64, raw.shape[1] + 2, 0), x, threads=1)
+        kernels.matmul([Matrix(raw.ctypes.data, int(T.Q8_0), 4, 64, raw.shape[1] + 2, 0)], x, threads=1)
+    with pytest.raises(ValueError, match="shapes"):       # matrices of different widths
+        kernels.matmul([matrix(raw, T.Q8_0, 4, 64), matrix(raw, T.Q8_0, 2, 32)], x, threads=1)
+    with pytest.raises(ValueError, match="at most 8 matrices"):
+        kernels.matmul([matrix(raw, T.Q8_0, 4, 64)] * 9, x, threads=1)
     assert kernels.supports(T.Q6_K) and not kernels.supports(T.IQ4_XS)

@@ -1,6 +1,7 @@
 """The compiled CPU kernels through ctypes: the structs of kernels/moe_cpu.h, the functions
-(moe_ffn, the grouped expert FFN, called by numpy_backend.QuantizedExperts; moe_matmul, one
-matrix's product), the instruction set they run with, and the threads they use by default.
+(moe_ffn, the grouped expert FFN, called by numpy_backend.QuantizedExperts; moe_matmul, the
+products of a few matrices with one input, called by numpy_backend.StoredMatrix), the
+instruction set they run with, and the threads they use by default.
 load_kernels() builds or loads the library once per process; where it cannot, it says why once
 and returns None (the caller then takes the numpy path).
 
@@ -12,6 +13,7 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from ctypes import POINTER, c_char_p, c_int, c_int64, c_void_p
 
 import numpy as np
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 STATUS = {1: "a tensor type without CPU kernels", 2: "matrix shapes that do not fit together",
           3: "an expert id out of range", 4: "a token row out of range"}
 NO_MEMORY = 5
+MAX_MATRICES = 8          # MOE_MAX_MATRICES: matrices one moe_matmul multiplies
 
 
 class Matrix(ctypes.Structure):
@@ -43,7 +46,7 @@ class CpuKernels:
         # dtypes moe_cpu.h names)
         lib.moe_ffn.argtypes = [POINTER(ExpertMatrices), c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
                                 c_void_p, c_int]
-        lib.moe_matmul.argtypes = [POINTER(Matrix), c_void_p, c_int64, c_void_p, c_int]
+        lib.moe_matmul.argtypes = [POINTER(Matrix), c_int64, c_void_p, c_int64, c_void_p, c_int]
         lib.moe_supports_type.argtypes = [c_int64]
         lib.moe_isa_name.argtypes = [c_int]
         lib.moe_isa_name.restype = c_char_p
@@ -66,11 +69,15 @@ class CpuKernels:
     def supports(self, ggml_type: int) -> bool:
         return bool(self.lib.moe_supports_type(int(ggml_type)))
 
-    def matmul(self, matrix: Matrix, x: np.ndarray, threads: int) -> np.ndarray:
-        """x [T, n] · Wᵀ -> [T, N] for expert 0 of `matrix`."""
+    def matmul(self, matrices: Sequence[Matrix], x: np.ndarray, threads: int) -> np.ndarray:
+        """x [T, n] · Wᵢᵀ for expert 0 of each matrix (at most MAX_MATRICES, all n wide): [T, ΣN],
+        the products side by side."""
         x = np.ascontiguousarray(x, np.float32)
-        y = np.empty((len(x), matrix.rows), np.float32)
-        status = self.lib.moe_matmul(ctypes.byref(matrix), x.ctypes.data, len(x), y.ctypes.data, threads)
+        if len(matrices) > MAX_MATRICES:
+            raise ValueError(f"at most {MAX_MATRICES} matrices at once, not {len(matrices)}")
+        y = np.empty((len(x), sum(m.rows for m in matrices)), np.float32)
+        status = self.lib.moe_matmul((Matrix * len(matrices))(*matrices), len(matrices), x.ctypes.data, len(x),
+                                     y.ctypes.data, threads)
         if status:
             raise kernel_error(status)
         return y

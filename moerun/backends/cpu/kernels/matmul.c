@@ -1,14 +1,18 @@
-// moe_matmul: y [T, N] = x [T, n] · Wᵀ for one matrix W [N, n] as stored (expert 0 of a
-// struct moe_matrix), with the tiles the experts use; tasks of ROWS_PER_TASK rows.
+// moe_matmul: y [T, ΣN] = x [T, n] · [W_0; W_1; ...]ᵀ for matrices W_i [N_i, n] as stored
+// (expert 0 of each struct moe_matrix), their products side by side in y: q, k and v in one
+// job. Tasks of ROWS_PER_TASK rows of one matrix, with the tiles the experts use.
 #include "pool.h"
 #include "work.h"
 
 struct matmul_job {
     const struct isa_kernels* isa;
-    const struct moe_matrix* matrix;
-    int type;
+    const struct moe_matrix* matrices;
+    int types[MOE_MAX_MATRICES];
+    int64_t first_task[MOE_MAX_MATRICES + 1];   // matrix i's tasks: first_task[i] .. first_task[i + 1] - 1
+    int64_t first_column[MOE_MAX_MATRICES];     // its products' column in y
+    int64_t width;                              // ΣN
     const float* x;
-    const int64_t* tokens;      // 0, 1, ..., T-1
+    const int64_t* tokens;                      // 0, 1, ..., T-1
     int64_t n_tokens;
     float* y;
     struct scratch* scratch;
@@ -17,29 +21,43 @@ struct matmul_job {
 static void matmul_task(void* context, int64_t task, int thread) {
     const struct matmul_job* job = context;
     struct scratch* s = &job->scratch[thread];
-    int64_t rows = job->matrix->rows, end = task * ROWS_PER_TASK + ROWS_PER_TASK;
-    for (int64_t row = task * ROWS_PER_TASK; row < end && row < rows; row += TILE_ROWS) {
-        int count = rows - row < TILE_ROWS ? (int)(rows - row) : TILE_ROWS;
-        tile_product(job->isa, job->matrix, job->type, 0, row, count, job->x, job->tokens, job->n_tokens, s->rows[0],
+    int i = 0;
+    while (task >= job->first_task[i + 1]) i++;
+    const struct moe_matrix* matrix = &job->matrices[i];
+    int64_t first = (task - job->first_task[i]) * ROWS_PER_TASK, end = first + ROWS_PER_TASK;
+    for (int64_t row = first; row < end && row < matrix->rows; row += TILE_ROWS) {
+        int count = matrix->rows - row < TILE_ROWS ? (int)(matrix->rows - row) : TILE_ROWS;
+        tile_product(job->isa, matrix, job->types[i], 0, row, count, job->x, job->tokens, job->n_tokens, s->rows[0],
                      s->outs[0]);
+        float* y = job->y + job->first_column[i] + row;
         for (int64_t t = 0; t < job->n_tokens; t++)
-            for (int r = 0; r < count; r++) job->y[t * rows + row + r] = s->outs[0][t * TILE_ROWS + r];
+            for (int r = 0; r < count; r++) y[t * job->width + r] = s->outs[0][t * TILE_ROWS + r];
     }
 }
 
-int moe_matmul(const struct moe_matrix* matrix, const float* x, int64_t n_tokens, float* y, int threads) {
-    struct matmul_job job = {.matrix = matrix, .x = x, .n_tokens = n_tokens, .y = y};
-    int status = check_matrix(matrix, matrix->rows, matrix->cols, &job.type);
-    if (status != MOE_OK || n_tokens == 0) return status;
-    threads = threads_for(threads, (double)n_tokens * matrix->rows * matrix->cols);
+int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const float* x, int64_t n_tokens, float* y,
+               int threads) {
+    if (n_matrices < 1 || n_matrices > MOE_MAX_MATRICES) return MOE_BAD_SHAPE;
+    struct matmul_job job = {.matrices = matrices, .x = x, .n_tokens = n_tokens, .y = y};
+    int64_t cols = matrices[0].cols;
+    for (int i = 0; i < n_matrices; i++) {
+        int status = check_matrix(&matrices[i], matrices[i].rows, cols, &job.types[i]);
+        if (status != MOE_OK) return status;
+        job.first_column[i] = job.width;
+        job.width += matrices[i].rows;
+        job.first_task[i + 1] = job.first_task[i] + (matrices[i].rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    }
+    if (n_tokens == 0) return MOE_OK;
+    threads = threads_for(threads, (double)n_tokens * job.width * cols);
     lock_kernels();
     job.isa = current_isa();
     int64_t* tokens = workspace(SLOT_PAIRS, (size_t)n_tokens * sizeof(int64_t));
-    job.scratch = thread_scratch(threads, 1, matrix->cols, 1, n_tokens);
+    job.scratch = thread_scratch(threads, 1, cols, 1, n_tokens);
+    int status = MOE_OK;
     if (tokens && job.scratch) {
         for (int64_t t = 0; t < n_tokens; t++) tokens[t] = t;
         job.tokens = tokens;
-        pool_run(threads, (matrix->rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, matmul_task, &job);
+        pool_run(threads, job.first_task[n_matrices], matmul_task, &job);
     } else {
         status = MOE_NO_MEMORY;
     }

@@ -1,6 +1,6 @@
 // The CPU expert kernels: the interface between their parts. The library computes straight
 // from the GGUF blocks in the file's mapping; Python (moerun/backends/cpu/library.py) calls
-// moe_ffn and moe_matmul (ffn.c) through ctypes, with the structs below mirrored there.
+// moe_ffn (ffn.c) and moe_matmul (matmul.c) through ctypes, with the structs below mirrored there.
 //
 // Shape legend: T tokens, H hidden, F expert FFN width, E experts, P routed pairs,
 // N a matrix's rows, n the values of one row.
@@ -31,10 +31,13 @@ struct moe_experts {
 
 // Both return a moe_status. moe_ffn: x [T, H] f32; pairs (rows[p] a token row, experts[p]
 // an expert id, weights[p]); out [T, H] = Σ over each token's pairs of weight · FFN_expert(x).
-// moe_matmul: y [T, N] = x [T, n] · Wᵀ for expert 0 of `matrix`. `threads` threads each.
+// moe_matmul: y [T, ΣN] = x [T, n] · Wᵢᵀ for expert 0 of each of `n_matrices` matrices (at most
+// MOE_MAX_MATRICES, all n columns wide), side by side. `threads` threads each.
+#define MOE_MAX_MATRICES 8
 MOE_API int moe_ffn(const struct moe_experts* experts, const float* x, int64_t n_tokens, const int64_t* rows,
                     const int64_t* pair_experts, const float* weights, int64_t n_pairs, float* out, int threads);
-MOE_API int moe_matmul(const struct moe_matrix* matrix, const float* x, int64_t n_tokens, float* y, int threads);
+MOE_API int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const float* x, int64_t n_tokens,
+                       float* y, int threads);
 
 enum moe_status {
     MOE_OK = 0,

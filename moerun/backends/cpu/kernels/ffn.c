@@ -31,18 +31,32 @@ struct ffn_job {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-static void gate_up_task(void* context, int64_t task, int thread) {
+// Where the tile after rows `row` of expert `expert` of m starts, within a task's rows (up to
+// `end`), else in the next task (expert `next_expert`, rows from `next_row`; -1: none).
+static const uint8_t* next_tile(const struct moe_matrix* m, int64_t expert, int64_t row, int64_t end,
+                                int64_t next_expert, int64_t next_row) {
+    if (row + TILE_ROWS < end) return stored_row(m, expert, row + TILE_ROWS);
+    return next_expert < 0 ? NULL : stored_row(m, next_expert, next_row);
+}
+
+static void gate_up_task(void* context, int64_t task, int64_t next_task, int thread) {
     const struct ffn_job* job = context;
     struct scratch* s = &job->scratch[thread];
     int64_t group = task / job->ffn_blocks, first_row = task % job->ffn_blocks * ROWS_PER_TASK;
+    int64_t end_row = min64(job->ffn, first_row + ROWS_PER_TASK);
     int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
     int64_t n = job->group_start[group + 1] - first_pair;
+    int64_t next_expert = next_task < 0 ? -1 : job->group_expert[next_task / job->ffn_blocks];
+    int64_t next_row = next_task % job->ffn_blocks * ROWS_PER_TASK;
     const int64_t* tokens = job->pair_token + first_pair;
-    for (int64_t row = first_row; row < min64(job->ffn, first_row + ROWS_PER_TASK); row += TILE_ROWS) {
-        int count = (int)min64(TILE_ROWS, job->ffn - row);
-        tile_product(job->isa, &job->experts->gate, job->gate_type, expert, row, count, job->x, tokens, n, s->rows[0],
+    const struct moe_matrix *gate = &job->experts->gate, *up = &job->experts->up;
+    for (int64_t row = first_row; row < end_row; row += TILE_ROWS) {
+        int count = (int)min64(TILE_ROWS, end_row - row);
+        tile_product(job->isa, gate, job->gate_type, expert, row, count,
+                     next_tile(gate, expert, row, end_row, next_expert, next_row), job->x, tokens, n, s->rows[0],
                      s->outs[0]);
-        tile_product(job->isa, &job->experts->up, job->up_type, expert, row, count, job->x, tokens, n, s->rows[1],
+        tile_product(job->isa, up, job->up_type, expert, row, count,
+                     next_tile(up, expert, row, end_row, next_expert, next_row), job->x, tokens, n, s->rows[1],
                      s->outs[1]);
         for (int64_t i = 0; i < n; i++)
             for (int r = 0; r < count; r++) {
@@ -52,18 +66,25 @@ static void gate_up_task(void* context, int64_t task, int thread) {
     }
 }
 
-static void down_task(void* context, int64_t task, int thread) {
+static void down_task(void* context, int64_t task, int64_t next_task, int thread) {
     const struct ffn_job* job = context;
     struct scratch* s = &job->scratch[thread];
+    const struct moe_matrix* down = &job->experts->down;
     int64_t first_row = task * ROWS_PER_TASK, end_row = min64(job->hidden, first_row + ROWS_PER_TASK);
     for (int64_t t = 0; t < job->n_tokens; t++)
         memset(job->out + t * job->hidden + first_row, 0, (size_t)(end_row - first_row) * sizeof(float));
     for (int64_t group = 0; group < job->n_groups; group++) {
         int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
         int64_t n = job->group_start[group + 1] - first_pair;
+        // after this expert's rows: the next expert's, or the next task's first expert's
+        int64_t next_expert = group + 1 < job->n_groups ? job->group_expert[group + 1]
+                              : next_task < 0          ? -1
+                                                       : job->group_expert[0];
+        int64_t next_row = group + 1 < job->n_groups ? first_row : next_task * ROWS_PER_TASK;
         for (int64_t row = first_row; row < end_row; row += TILE_ROWS) {
             int count = (int)min64(TILE_ROWS, end_row - row);
-            tile_product(job->isa, &job->experts->down, job->down_type, expert, row, count, job->h,
+            tile_product(job->isa, down, job->down_type, expert, row, count,
+                         next_tile(down, expert, row, end_row, next_expert, next_row), job->h,
                          job->pair_index + first_pair, n, s->rows[2], s->outs[0]);
             for (int64_t i = 0; i < n; i++) {
                 float weight = job->pair_weight[first_pair + i];

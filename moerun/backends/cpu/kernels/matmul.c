@@ -18,17 +18,28 @@ struct matmul_job {
     struct scratch* scratch;
 };
 
-static void matmul_task(void* context, int64_t task, int thread) {
-    const struct matmul_job* job = context;
-    struct scratch* s = &job->scratch[thread];
+// The matrix of a task (its index) and the first of its rows.
+static int task_rows(const struct matmul_job* job, int64_t task, int64_t* first_row) {
     int i = 0;
     while (task >= job->first_task[i + 1]) i++;
+    *first_row = (task - job->first_task[i]) * ROWS_PER_TASK;
+    return i;
+}
+
+static void matmul_task(void* context, int64_t task, int64_t next_task, int thread) {
+    const struct matmul_job* job = context;
+    struct scratch* s = &job->scratch[thread];
+    int64_t first, after;
+    int i = task_rows(job, task, &first), j = next_task < 0 ? -1 : task_rows(job, next_task, &after);
     const struct moe_matrix* matrix = &job->matrices[i];
-    int64_t first = (task - job->first_task[i]) * ROWS_PER_TASK, end = first + ROWS_PER_TASK;
-    for (int64_t row = first; row < end && row < matrix->rows; row += TILE_ROWS) {
-        int count = matrix->rows - row < TILE_ROWS ? (int)(matrix->rows - row) : TILE_ROWS;
-        tile_product(job->isa, matrix, job->types[i], 0, row, count, job->x, job->tokens, job->n_tokens, s->rows[0],
-                     s->outs[0]);
+    int64_t end = first + ROWS_PER_TASK < matrix->rows ? first + ROWS_PER_TASK : matrix->rows;
+    for (int64_t row = first; row < end; row += TILE_ROWS) {
+        int count = end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS;
+        const uint8_t* next = row + TILE_ROWS < end ? stored_row(matrix, 0, row + TILE_ROWS)
+                              : j < 0                ? NULL
+                                                     : stored_row(&job->matrices[j], 0, after);
+        tile_product(job->isa, matrix, job->types[i], 0, row, count, next, job->x, job->tokens, job->n_tokens,
+                     s->rows[0], s->outs[0]);
         float* y = job->y + job->first_column[i] + row;
         for (int64_t t = 0; t < job->n_tokens; t++)
             for (int r = 0; r < count; r++) y[t * job->width + r] = s->outs[0][t * TILE_ROWS + r];

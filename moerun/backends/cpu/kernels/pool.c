@@ -1,6 +1,6 @@
 // The pool behind pool_run. Workers are started on first need and live as long as the
 // process. A job is published by bumping `generation`; workers take tasks from a shared
-// counter. Between jobs a worker spins for SPIN_NS (the next layer's job usually comes sooner),
+// counter, each one task ahead of the one it runs. Between jobs a worker spins for SPIN_NS (the next layer's job usually comes sooner),
 // then sleeps on a condition variable. Every started worker acknowledges every job, so none
 // can lag a job behind. Spinning threads yield the CPU every YIELD_EVERY turns: where threads
 // outnumber free cores (daemons and a parent on one host, other programs), a spinning waiter
@@ -49,9 +49,11 @@ static int64_t now_ns(void) {
 }
 
 static void run_tasks(int thread) {
-    int64_t task;
-    while ((task = atomic_fetch_add_explicit(&pool.next_task, 1, memory_order_relaxed)) < pool.tasks)
-        pool.fn(pool.context, task, thread);
+    int64_t task = atomic_fetch_add_explicit(&pool.next_task, 1, memory_order_relaxed), next;
+    for (; task < pool.tasks; task = next) {
+        next = atomic_fetch_add_explicit(&pool.next_task, 1, memory_order_relaxed);
+        pool.fn(pool.context, task, next < pool.tasks ? next : -1, thread);
+    }
 }
 
 static uint64_t wait_for_job(uint64_t seen) {
@@ -111,7 +113,7 @@ void pool_run(int threads, int64_t tasks, task_fn fn, void* context) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > tasks) threads = (int)tasks;
     if (threads <= 1) {
-        for (int64_t task = 0; task < tasks; task++) fn(context, task, 0);
+        for (int64_t task = 0; task < tasks; task++) fn(context, task, task + 1 < tasks ? task + 1 : -1, 0);
         return;
     }
     pthread_once(&fork_handler, watch_forks);

@@ -4,7 +4,9 @@
 
 #define MAX_THREADS 256
 
-// fn(context, task, thread) for every task in 0..tasks-1, spread over `threads` threads
+// fn(context, task, next, thread) for every task in 0..tasks-1, spread over `threads` threads
 // (the caller is thread 0); returns when all have run. Not reentrant: one job at a time.
-typedef void (*task_fn)(void* context, int64_t task, int thread);
+// `next` is the task this thread runs after this one (-1: none), taken ahead so that a task
+// can fetch the next one's first data into the caches while it runs.
+typedef void (*task_fn)(void* context, int64_t task, int64_t next, int thread);
 void pool_run(int threads, int64_t tasks, task_fn fn, void* context);

@@ -29,11 +29,11 @@ int check_matrix(const struct moe_matrix* m, int64_t rows, int64_t cols, int* ty
 }
 
 void tile_product(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert, int64_t row,
-                  int count, const float* x, const int64_t* tokens, int64_t n_tokens, float* buffer, float* out) {
-    const uint8_t* first = m->data + expert * m->expert_bytes + row * m->row_bytes;
+                  int count, const uint8_t* next, const float* x, const int64_t* tokens, int64_t n_tokens,
+                  float* buffer, float* out) {
+    const uint8_t* first = stored_row(m, expert, row);
     if (n_tokens <= isa->fused_tokens && m->cols % 16 == 0) {
-        struct stored_tile tile = {.x = x, .n = m->cols, .row_bytes = m->row_bytes,
-                                   .next = row + TILE_ROWS < m->rows ? first + TILE_ROWS * m->row_bytes : NULL};
+        struct stored_tile tile = {.x = x, .n = m->cols, .next = next, .row_bytes = m->row_bytes};
         for (int r = 0; r < TILE_ROWS; r++) tile.rows[r] = first + (r < count ? r : count - 1) * m->row_bytes;
         isa->fused[type](&tile, tokens, n_tokens, out);
         return;

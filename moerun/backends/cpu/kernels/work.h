@@ -18,12 +18,19 @@ void unlock_kernels(void);
 // MOE_OK and the type's index in *type when m is rows x cols of a type with kernels.
 int check_matrix(const struct moe_matrix* m, int64_t rows, int64_t cols, int* type);
 
+// Where row `row` of expert `expert` of m is stored.
+static inline const uint8_t* stored_row(const struct moe_matrix* m, int64_t expert, int64_t row) {
+    return m->data + expert * m->expert_bytes + row * m->row_bytes;
+}
+
 // Rows row..row+count-1 (count <= TILE_ROWS) of expert `expert` of m, of type index `type`,
 // times x [.., m->cols] of the tokens in tokens[]: out [n_tokens, TILE_ROWS] (the rows past
-// `count` repeat the last). Few tokens: the fused tile, which fetches the next TILE_ROWS rows
-// into the caches as it goes; more: the rows dequantized into `buffer` [TILE_ROWS, m->cols] first.
+// `count` repeat the last). Few tokens: the fused tile, which fetches `next` (the first of
+// TILE_ROWS rows of m the caller computes next, or NULL) into the caches as it goes; more: the
+// rows dequantized into `buffer` [TILE_ROWS, m->cols] first.
 void tile_product(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert, int64_t row,
-                  int count, const float* x, const int64_t* tokens, int64_t n_tokens, float* buffer, float* out);
+                  int count, const uint8_t* next, const float* x, const int64_t* tokens, int64_t n_tokens,
+                  float* buffer, float* out);
 
 // One thread's scratch: `sets` row buffers [TILE_ROWS, n] and `outs` tile outputs
 // [max_tokens, TILE_ROWS].

@@ -176,21 +176,21 @@ extern "C" __global__ void attention_partial(
 
 // Second pass: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] / Σ_c e^(m_c - M) l_c over the splits
 // that saw rows (m_c > -inf), and in 8-bit planes into q, ds when q is given (Dv a multiple of 32).
-// Grid (T, NH), blockDim a multiple of 32: the threads read the splits' (max, sum) side by side.
+// Grid (T, NH), blockDim a multiple of 32; each thread reads every split's (max, sum) (no block
+// reduction: its barriers cost more than a few dozen loads that hit in L1).
 extern "C" __global__ void attention_combine(const float* __restrict__ acc, const float* __restrict__ max_sum,
                                              int splits, int n_heads, int head_dim_v, float* __restrict__ out,
                                              int4* __restrict__ q, float2* __restrict__ ds) {
     wait_for_previous_grid();
-    __shared__ float scratch[32];
     int t = blockIdx.x, head = blockIdx.y;
     const float2* parts = reinterpret_cast<const float2*>(max_sum) + ((long long)t * n_heads + head) * splits;
-    float best = NEG_INF;
-    for (int c = threadIdx.x; c < splits; c += blockDim.x) best = fmaxf(best, parts[c].x);
-    best = block_max(best, scratch);
+    float best = NEG_INF;      // every thread over all splits (at most a wave over the heads: a few dozen)
+#pragma unroll 4
+    for (int c = 0; c < splits; c++) best = fmaxf(best, parts[c].x);
     float denominator = 0.f;
-    for (int c = threadIdx.x; c < splits; c += blockDim.x)
+#pragma unroll 4
+    for (int c = 0; c < splits; c++)
         if (parts[c].x > NEG_INF) denominator += expf(parts[c].x - best) * parts[c].y;
-    denominator = block_sum(denominator, scratch);
     const float* head_acc = acc + ((long long)t * n_heads + head) * splits * head_dim_v;
     for (int start = 0; start < head_dim_v; start += blockDim.x) {
         int d = start + threadIdx.x;

@@ -101,12 +101,17 @@ ALWAYS_INLINE v16 nibbles_scaled_plus(u8x16 q, int high, float mul, float plus) 
 #endif
 }
 
-// Bit j of `bits` (j < 16) as the value 16 in byte j: the fifth bits of Q5_0/Q5_1.
+// Bit j of `bits` (j < 16) as the value 16 in byte j: the fifth bits of Q5_0/Q5_1 (in one
+// masked move where the instruction set has one, VF_BITS_AS_16).
 static inline u8x16 bits_as_16(uint32_t bits) {
+#ifdef VF_BITS_AS_16
+    return vf_bits_as_16(bits);
+#else
     const u8x16 lanes = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     const u8x16 upper = {0, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255, 255, 255, 255, 255};
     u8x16 bytes = (((u8x16){0} + (uint8_t)bits) & ~upper) | (((u8x16){0} + (uint8_t)(bits >> 8)) & upper);
     return (u8x16)((bytes & lanes) != 0) & 16;
+#endif
 }
 
 // ---- element types -----------------------------------------------------------------------------

@@ -37,6 +37,9 @@ static inline vf vf_lookup16(vf table, u8x16 q, int high) {
     __m512i index = _mm512_cvtepu8_epi32((__m128i)q);
     return _mm512_permutexvar_ps(high ? _mm512_srli_epi32(index, 4) : index, table);
 }
+// Bit j of `bits` as the value 16 in byte j.
+#define VF_BITS_AS_16
+static inline u8x16 vf_bits_as_16(uint32_t bits) { return (u8x16)_mm_maskz_set1_epi8((__mmask16)bits, 16); }
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 #include "tiles.h"

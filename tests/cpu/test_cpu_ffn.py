@@ -1,7 +1,8 @@
 """The grouped expert FFN of the CPU kernels against numpy_ops.grouped_ffn on the same
 weights dequantized to float32: decode (one token, K experts), small batches with tokens that
 have no pair here, prefill batches, gate and up fused in one tensor, and sizes that leave
-partial tiles and tasks. Results do not depend on the thread count; bad pairs are refused."""
+partial tiles and tasks. Results do not depend on the thread count or on batching (fused
+tiles or not); bad pairs are refused."""
 from __future__ import annotations
 
 import numpy as np
@@ -98,6 +99,24 @@ def test_threads_do_not_change_the_result(kernels):
         results.append(experts.grouped_ffn(0, x, rows, ids, weights))
     for result in results[1:]:
         np.testing.assert_array_equal(result, results[0])
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q6_K), (T.Q4_0, T.Q8_0), (T.Q5_K, T.BF16)],
+                         ids=lambda t: f"{t[0].name}-{t[1].name}")
+def test_one_token_at_a_time_equals_the_batch(kernels, types):
+    """60 tokens over 12 experts (about 20 each) go through tiles dequantized first; one token at a
+    time through the fused tiles: the same bits, on every instruction set."""
+    experts, _ = experts_of(types, 256, 256, False, kernels, threads=2)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(60, 256)).astype(np.float32)
+    rows, ids, weights = routed(60, 4, rng)
+    for isa in kernels.isas():
+        kernels.use_isa(isa)
+        batch = experts.grouped_ffn(0, x, rows, ids, weights)
+        for t in range(0, 60, 7):
+            pick = rows == t
+            one = experts.grouped_ffn(0, x[t:t + 1], np.zeros(pick.sum(), np.int64), ids[pick], weights[pick])
+            np.testing.assert_array_equal(one[0], batch[t], err_msg=f"{isa}, token {t}")
 
 
 def test_bad_pairs_are_refused(kernels):

@@ -91,8 +91,8 @@ def kernel_error(status: int) -> Exception:
 
 
 def default_threads() -> int:
-    """$OMP_NUM_THREADS where set (a spawned daemon gets its share of the cores that way), else
-    every CPU this process may run on."""
+    """The count where none is given (--threads, the config's `threads`, a daemon's share from
+    rig/cores.py): $OMP_NUM_THREADS where set, else every CPU this process may run on."""
     try:
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     except (KeyError, ValueError):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from threadpoolctl import ThreadpoolController
 
+from moerun.backends.cpu.library import usable_cpus
 from moerun.rig.settings import ConfigError, RigConfig
 
 NODES = Path("/sys/devices/system/node")
@@ -155,13 +156,6 @@ def share_host(config: RigConfig, host: Iterable[int] | None = None) -> HostShar
         indexes.append(index)
     parent, *daemons = split_cpus(host, claims)
     return HostShares(parent, dict(zip(indexes, daemons)), host, config.pin)
-
-
-def usable_cpus() -> set[int]:
-    """The CPUs this process may run on (its affinity mask), or all of them where the OS does not say."""
-    if hasattr(os, "sched_getaffinity"):
-        return os.sched_getaffinity(0)
-    return set(range(os.cpu_count() or 1))
 
 
 def pin_threads(cpus: Iterable[int]) -> None:

@@ -96,7 +96,14 @@ def default_threads() -> int:
     try:
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     except (KeyError, ValueError):
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return len(usable_cpus())
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity mask), or all of them where the OS does not say."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
 
 
 @functools.cache

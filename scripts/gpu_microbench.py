@@ -65,16 +65,16 @@ def main() -> None:
         q = activation(spec.n_heads * spec.head_dim_k)
         k, v = activation(spec.n_kv_heads * spec.head_dim_k), activation(spec.n_kv_heads * spec.head_dim_v)
         positions = cupy.asarray(np.array([args.position], np.int32))
-        ids, weights = backend.route(h, layer.ffn_gate_inp)
+        _, ids, weights = backend.route(x, layer.ffn_norm, layer.ffn_gate_inp)
         attended = activation(spec.n_heads * spec.head_dim_v)
         operations = [  # name, calls per layer, operation
-            ("rms_norm", 2, lambda: backend.rms_norm(x, layer.attn_norm)),
-            ("attn_qkv", 1, lambda: backend.linears(h, (layer.attn_q, layer.attn_k, layer.attn_v), (None,) * 3)),
+            ("attn_norm_qkv", 1, lambda: backend.linears(x, (layer.attn_q, layer.attn_k, layer.attn_v), (None,) * 3,
+                                                         layer.attn_norm)),
             ("rope_append", 1, lambda: backend.rope_append(q, k, v, layer.attn_q_norm, layer.attn_k_norm,
                                                           cache, 0, positions)),
             ("attention", 1, lambda: backend.attention(q, cache, 0, positions)),
             ("attn_output", 1, lambda: backend.linear(attended, layer.attn_output, residual=x)),
-            ("router and top-k", 1, lambda: backend.route(h, layer.ffn_gate_inp)),
+            ("ffn_norm, router and top-k", 1, lambda: backend.route(x, layer.ffn_norm, layer.ffn_gate_inp)),
             ("experts", 1, lambda: model.weights.experts.compute(0, h, ids, weights)),
             ("add", 1, lambda: backend.add(x, h)),
         ]

@@ -41,6 +41,9 @@ NORM_BLOCK = 1024              # threads per row of rms_norm
 NORM_VALUES = 8                # values each of them holds (NORM_VALUES in layers.cu): rows of at most 8192
 FEW_ROWS = 512                 # a float matrix of at most this many rows (a router) gets a block per row
 FEW_ROWS_THREADS = 64          # threads of each of those blocks
+ROUTE_THREADS = 128            # threads of each block of route_normed (a router row; the last ranks the experts)
+MAX_EXPERTS, MAX_TOP_K = 1024, 32   # most experts and experts per token routing takes (route.cu)
+NORMED_PLANES_LIMIT = 24 * 1024     # most shared memory for the 8-bit planes of a norm folded into q/k/v
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
 NULL = np.uint64(0)            # a null pointer argument
 
@@ -111,6 +114,10 @@ class GpuBackend:
         self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)
         self._last_q8: tuple[Any, Any] = (None, None)         # (activations, their 8-bit planes)
         self.inv_freq = cupy.asarray(rope_frequencies(spec.head_dim_k, spec.rope_base))
+        self._route_done = cupy.zeros(1, cupy.uint32)        # route_normed's count of finished blocks
+        if spec.n_experts > MAX_EXPERTS or spec.n_experts_used > MAX_TOP_K:
+            raise ValueError(f"{spec.n_experts} experts, {spec.n_experts_used} per token: the GPU backend routes "
+                             f"at most {MAX_EXPERTS} experts, {MAX_TOP_K} per token")
 
     # -- loading
     def begin_loading(self, gguf: GGUFFile) -> None:
@@ -227,20 +234,27 @@ class GpuBackend:
             y += bias
         return y
 
-    def linears(self, x: Any, weights: tuple[DeviceMatrix, ...], biases: tuple[Any | None, ...]) -> tuple[Any, ...]:
-        """x [T, K] through several weights (q, k, v) (+ biases): one launch for three quantized
-        weights and a few tokens, else one product each."""
-        n_tokens = x.shape[0]
-        if n_tokens > MAX_GEMV_TOKENS or len(weights) != 3 or any(w.kind not in INT_KINDS for w in weights):
+    def linears(self, x: Any, weights: tuple[DeviceMatrix, ...], biases: tuple[Any | None, ...],
+                norm: Any | None = None) -> tuple[Any, ...]:
+        """x [T, K] (with `norm`: rms_norm(x, norm)) through several weights (q, k, v) (+ biases):
+        one launch for three quantized weights and a few tokens, the norm folded into it (each
+        block converts the normed rows itself, NORMED_PLANES_LIMIT), else one product each."""
+        n_tokens, width = x.shape
+        planes_bytes = n_tokens * width // UNIT * (4 * 16 + 8)                   # [T, K/32] int4 x 4 + float2
+        fused = n_tokens <= MAX_GEMV_TOKENS and len(weights) == 3 and all(w.kind in INT_KINDS for w in weights)
+        if norm is not None and not (fused and width % UNIT == 0 and planes_bytes <= NORMED_PLANES_LIMIT):
+            x, norm = self.rms_norm(x, norm), None
+        if not fused:
             return tuple(self.linear(x, weight, bias) for weight, bias in zip(weights, biases))
         x = self.cupy.ascontiguousarray(x)
-        q, ds = self.q8_of(x)
+        q, ds = (NULL, NULL) if norm is not None else self.q8_of(x)
         outs = tuple(self.cupy.empty((n_tokens, w.rows), self.cupy.float32) for w in weights)
         segments = [arg for w, y in zip(weights, outs)
                     for arg in (w.data, i64(w.row_bytes), i32(INT_KINDS.index(w.kind)), i32(w.rows), y)]
-        self.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), weights[0].cols // UNIT, 1,
-                          (*segments, q, ds, i32(weights[0].cols), i32(n_tokens)), UNITS_PER_LANE,
-                          staged_bytes=max(w.row_bytes for w in weights))
+        self.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), width // UNIT, 1,
+                          (*segments, q, ds, x, pointer(norm), np.float32(self.spec.rms_eps), i32(width),
+                           i32(n_tokens)), UNITS_PER_LANE, staged_bytes=max(w.row_bytes for w in weights),
+                          shared_after=0 if norm is None else planes_bytes)
         for y, bias in zip(outs, biases):
             if bias is not None:
                 y += bias
@@ -318,15 +332,30 @@ class GpuBackend:
                                  (cache, i32(span), i32(spec.n_kv_heads), i32(spec.n_heads), i32(head_dim), out))
         return out
 
-    def route(self, h: Any, router: DeviceMatrix) -> tuple[Any, Any]:
-        cupy, k = self.cupy, self.spec.n_experts_used
-        logits = self.linear(h, router)                                                   # [T, E]
-        n_tokens = logits.shape[0]
+    def route(self, x: Any, norm: Any, router: DeviceMatrix) -> tuple[Any, Any, Any]:
+        """h = rms_norm(x, norm), its logits and top-K: one launch (route_normed) for a few tokens
+        through a float router of few rows, else the norm, the product and route_top_k."""
+        cupy, spec, k = self.cupy, self.spec, self.spec.n_experts_used
+        x = cupy.ascontiguousarray(x)
+        n_tokens, width = x.shape
         ids, weights = cupy.empty((n_tokens, k), cupy.int32), cupy.empty((n_tokens, k), cupy.float32)
-        threads = min(1024, -(-router.rows // 32) * 32)                                   # a thread per expert
-        self.kernels.launch("route_top_k", (n_tokens,), (threads,), (logits, i32(router.rows), i32(k),
-                                                              i32(self.spec.rule.renormalize_topk), ids, weights))
-        return ids, weights
+        renormalize = i32(spec.rule.renormalize_topk)
+        if n_tokens > MAX_GEMV_TOKENS or router.kind in INT_KINDS or router.rows > FEW_ROWS or width % UNIT:
+            h = self.rms_norm(x, norm)
+            logits = self.linear(h, router)                                               # [T, E]
+            threads = min(1024, -(-router.rows // 32) * 32)                               # a thread per expert
+            self.kernels.launch("route_top_k", (n_tokens,), (threads,),
+                                (logits, i32(router.rows), i32(k), renormalize, ids, weights))
+            return h, ids, weights
+        h = cupy.empty_like(x)
+        hq, hds = self._planes_for(h)
+        logits = cupy.empty((n_tokens, router.rows), cupy.float32)
+        stride = stage_stride(router.row_bytes, 1)
+        self.kernels.launch(f"route_normed_{router.kind}", (router.rows,), (ROUTE_THREADS,),
+                            (x, norm, np.float32(spec.rms_eps), i32(width), i32(n_tokens), router.data,
+                             i64(router.row_bytes), i32(stride), logits, i32(router.rows), i32(k), renormalize,
+                             h, pointer(hq), pointer(hds), self._route_done, ids, weights), stride)
+        return h, ids, weights
 
     def silu_mul(self, gate: Any, up: Any) -> Any:
         out = self.cupy.empty_like(gate)

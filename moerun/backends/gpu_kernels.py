@@ -48,20 +48,21 @@ class Kernels:
                                    self.cupy.cuda.get_current_stream().ptr)
 
     def rows(self, name: str, n_rows: int, units_per_row: int, grid_y: int, args: tuple,
-             units_per_lane: int = 1, staged_bytes: int | None = None) -> None:
+             units_per_lane: int = 1, staged_bytes: int | None = None, shared_after: int = 0) -> None:
         """Launch a row-parallel kernel: one group of threads per output row, the group as
         wide as the row has units (for at least `units_per_lane` each; a power of two, at
         most ROW_GROUP; see fitting_group), as its last argument. A kernel that stages its
         weight rows in shared memory (staging.cuh), a slot per group, is given `staged_bytes`,
-        the bytes of one group's rows: the slots' stride goes before the group."""
+        the bytes of one group's rows: the slots' stride goes before the group; `shared_after`
+        more bytes of shared memory follow the slots (for the kernel's own use)."""
         group = fitting_group(row_group(units_per_row, units_per_lane), n_rows, grid_y, self.wave(name))
         grid = (blocks_of_rows(n_rows, group), grid_y)
         if staged_bytes is None:
             self.launch(name, grid, (BLOCK,), (*args, self.cupy.int32(group)))
             return
-        stride = stage_stride(staged_bytes, BLOCK // group)
+        stride = stage_stride(staged_bytes, BLOCK // group, STAGE_LIMIT - shared_after)
         self.launch(name, grid, (BLOCK,), (*args, self.cupy.int32(stride), self.cupy.int32(group)),
-                    stride * (BLOCK // group))
+                    stride * (BLOCK // group) + shared_after)
 
     def wave(self, name: str) -> int:
         """Blocks of BLOCK threads of kernel `name` the whole GPU holds at once."""
@@ -87,13 +88,13 @@ def blocks_of_rows(n_rows: int, group: int) -> int:
     return -(-n_rows // (BLOCK // group))
 
 
-def stage_stride(slot_bytes: int, slots: int) -> int:
+def stage_stride(slot_bytes: int, slots: int, limit: int = STAGE_LIMIT) -> int:
     """Bytes of each of a block's `slots` slots of staged weight rows (staging.cuh), for rows of
     `slot_bytes` at any alignment: room for their offset within 16 bytes, in whole 16-byte
     pieces, and 16 more so that consecutive slots start in other shared memory banks. 0 (no
-    staging) where a block's slots would pass STAGE_LIMIT."""
+    staging) where a block's slots would pass `limit` bytes."""
     stride = -(-(slot_bytes + 15) // 16) * 16 + 16
-    return stride if stride * slots <= STAGE_LIMIT else 0
+    return stride if stride * slots <= limit else 0
 
 
 def fitting_group(group: int, n_rows: int, grid_y: int, wave: int) -> int:

@@ -122,8 +122,11 @@ class NumpyBackend:
             y = y + bias
         return y if residual is None else residual + y
 
-    def linears(self, x: np.ndarray, weights: tuple, biases: tuple) -> tuple[np.ndarray, ...]:
+    def linears(self, x: np.ndarray, weights: tuple, biases: tuple,
+                norm: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
         """Stored matrices in one call of the kernels (column views of its [T, ΣN] output)."""
+        if norm is not None:
+            x = self.rms_norm(x, norm)
         if not all(isinstance(weight, StoredMatrix) for weight in weights):
             return tuple(self.linear(x, weight, bias) for weight, bias in zip(weights, biases))
         ends = np.cumsum([weight.shape[0] for weight in weights])
@@ -150,8 +153,9 @@ class NumpyBackend:
         keys, values = cache.rows(layer, int(positions[-1]) + 1)
         return causal_attention(q, keys, values, int(positions[0]))
 
-    def route(self, h: np.ndarray, router: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return route(self.linear(h, router), self.spec.n_experts_used, self.spec.rule.renormalize_topk)
+    def route(self, x: np.ndarray, norm: np.ndarray, router: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        h = self.rms_norm(x, norm)
+        return h, *route(self.linear(h, router), self.spec.n_experts_used, self.spec.rule.renormalize_topk)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return silu(gate) * up

@@ -80,8 +80,10 @@ class Backend(Protocol):
     def linear(self, x: Array, weight: Any, bias: Array | None = None, residual: Array | None = None) -> Array:
         """x [T, K] · weight [N, K]ᵀ (+ bias [N]) (+ residual [T, N]) -> [T, N]"""
 
-    def linears(self, x: Array, weights: tuple[Any, ...], biases: tuple[Array | None, ...]) -> tuple[Array, ...]:
-        """x through each weight (+ its bias), as linear does: q, k and v, in one launch where it can."""
+    def linears(self, x: Array, weights: tuple[Any, ...], biases: tuple[Array | None, ...],
+                norm: Array | None = None) -> tuple[Array, ...]:
+        """x through each weight (+ its bias), as linear does: q, k and v, in one launch where it
+        can; with `norm`, rms_norm(x, norm) through them (a GPU folds the norm into the product)."""
 
     def rope_append(self, q: Array, k: Array, v: Array, q_norm: Array | None, k_norm: Array | None,
                     cache: KVCache, layer: int, positions: Array) -> Array:
@@ -90,9 +92,10 @@ class Backend(Protocol):
     def attention(self, q: Array, cache: KVCache, layer: int, positions: Array) -> Array:
         """Causal attention of q over the cache -> [T, NH*Dv]"""
 
-    def route(self, h: Array, router: Any) -> tuple[Array, Array]:
-        """h [T, H] through the router [E, H] -> top-K expert ids and weights [T, K], by the
-        model's rule."""
+    def route(self, x: Array, norm: Array, router: Any) -> tuple[Array, Array, Array]:
+        """h = rms_norm(x [T, H], norm), the experts' input, and h through the router [E, H] ->
+        (h, the top-K expert ids [T, K], their weights [T, K]), by the model's rule; a GPU
+        computes all three in one launch where it can."""
 
     def silu_mul(self, gate: Array, up: Array) -> Array: ...
 

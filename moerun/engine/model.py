@@ -62,7 +62,7 @@ class MoEModel:
 
     def _attention(self, i: int, w: LayerWeights, x: Any, cache: KVCache, positions: Any) -> Any:
         backend, spec = self.backend, self.spec
-        q, k, v = self._qkv(w, backend.rms_norm(x, w.attn_norm))
+        q, k, v = self._qkv(w, x)
         q_norm, k_norm = w.attn_q_norm, w.attn_k_norm
         if q_norm is not None and q_norm.shape[0] != spec.head_dim_k:   # olmoe: over the whole projection
             q, k = backend.rms_norm(q, q_norm), backend.rms_norm(k, k_norm)
@@ -71,23 +71,25 @@ class MoEModel:
         attended = backend.attention(q, cache, i, positions)                           # [T, NH*Dv]
         return backend.linear(attended, w.attn_output, residual=x)                     # [T, H]
 
-    def _qkv(self, w: LayerWeights, h: Any) -> tuple[Any, Any, Any]:
-        """q [T, NH*D], k [T, NKV*D], v [T, NKV*Dv]: three linears, or one over the fused
-        attn_qkv cut into column views (rows strided when T > 1; the backends take them so)."""
+    def _qkv(self, w: LayerWeights, x: Any) -> tuple[Any, Any, Any]:
+        """q [T, NH*D], k [T, NKV*D], v [T, NKV*Dv] of rms_norm(x, attn_norm): three linears, or
+        one over the fused attn_qkv cut into column views (rows strided when T > 1; the backends
+        take them so)."""
         backend, spec = self.backend, self.spec
         if w.attn_qkv is None:
-            return backend.linears(h, (w.attn_q, w.attn_k, w.attn_v), (w.attn_q_bias, w.attn_k_bias, w.attn_v_bias))
-        qkv = backend.linear(h, w.attn_qkv, w.attn_qkv_bias)                          # [T, q + k + v]
+            return backend.linears(x, (w.attn_q, w.attn_k, w.attn_v), (w.attn_q_bias, w.attn_k_bias, w.attn_v_bias),
+                                   w.attn_norm)
+        qkv, = backend.linears(x, (w.attn_qkv,), (w.attn_qkv_bias,), w.attn_norm)     # [T, q + k + v]
         q_end = spec.n_heads * spec.head_dim_k
         k_end = q_end + spec.n_kv_heads * spec.head_dim_k
         return qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
 
     def _ffn(self, i: int, w: LayerWeights, x: Any) -> Any:
         backend = self.backend
-        h = backend.rms_norm(x, w.ffn_norm)
         if w.ffn_dense is not None:
+            h = backend.rms_norm(x, w.ffn_norm)
             return backend.linear(self._swiglu(h, w.ffn_dense[:2]), w.ffn_dense[2], residual=x)
-        ids, weights = backend.route(h, w.ffn_gate_inp)                               # [T, K] each
+        h, ids, weights = backend.route(x, w.ffn_norm, w.ffn_gate_inp)                # [T, H], [T, K], [T, K]
         if self.routing is not None:
             self.routing.add(i, backend.to_host(ids))
         pending = self.executor.begin(i, h, ids, weights)     # cold work is on its way to the daemons

@@ -209,32 +209,45 @@ def test_expert_tile_layout(backend, skew):
 @pytest.mark.parametrize("n_experts, top_k, renormalize", [(128, 8, True), (60, 4, False), (512, 10, True)])
 @pytest.mark.parametrize("ties", [False, True])
 def test_routing_matches_numpy(n_tokens, n_experts, top_k, renormalize, ties):
-    """h through an f32 router (the GEMV for up to 8 tokens, the product for more), then top-K;
-    exact ties go to the lower id."""
+    """x through the norm and an f32 router (for up to 8 tokens one launch, route_normed; the
+    norm, the product and route_top_k for more), then top-K; exact ties go to the lower id. The
+    normed h comes back too, and in the 8-bit planes quantize_q8 makes of it."""
     import dataclasses
 
     from moerun.backends import open_backend
     from moerun.backends.numpy_backend import NumpyBackend
     spec = small_spec(hidden=HIDDEN, experts=n_experts, top_k=top_k)
-    spec = dataclasses.replace(spec, rule=dataclasses.replace(spec.rule, renormalize_topk=renormalize))
+    spec = dataclasses.replace(spec, rule=dataclasses.replace(spec.rule, renormalize_topk=renormalize),
+                               rms_eps=0.0 if ties else spec.rms_eps)
     backend = open_backend(gpu_device(), spec)
     rng = np.random.default_rng()
     router = rng.normal(0, 0.05, (n_experts, HIDDEN)).astype(np.float32)
-    h = rng.normal(size=(n_tokens, HIDDEN)).astype(np.float32)
+    x = rng.normal(size=(n_tokens, HIDDEN)).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
     if ties:        # small multiples of 1/4 whose sums are exact in any order; repeated rows tie exactly
         router = (rng.integers(-2, 3, (n_experts, HIDDEN)) / 8).astype(np.float32)
         router[1::3] = router[0::3][: len(router[1::3])]
-        h = rng.integers(-1, 2, (n_tokens, HIDDEN)).astype(np.float32)
+        x = rng.choice(np.float32([-1, 1]), (n_tokens, HIDDEN))     # with no eps, h = x exactly
+        norm = np.ones(HIDDEN, np.float32)
     matrix = DeviceMatrix(backend.cupy.asarray(router.view(np.uint8).reshape(-1)), "f32", n_experts, HIDDEN)
-    want_ids, want_weights = NumpyBackend(spec).route(h, router)
-    ids, weights = backend.route(backend.cupy.asarray(h), matrix)
+    want_h, want_ids, want_weights = NumpyBackend(spec).route(x, norm, router)
+    h, ids, weights = backend.route(backend.cupy.asarray(x), backend.cupy.asarray(norm), matrix)
+    np.testing.assert_allclose(h.get(), want_h, rtol=2e-6, atol=1e-6)
     assert np.array_equal(ids.get(), want_ids)
     np.testing.assert_allclose(weights.get(), want_weights, rtol=1e-5, atol=1e-7)
+    if n_tokens <= 8:
+        planes, scales = backend.q8_of(h)
+        want_planes, want_scales = backend.quantize_q8(h)
+        assert backend.cupy.array_equal(planes, want_planes)
+        assert backend.cupy.allclose(scales, want_scales, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3, 8])
-def test_three_products_in_one_launch(backend, n_tokens):
-    """q, k, v of different types and heights (blocks straddle two of them), with biases."""
+@pytest.mark.parametrize("normed", [False, True], ids=["planes", "norm-folded"])
+def test_three_products_in_one_launch(backend, n_tokens, normed):
+    """q, k, v of different types and heights (blocks straddle two of them), with biases; with
+    a norm, of rms_norm(x) (each block converting the normed rows itself)."""
+    from moerun.backends.numpy_ops import rms_norm
     rng = np.random.default_rng()
     shapes = [(T.Q4_K, 95), (T.Q8_0, 41), (T.Q6_K, 20)]
     matrices, references = [], []
@@ -244,9 +257,12 @@ def test_three_products_in_one_launch(backend, n_tokens):
         matrices.append(DeviceMatrix(backend.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, COLS))
     biases = [rng.normal(size=rows).astype(np.float32) for _, rows in shapes]
     x = rng.normal(size=(n_tokens, COLS)).astype(np.float32)
-    outs = backend.linears(backend.cupy.asarray(x), tuple(matrices), tuple(backend.cupy.asarray(b) for b in biases))
+    norm = rng.uniform(0.5, 1.5, COLS).astype(np.float32) if normed else None
+    outs = backend.linears(backend.cupy.asarray(x), tuple(matrices), tuple(backend.cupy.asarray(b) for b in biases),
+                           None if norm is None else backend.cupy.asarray(norm))
+    h = x if norm is None else rms_norm(x, norm, backend.spec.rms_eps)
     for got, reference, bias in zip(outs, references, biases):
-        assert relative_error(got.get(), q8_round_trip(x) @ reference.T + bias) < 1e-5
+        assert relative_error(got.get(), q8_round_trip(h) @ reference.T + bias) < 1e-5
 
 
 # Decode attention: (cache capacity, first token's position, tokens, splits per head). None keeps

@@ -112,9 +112,12 @@ RENORMALISES = {"qwen3moe": True, "mixtral": True, "qwen2moe": False, "olmoe": F
 def test_backend_route_uses_the_architecture_rule(gguf_arch):
     rule = RULES[gguf_arch]
     spec = dataclasses.replace(small_spec(experts=16, top_k=4), rule=rule)
-    logits = logits_for(9, 16, seed=3)                                     # [9, 16]
-    ids, weights = NumpyBackend(spec).route(logits, np.eye(16, dtype=np.float32))         # h · Iᵀ = logits
-    want_ids, want_weights = reference(logits, 4, RENORMALISES[rule.family])
+    x = logits_for(9, 16, seed=3)                                          # [9, 16]
+    norm = np.linspace(0.5, 2, 16, dtype=np.float32)
+    h, ids, weights = NumpyBackend(spec).route(x, norm, np.eye(16, dtype=np.float32))    # logits h · Iᵀ = h
+    want_h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + spec.rms_eps) * norm
+    np.testing.assert_allclose(h, want_h, rtol=1e-5)
+    want_ids, want_weights = reference(h, 4, RENORMALISES[rule.family])
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(weights, want_weights, rtol=2e-6, atol=1e-7)
     assert set(RENORMALISES) == {r.family for r in RULES.values()}

@@ -175,7 +175,9 @@ FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
 // Up to three matrices over the same activations in one launch (q, k and v): matrix s (a, b, c)
 // has rows_s rows of row_bytes_s in type kind_s (its place in FOR_EACH_INT_TYPE) and writes
 // y_s [T, rows_s]. The rows of the three are numbered one after the other; a group of `group`
-// threads per row, staged (stage_rows) when `stride` is not 0.
+// threads per row, staged (stage_rows) when `stride` is not 0. The activations are xq, xds, or,
+// with `norm`, rms_norm(x [T, K_in], norm) converted by every block into its own planes in shared
+// memory after the staged rows (normed_planes): no norm kernel before this one.
 __device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* const* row, int units, Q8Activations x,
                                                        int n_tokens, int lane, int group, float (*acc)[MAX_TOKENS]) {
     switch (kind) {
@@ -194,8 +196,8 @@ extern "C" __global__ void gemv_q8_three(
         const u8* __restrict__ weight_a, long long row_bytes_a, int kind_a, int rows_a, float* __restrict__ y_a,
         const u8* __restrict__ weight_b, long long row_bytes_b, int kind_b, int rows_b, float* __restrict__ y_b,
         const u8* __restrict__ weight_c, long long row_bytes_c, int kind_c, int rows_c, float* __restrict__ y_c,
-        const int4* __restrict__ xq, const float2* __restrict__ xds, int in_features, int n_tokens, int stride,
-        int group) {
+        const int4* __restrict__ xq, const float2* __restrict__ xds, const float* __restrict__ x,
+        const float* __restrict__ norm, float eps, int in_features, int n_tokens, int stride, int group) {
     int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;
     int lane = threadIdx.x % group, units = in_features / UNIT;
     const u8* weight = weight_a;
@@ -213,9 +215,17 @@ extern "C" __global__ void gemv_q8_three(
     bool valid = row < rows;
     stage_rows(weight + row * row_bytes, valid ? row_bytes : 0, stride, threadIdx.x / group, lane, group);
     wait_for_previous_grid();
+    Q8Activations acts = {xq, xds};
+    if (norm) {
+        __shared__ float scratch[33];
+        int4* planes = reinterpret_cast<int4*>(stage_slot(blockDim.x / group, stride));
+        float2* scales = reinterpret_cast<float2*>(planes + 4 * n_tokens * units);
+        normed_planes(x, norm, in_features, n_tokens, eps, planes, scales, scratch);
+        acts = {planes, scales};
+    }
     float acc[1][MAX_TOKENS] = {{0.f}};
     const u8* row_data[1] = {staged_rows(weight + row * row_bytes, stride, threadIdx.x / group)};
-    if (valid) accumulate_row_of_kind(kind, row_data, units, {xq, xds}, n_tokens, lane, group, acc);
+    if (valid) accumulate_row_of_kind(kind, row_data, units, acts, n_tokens, lane, group, acc);
     for (int t = 0; t < MAX_TOKENS; t++) {
         if (t >= n_tokens) break;
         float total = group_sum(acc[0][t], group);

@@ -1,6 +1,6 @@
-// Norms, rope with the KV append, attention, routing and the small elementwise
-// steps. Shape legend: T tokens, S cache positions, NH/NKV query/KV heads, D/Dv
-// head dims, E experts, K experts per token, H hidden, N a row width.
+// Norms, rope with the KV append, attention and the small elementwise steps.
+// Shape legend: T tokens, S cache positions, NH/NKV query/KV heads, D/Dv head dims,
+// E experts, K experts per token, H hidden, N a row width.
 #include "q8_dot.cuh"
 
 #define MAX_HEAD_DIM 256
@@ -201,47 +201,6 @@ extern "C" __global__ void attention_combine(const float* __restrict__ acc, cons
         long long at = ((long long)t * n_heads + head) * head_dim_v + d;
         if (d < head_dim_v) out[at] = sum / denominator;
         if (q) quantize_unit_of_warp(sum / denominator, at / UNIT, q, ds);
-    }
-}
-
-// Router: softmax over E logits, the K most probable (ties to the lower id), their
-// probabilities, renormalised to sum 1 when asked (K <= 32). One block per token. An expert's
-// rank is the number of experts more probable than it, or as probable with a lower id: the K
-// of rank below K land in order at once, with no round of selection per k.
-extern "C" __global__ void route_top_k(const float* __restrict__ logits, int n_experts, int top_k, int renormalize,
-                                       int* __restrict__ ids, float* __restrict__ weights) {
-    wait_for_previous_grid();
-    __shared__ float probs[1024];
-    __shared__ float chosen[32];
-    __shared__ float scratch[32];
-    int t = blockIdx.x;
-    const float* row = logits + (long long)t * n_experts;
-    float top = NEG_INF;
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) top = fmaxf(top, row[e]);
-    top = block_max(top, scratch);
-    float sum = 0.f;
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) sum += expf(row[e] - top);
-    sum = block_sum(sum, scratch);
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) probs[e] = expf(row[e] - top) / sum;
-    __syncthreads();
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
-        float p = probs[e];
-        int rank = 0;
-        for (int other = 0; other < n_experts; other++) {
-            float o = probs[other];
-            rank += o > p || (o == p && other < e);
-        }
-        if (rank < top_k) {
-            ids[t * top_k + rank] = e;
-            chosen[rank] = p;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < top_k) {
-        float chosen_sum = 0.f;
-        for (int k = 0; k < top_k; k++) chosen_sum += chosen[k];
-        float p = chosen[threadIdx.x];
-        weights[t * top_k + threadIdx.x] = renormalize ? p / chosen_sum : p;
     }
 }
 

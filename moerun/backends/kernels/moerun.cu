@@ -6,3 +6,4 @@
 #include "moe_prefill.cu"
 #include "moe_mm.cu"
 #include "remote.cu"
+#include "route.cu"

@@ -183,6 +183,24 @@ __device__ __forceinline__ void quantize_unit_of_warp(float value, long long uni
     if (lane == 0) ds[unit] = make_float2(d, d * (sum_a + sum_b * (1.f / 254.f)));
 }
 
+// The rows of x [T, N] through an RMS norm (times weight), as rms_norm computes them, in 8-bit
+// planes into q, ds (shared or global memory), by the whole block: a block sum per token, then
+// each warp converts units in turn. Every thread calls it; N a multiple of UNIT, blockDim.x of 32;
+// `scratch` holds blockDim.x / 32 + 1 floats. The planes are visible to the block on return.
+__device__ void normed_planes(const float* __restrict__ x, const float* __restrict__ weight, int width,
+                              int n_tokens, float eps, int4* q, float2* ds, float* scratch) {
+    int units = width / UNIT, warps = blockDim.x / UNIT, lane = threadIdx.x % UNIT;
+    for (int t = 0; t < n_tokens; t++) {
+        const float* row = x + (long long)t * width;
+        float sum = 0.f;
+        for (int i = threadIdx.x; i < width; i += blockDim.x) sum += row[i] * row[i];
+        float inv = 1.0f / sqrtf(block_sum(sum, scratch) / width + eps);
+        for (int u = threadIdx.x / UNIT; u < units; u += warps)
+            quantize_unit_of_warp(row[u * UNIT + lane] * inv * weight[u * UNIT + lane], (long long)t * units + u, q, ds);
+    }
+    __syncthreads();
+}
+
 __device__ __forceinline__ int dot16(const int* w, int4 x) {
     return dot4(w[3], x.w, dot4(w[2], x.z, dot4(w[1], x.y, dot4(w[0], x.x, 0))));
 }

@@ -50,9 +50,10 @@ __device__ __forceinline__ const u8* staged_rows(const u8* src, int stride, int 
     return stage_slot(slot, stride) + ((size_t)src & 15);
 }
 
-// An int written by a kernel that finished before this one was scheduled, read before
-// wait_for_previous_grid: from L2 (the point of coherence), never from a stale L1 line.
-__device__ __forceinline__ int load_from_l2(const int* p) {
+// A value written by another block, or by a kernel that finished before this one was scheduled
+// and read before wait_for_previous_grid: from L2 (the point of coherence), never from a stale L1 line.
+template <typename V>
+__device__ __forceinline__ V load_from_l2(const V* p) {
 #if defined(__CUDA_ARCH__) && !defined(__HIP_PLATFORM_AMD__)
     return __ldcg(p);
 #else

@@ -1,14 +1,22 @@
 // moe_ffn: one layer's routed experts for a batch of tokens,
 //   out[t] = Σ over t's pairs (t, e, weight) of weight · down_e(silu(gate_e x_t) · up_e x_t).
 // The pairs are grouped by expert (ascending), so each expert's weights are read once per
-// call whatever its number of tokens. Two parallel phases:
-//   gate/up: tasks of (expert, ROWS_PER_TASK rows of F) write h [P, F], pairs in expert order;
-//   down:    tasks of ROWS_PER_TASK rows of H (output columns), each over every expert, so no
-//            two threads write one output and each token's experts add up in ascending order.
+// call whatever its number of tokens. One pool job of two kinds of tasks, taken in order:
+//   gate/up: (expert, ffn_rows rows of F) write h [P, F], pairs in expert order;
+//   down:    down_rows rows of H (output columns), each over every expert, so no two threads
+//            write one output and each token's experts add up in ascending order. Before an
+//            expert's rows a down task waits until that expert's gate/up tasks are done (a
+//            counter per expert): no barrier between the kinds, and threads that finish
+//            gate/up early go on with the first experts' down rows.
+// A job with few tasks (a decode step's few experts) takes fewer rows a task, so that every
+// thread has several and none waits long for the last.
 #include <math.h>
 #include <string.h>
 #include "pool.h"
 #include "work.h"
+
+#define TASKS_PER_THREAD 8      // of each kind, where rows can be split that finely
+#define FEWEST_TASK_ROWS 8
 
 struct ffn_job {
     const struct isa_kernels* isa;
@@ -20,71 +28,82 @@ struct ffn_job {
     int64_t n_groups;                    // experts with pairs
     const int64_t* group_expert;         // [n_groups], ascending
     const int64_t* group_start;          // [n_groups + 1] into the sorted pairs
+    atomic_int_fast64_t* group_done;     // [n_groups] gate/up tasks finished
     const int64_t* pair_token;           // [P] sorted by expert: the token row
     const float* pair_weight;            // [P]
     const int64_t* pair_index;           // [P] 0, 1, ..., P-1: rows of h
     float* h;                            // [P, F]
     float* out;                          // [T, H]
-    int64_t ffn_blocks;                  // tasks per expert of the gate/up phase
+    int64_t ffn_rows, ffn_blocks;        // rows of F a gate/up task computes; tasks per expert
+    int64_t down_rows;                   // rows of H a down task computes
+    int64_t gate_up_tasks;               // n_groups · ffn_blocks, numbered first
     struct scratch* scratch;
 };
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// Where the tile after rows `row` of expert `expert` of m starts, within a task's rows (up to
-// `end`), else in the next task (expert `next_expert`, rows from `next_row`; -1: none).
-static const uint8_t* next_tile(const struct moe_matrix* m, int64_t expert, int64_t row, int64_t end,
-                                int64_t next_expert, int64_t next_row) {
-    if (row + TILE_ROWS < end) return stored_row(m, expert, row + TILE_ROWS);
-    return next_expert < 0 ? NULL : stored_row(m, next_expert, next_row);
+// Rows a task computes out of `rows`, for `units` tasks per row range: ROWS_PER_TASK, halved
+// (down to FEWEST_TASK_ROWS) while that leaves fewer than TASKS_PER_THREAD tasks a thread.
+static int64_t task_rows(int64_t rows, int64_t units, int threads) {
+    int64_t per_task = ROWS_PER_TASK;
+    while (per_task > FEWEST_TASK_ROWS && units * ((rows + per_task - 1) / per_task) < TASKS_PER_THREAD * threads)
+        per_task /= 2;
+    return per_task;
 }
 
-static void gate_up_task(void* context, int64_t task, int64_t next_task, int thread) {
-    const struct ffn_job* job = context;
+// The first rows of m that task `task` reads (NULL for -1): a gate/up task's of its expert
+// (m gate or up), a down task's of the first expert (m down).
+static const uint8_t* first_rows(const struct ffn_job* job, const struct moe_matrix* m, int64_t task) {
+    if (task < 0) return NULL;
+    if (task < job->gate_up_tasks)
+        return stored_row(m, job->group_expert[task / job->ffn_blocks], task % job->ffn_blocks * job->ffn_rows);
+    return stored_row(&job->experts->down, job->group_expert[0], (task - job->gate_up_tasks) * job->down_rows);
+}
+
+static void gate_up_task(const struct ffn_job* job, int64_t task, int64_t next_task, int thread) {
     struct scratch* s = &job->scratch[thread];
-    int64_t group = task / job->ffn_blocks, first_row = task % job->ffn_blocks * ROWS_PER_TASK;
-    int64_t end_row = min64(job->ffn, first_row + ROWS_PER_TASK);
+    int64_t group = task / job->ffn_blocks, first_row = task % job->ffn_blocks * job->ffn_rows;
+    int64_t end_row = min64(job->ffn, first_row + job->ffn_rows);
     int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
     int64_t n = job->group_start[group + 1] - first_pair;
-    int64_t next_expert = next_task < 0 ? -1 : job->group_expert[next_task / job->ffn_blocks];
-    int64_t next_row = next_task % job->ffn_blocks * ROWS_PER_TASK;
     const int64_t* tokens = job->pair_token + first_pair;
     const struct moe_matrix *gate = &job->experts->gate, *up = &job->experts->up;
     for (int64_t row = first_row; row < end_row; row += TILE_ROWS) {
         int count = (int)min64(TILE_ROWS, end_row - row);
+        int last = row + TILE_ROWS >= end_row;
         tile_product(job->isa, gate, job->gate_type, expert, row, count,
-                     next_tile(gate, expert, row, end_row, next_expert, next_row), job->x, tokens, n, s->rows[0],
-                     s->outs[0]);
+                     last ? first_rows(job, gate, next_task) : stored_row(gate, expert, row + TILE_ROWS), job->x,
+                     tokens, n, s->rows[0], s->outs[0]);
         tile_product(job->isa, up, job->up_type, expert, row, count,
-                     next_tile(up, expert, row, end_row, next_expert, next_row), job->x, tokens, n, s->rows[1],
-                     s->outs[1]);
+                     last ? first_rows(job, up, next_task) : stored_row(up, expert, row + TILE_ROWS), job->x,
+                     tokens, n, s->rows[1], s->outs[1]);
         for (int64_t i = 0; i < n; i++)
             for (int r = 0; r < count; r++) {
                 float g = s->outs[0][i * TILE_ROWS + r], u = s->outs[1][i * TILE_ROWS + r];
                 job->h[(first_pair + i) * job->ffn + row + r] = g / (1.f + expf(-g)) * u;
             }
     }
+    atomic_fetch_add_explicit(&job->group_done[group], 1, memory_order_release);
 }
 
-static void down_task(void* context, int64_t task, int64_t next_task, int thread) {
-    const struct ffn_job* job = context;
+static void down_task(const struct ffn_job* job, int64_t task, int64_t next_task, int thread) {
     struct scratch* s = &job->scratch[thread];
     const struct moe_matrix* down = &job->experts->down;
-    int64_t first_row = task * ROWS_PER_TASK, end_row = min64(job->hidden, first_row + ROWS_PER_TASK);
+    int64_t first_row = (task - job->gate_up_tasks) * job->down_rows;
+    int64_t end_row = min64(job->hidden, first_row + job->down_rows);
     for (int64_t t = 0; t < job->n_tokens; t++)
         memset(job->out + t * job->hidden + first_row, 0, (size_t)(end_row - first_row) * sizeof(float));
     for (int64_t group = 0; group < job->n_groups; group++) {
         int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
         int64_t n = job->group_start[group + 1] - first_pair;
-        // after this expert's rows: the next expert's, or the next task's first expert's
-        int64_t next_expert = group + 1 < job->n_groups ? job->group_expert[group + 1]
-                              : next_task < 0          ? -1
-                                                       : job->group_expert[0];
-        int64_t next_row = group + 1 < job->n_groups ? first_row : next_task * ROWS_PER_TASK;
+        pool_wait(&job->group_done[group], job->ffn_blocks);
         for (int64_t row = first_row; row < end_row; row += TILE_ROWS) {
             int count = (int)min64(TILE_ROWS, end_row - row);
-            tile_product(job->isa, down, job->down_type, expert, row, count,
-                         next_tile(down, expert, row, end_row, next_expert, next_row), job->h,
+            // after this expert's rows: the next expert's, or the next task's first expert's
+            const uint8_t* next = row + TILE_ROWS < end_row    ? stored_row(down, expert, row + TILE_ROWS)
+                                  : group + 1 < job->n_groups ? stored_row(down, job->group_expert[group + 1], first_row)
+                                                              : first_rows(job, down, next_task);
+            tile_product(job->isa, down, job->down_type, expert, row, count, next, job->h,
                          job->pair_index + first_pair, n, s->rows[2], s->outs[0]);
             for (int64_t i = 0; i < n; i++) {
                 float weight = job->pair_weight[first_pair + i];
@@ -95,13 +114,22 @@ static void down_task(void* context, int64_t task, int64_t next_task, int thread
     }
 }
 
+static void ffn_task(void* context, int64_t task, int64_t next_task, int thread) {
+    const struct ffn_job* job = context;
+    if (task < job->gate_up_tasks)
+        gate_up_task(job, task, next_task, thread);
+    else
+        down_task(job, task, next_task, thread);
+}
+
 // Pairs sorted by expert (stable: a token's order within an expert stays), the experts that
 // have any, and where each one's pairs start.
 static int group_pairs(struct ffn_job* job, const int64_t* rows, const int64_t* experts, const float* weights,
                        int64_t n_pairs) {
     int64_t n_experts = job->experts->n_experts;
     int64_t* sorted = workspace(SLOT_PAIRS, (size_t)n_pairs * (2 * sizeof(int64_t) + sizeof(float)));
-    int64_t* groups = workspace(SLOT_GROUPS, (size_t)(3 * n_experts + 2) * sizeof(int64_t));
+    int64_t* groups = workspace(SLOT_GROUPS, (size_t)(3 * n_experts + 2) * sizeof(int64_t) +
+                                                 (size_t)n_experts * sizeof(atomic_int_fast64_t));
     if (!sorted || !groups) return MOE_NO_MEMORY;
     int64_t* pair_token = sorted;
     int64_t* pair_index = sorted + n_pairs;
@@ -109,12 +137,14 @@ static int group_pairs(struct ffn_job* job, const int64_t* rows, const int64_t* 
     int64_t* start = groups;                         // [E + 1] where each expert's pairs go
     int64_t* group_expert = groups + n_experts + 1;  // [E]
     int64_t* group_start = group_expert + n_experts; // [E + 1]
+    atomic_int_fast64_t* group_done = (atomic_int_fast64_t*)(group_start + n_experts + 1);   // [E]
     memset(start, 0, (size_t)(n_experts + 1) * sizeof(int64_t));
     for (int64_t p = 0; p < n_pairs; p++) start[experts[p] + 1]++;
     job->n_groups = 0;
     for (int64_t e = 0; e < n_experts; e++) {
         if (start[e + 1]) {
             group_expert[job->n_groups] = e;
+            atomic_init(&group_done[job->n_groups], 0);
             group_start[job->n_groups++] = start[e];
         }
         start[e + 1] += start[e];
@@ -131,6 +161,7 @@ static int group_pairs(struct ffn_job* job, const int64_t* rows, const int64_t* 
     job->pair_index = pair_index;
     job->group_expert = group_expert;
     job->group_start = group_start;
+    job->group_done = group_done;
     return MOE_OK;
 }
 
@@ -155,9 +186,11 @@ static int run(struct ffn_job* job, const int64_t* rows, const int64_t* experts,
     job->scratch = thread_scratch(threads, 3, widest, 2, most_pairs);
     job->h = workspace(SLOT_H, (size_t)(n_pairs * job->ffn) * sizeof(float));
     if (!job->scratch || !job->h) return MOE_NO_MEMORY;
-    job->ffn_blocks = (job->ffn + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    pool_run(threads, job->n_groups * job->ffn_blocks, gate_up_task, job);
-    pool_run(threads, (job->hidden + ROWS_PER_TASK - 1) / ROWS_PER_TASK, down_task, job);
+    job->ffn_rows = task_rows(job->ffn, job->n_groups, threads);
+    job->ffn_blocks = (job->ffn + job->ffn_rows - 1) / job->ffn_rows;
+    job->down_rows = task_rows(job->hidden, 1, threads);
+    job->gate_up_tasks = job->n_groups * job->ffn_blocks;
+    pool_run(threads, job->gate_up_tasks + (job->hidden + job->down_rows - 1) / job->down_rows, ffn_task, job);
     return MOE_OK;
 }
 

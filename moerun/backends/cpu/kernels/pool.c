@@ -1,10 +1,15 @@
 // The pool behind pool_run. Workers are started on first need and live as long as the
 // process. A job is published by bumping `generation`; workers take tasks from a shared
-// counter, each one task ahead of the one it runs. Between jobs a worker spins for SPIN_NS (the next layer's job usually comes sooner),
-// then sleeps on a condition variable. Every started worker acknowledges every job, so none
-// can lag a job behind. Spinning threads yield the CPU every YIELD_EVERY turns: where threads
-// outnumber free cores (daemons and a parent on one host, other programs), a spinning waiter
-// would otherwise hold the core the thread it waits for needs.
+// counter, each one task ahead of the one it runs, and count the tasks they finish: the job is
+// done when all are, and pool_run returns then. Every started worker acknowledges every job,
+// and the next job is published only once all have (so none can lag a job behind): a worker
+// that wakes late does not hold up the job it woke for, only, rarely, the next one.
+// Between jobs a worker spins for SPIN_NS, then sleeps on a condition variable: a CPU daemon
+// gets a call every few hundred microseconds while its parent decodes, a CPU parent calls the
+// kernels several times a layer, and a sleeping worker takes tens of microseconds to wake.
+// Spinning threads yield the CPU every YIELD_EVERY turns: where threads outnumber free cores
+// (daemons and a parent on one host, other programs), a spinning waiter would otherwise hold
+// the core the thread it waits for needs.
 #define _GNU_SOURCE
 #include "pool.h"
 
@@ -13,7 +18,7 @@
 #include <stdatomic.h>
 #include <time.h>
 
-#define SPIN_NS 100000
+#define SPIN_NS 2000000
 #define YIELD_EVERY 256
 
 static struct {
@@ -29,7 +34,8 @@ static struct {
     int64_t tasks;
     int threads;
     atomic_int_fast64_t next_task;
-    atomic_int finished;                // workers done with the current job
+    atomic_int_fast64_t done_tasks;     // tasks of the current job run to the end
+    atomic_int acknowledged;            // workers done with the current job
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
 // One turn of a spin: a pause, and every YIELD_EVERY turns the CPU to whoever waits for it.
@@ -49,11 +55,16 @@ static int64_t now_ns(void) {
 }
 
 static void run_tasks(int thread) {
-    int64_t task = atomic_fetch_add_explicit(&pool.next_task, 1, memory_order_relaxed), next;
-    for (; task < pool.tasks; task = next) {
+    int64_t task = atomic_fetch_add_explicit(&pool.next_task, 1, memory_order_relaxed), next, ran = 0;
+    for (; task < pool.tasks; task = next, ran++) {
         next = atomic_fetch_add_explicit(&pool.next_task, 1, memory_order_relaxed);
         pool.fn(pool.context, task, next < pool.tasks ? next : -1, thread);
     }
+    if (ran) atomic_fetch_add_explicit(&pool.done_tasks, ran, memory_order_release);
+}
+
+void pool_wait(const atomic_int_fast64_t* counter, int64_t value) {
+    for (int i = 0; atomic_load_explicit(counter, memory_order_acquire) < value; i++) relax(i);
 }
 
 static uint64_t wait_for_job(uint64_t seen) {
@@ -79,7 +90,7 @@ static void* worker(void* arg) {
     for (;;) {
         seen = wait_for_job(seen);
         if (thread < pool.threads) run_tasks(thread);
-        atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
+        atomic_fetch_add_explicit(&pool.acknowledged, 1, memory_order_release);
     }
     return NULL;
 }
@@ -102,6 +113,7 @@ static void start_workers(int wanted) {
 static void forget_workers(void) {
     pool.workers = 0;
     pool.sleeping = 0;
+    atomic_store_explicit(&pool.acknowledged, 0, memory_order_relaxed);
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
 }
@@ -117,6 +129,7 @@ void pool_run(int threads, int64_t tasks, task_fn fn, void* context) {
         return;
     }
     pthread_once(&fork_handler, watch_forks);
+    for (int i = 0; atomic_load_explicit(&pool.acknowledged, memory_order_acquire) < pool.workers; i++) relax(i);
     start_workers(threads - 1);
     if (threads > pool.workers + 1) threads = pool.workers + 1;
     pool.fn = fn;
@@ -124,11 +137,12 @@ void pool_run(int threads, int64_t tasks, task_fn fn, void* context) {
     pool.tasks = tasks;
     pool.threads = threads;
     atomic_store_explicit(&pool.next_task, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.done_tasks, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.acknowledged, 0, memory_order_relaxed);
     pthread_mutex_lock(&pool.lock);
     atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
     if (pool.sleeping) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     run_tasks(0);
-    for (int i = 0; atomic_load_explicit(&pool.finished, memory_order_acquire) < pool.workers; i++) relax(i);
+    for (int i = 0; atomic_load_explicit(&pool.done_tasks, memory_order_acquire) < tasks; i++) relax(i);
 }

@@ -4,11 +4,15 @@ per stored type and thread count.
 
     python scripts/bench_cpu_experts.py                          # every type, 1 and 2 threads
     python scripts/bench_cpu_experts.py --types Q4_K,Q8_0 --threads 4,16
+    python scripts/bench_cpu_experts.py --types Q4_K --threads 16 --decode-experts 4,8 --gap-us 400
 
-Shapes of Qwen3-30B-A3B (H 2048, F 768, E 128, K 8). Decode: one token, K experts drawn anew
-each step (so their weights come from memory, as a decode step's do), the median step. Prefill:
-512 tokens routed uniformly (about 32 per expert), the best of 3 runs. Weights are random bytes
-with valid scales: speed does not depend on the values.
+Shapes of Qwen3-30B-A3B (H 2048, F 768, E 128, K 8). Decode: one token through `--decode-experts`
+experts (K; a CPU daemon beside a GPU parent gets about half of them) drawn anew each step (so
+their weights come from memory, as a decode step's do), the median step and the weight bytes it
+read per second. `--gap-us` waits (spinning, as a daemon's serving thread does) between steps,
+as a daemon does between a decode step's layers. Prefill: 512 tokens routed uniformly (about 32
+per expert), the best of 3 runs. Weights are random bytes with valid scales: speed does not
+depend on the values.
 """
 from __future__ import annotations
 
@@ -55,14 +59,17 @@ def float_experts(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray
                   for shape in ((FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN))) for _ in range(EXPERTS)]
 
 
-def decode_seconds(ffn, rng: np.random.Generator) -> float:
-    """The median step of one token through TOP_K experts drawn anew each step."""
+def decode_seconds(ffn, rng: np.random.Generator, k: int = TOP_K, gap_s: float = 0.0) -> float:
+    """The median step of one token through k experts drawn anew each step, gap_s apart."""
     steps = []
     for _ in range(DECODE_STEPS + 3):
         x = rng.standard_normal((1, HIDDEN), np.float32)
-        experts = rng.permutation(EXPERTS)[:TOP_K]
+        experts = rng.permutation(EXPERTS)[:k]
+        idle_until = time.perf_counter() + gap_s
+        while time.perf_counter() < idle_until:
+            pass
         started = time.perf_counter()
-        ffn(x, np.zeros(TOP_K, np.int64), experts, np.full(TOP_K, 1 / TOP_K, np.float32))
+        ffn(x, np.zeros(k, np.int64), experts, np.full(k, 1 / k, np.float32))
         steps.append(time.perf_counter() - started)
     return float(np.median(steps[3:]))
 
@@ -85,6 +92,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=TYPES, help=f"stored types [default: {TYPES}]")
     parser.add_argument("--threads", default="1,2", help="thread counts [default: 1,2]")
+    parser.add_argument("--decode-experts", default=str(TOP_K),
+                        help=f"experts of a decode step, one or several counts [default: {TOP_K}]")
+    parser.add_argument("--gap-us", type=float, default=0.0, help="idle time between decode steps [default: 0]")
     parser.add_argument("--no-float", action="store_true", help="skip the float32 numpy path")
     args = parser.parse_args()
     kernels = load_kernels()
@@ -92,26 +102,33 @@ def main() -> None:
         raise SystemExit("the CPU kernels are not available here (see the notice above)")
     rng = np.random.default_rng(0)
     threads = [int(t) for t in args.threads.split(",")]
-    print(f"instruction set: {kernels.isa}; shapes H {HIDDEN}, F {FFN}, E {EXPERTS}, K {TOP_K}")
-    print(f"{'type':5} {'threads':>7} {'decode ms':>10} {'float32':>8} {'x':>5} {'prefill tok/s':>14} "
-          f"{'float32':>8} {'x':>5}")
+    decode_experts = [int(k) for k in args.decode_experts.split(",")]
+    print(f"instruction set: {kernels.isa}; shapes H {HIDDEN}, F {FFN}, E {EXPERTS}; decode steps "
+          f"{args.gap_us:g} us apart")
+    print(f"{'type':5} {'threads':>7} {'experts':>7} {'decode ms':>10} {'GB/s':>6} {'float32':>8} {'x':>5} "
+          f"{'prefill tok/s':>14} {'float32':>8} {'x':>5}")
     baseline = {} if args.no_float else float_baseline(threads, rng)
     for name in args.types.split(","):
         ggml_type = T[name]
         arrays = [stored(ggml_type, rows, cols, rng) for rows, cols in ((FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN))]
         layer = ExpertMatrices(*(matrix for _, matrix in arrays), EXPERTS)
+        expert_bytes = sum(raw[0].nbytes for raw, _ in arrays)
         for count in threads:
             experts = QuantizedExperts(kernels, {0: layer}, count, [raw for raw, _ in arrays])
             kernel_ffn = lambda *pairs: experts.grouped_ffn(0, *pairs)          # noqa: E731
-            decode, prefill = decode_seconds(kernel_ffn, rng), prefill_seconds(kernel_ffn, rng)
-            line = f"{name:5} {count:7d} {decode * 1e3:10.2f}"
-            if baseline:
-                float_decode, float_prefill = baseline[count]
-                line += (f" {float_decode * 1e3:8.2f} {float_decode / decode:5.1f} {PREFILL_TOKENS / prefill:14.0f}"
-                         f" {PREFILL_TOKENS / float_prefill:8.0f} {float_prefill / prefill:5.1f}")
-            else:
-                line += f" {'':8} {'':5} {PREFILL_TOKENS / prefill:14.0f}"
-            print(line, flush=True)
+            prefill = prefill_seconds(kernel_ffn, rng)
+            for k in decode_experts:
+                decode = decode_seconds(kernel_ffn, rng, k, args.gap_us * 1e-6)
+                line = f"{name:5} {count:7d} {k:7d} {decode * 1e3:10.3f} {k * expert_bytes / decode / 1e9:6.1f}"
+                if baseline and k == TOP_K:
+                    float_decode, float_prefill = baseline[count]
+                    line += f" {float_decode * 1e3:8.2f} {float_decode / decode:5.1f}"
+                else:
+                    line += f" {'':8} {'':5}"
+                line += f" {PREFILL_TOKENS / prefill:14.0f}"
+                if baseline:
+                    line += f" {PREFILL_TOKENS / float_prefill:8.0f} {float_prefill / prefill:5.1f}"
+                print(line, flush=True)
 
 
 def float_baseline(threads: list[int], rng: np.random.Generator) -> dict[int, tuple[float, float]]:

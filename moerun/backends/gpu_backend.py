@@ -41,9 +41,11 @@ NORM_BLOCK = 1024              # threads per row of rms_norm
 NORM_VALUES = 8                # values each of them holds (NORM_VALUES in layers.cu): rows of at most 8192
 FEW_ROWS = 512                 # a float matrix of at most this many rows (a router) gets a block per row
 FEW_ROWS_THREADS = 64          # threads of each of those blocks
-ROUTE_THREADS = 128            # threads of each block of route_normed (a router row; the last ranks the experts)
+ROUTE_THREADS = 128            # threads of each block of route_normed (a router row; the last ranks the experts) ...
+ROUTE_VALUES = 16              # ... each taking this many hidden values, at most (ROUTE_VALUES in route.cu)
 MAX_EXPERTS, MAX_TOP_K = 1024, 32   # most experts and experts per token routing takes (route.cu)
-NORMED_PLANES_LIMIT = 24 * 1024     # most shared memory for the 8-bit planes of a norm folded into q/k/v
+NORMED_UNITS = 8               # units of 32 values each warp converts when q/k/v fold the norm (q8_dot.cuh) ...
+NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
 NULL = np.uint64(0)            # a null pointer argument
 
@@ -242,7 +244,8 @@ class GpuBackend:
         n_tokens, width = x.shape
         planes_bytes = n_tokens * width // UNIT * (4 * 16 + 8)                   # [T, K/32] int4 x 4 + float2
         fused = n_tokens <= MAX_GEMV_TOKENS and len(weights) == 3 and all(w.kind in INT_KINDS for w in weights)
-        if norm is not None and not (fused and width % UNIT == 0 and planes_bytes <= NORMED_PLANES_LIMIT):
+        foldable = width % UNIT == 0 and width <= NORMED_UNITS * BLOCK and planes_bytes <= NORMED_PLANES_LIMIT
+        if norm is not None and not (fused and foldable):
             x, norm = self.rms_norm(x, norm), None
         if not fused:
             return tuple(self.linear(x, weight, bias) for weight, bias in zip(weights, biases))
@@ -340,7 +343,9 @@ class GpuBackend:
         n_tokens, width = x.shape
         ids, weights = cupy.empty((n_tokens, k), cupy.int32), cupy.empty((n_tokens, k), cupy.float32)
         renormalize = i32(spec.rule.renormalize_topk)
-        if n_tokens > MAX_GEMV_TOKENS or router.kind in INT_KINDS or router.rows > FEW_ROWS or width % UNIT:
+        threads = max(ROUTE_THREADS, -(-width // (ROUTE_VALUES * 32)) * 32)
+        if (n_tokens > MAX_GEMV_TOKENS or router.kind in INT_KINDS or router.rows > FEW_ROWS or width % UNIT
+                or threads > 1024):
             h = self.rms_norm(x, norm)
             logits = self.linear(h, router)                                               # [T, E]
             threads = min(1024, -(-router.rows // 32) * 32)                               # a thread per expert
@@ -351,7 +356,7 @@ class GpuBackend:
         hq, hds = self._planes_for(h)
         logits = cupy.empty((n_tokens, router.rows), cupy.float32)
         stride = stage_stride(router.row_bytes, 1)
-        self.kernels.launch(f"route_normed_{router.kind}", (router.rows,), (ROUTE_THREADS,),
+        self.kernels.launch(f"route_normed_{router.kind}", (router.rows,), (threads,),
                             (x, norm, np.float32(spec.rms_eps), i32(width), i32(n_tokens), router.data,
                              i64(router.row_bytes), i32(stride), logits, i32(router.rows), i32(k), renormalize,
                              h, pointer(hq), pointer(hds), self._route_done, ids, weights), stride)

@@ -4,10 +4,14 @@ straight from their stored blocks in the mmap: the routed experts (QuantizedExpe
 dense matrices, attention, shared experts and the LM head (StoredMatrix). F32 matrices (the
 routers) stay numpy, on a view of the mapping; the embedding rows are dequantized on use.
 
+The work of a layer around its products (rms_norm, the q/k norms with rope and the cache append,
+a decode step's attention, the router's softmax and top-K) runs in the kernels too, a call or
+two each; a prefill chunk's attention stays with numpy's BLAS.
+
 Where the kernels cannot run (no C compiler, a type they do not read) the dense matrices are
 dequantized to float32 at load, and the experts one at a time on first use, straight from the
-mmap, into a byte-bounded cache: the float32 reference the kernels' tests compare against.
-The KV cache grows in pages as the sequence does.
+mmap, into a byte-bounded cache, and every operation is numpy_ops': the float32 reference the
+kernels' tests compare against. The KV cache grows in pages as the sequence does.
 Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv head dims,
 E experts, K experts per token, F expert FFN width, S cached positions.
 """
@@ -21,10 +25,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from moerun.backends.cpu.library import (
+    AttentionShape,
     CpuKernels,
     ExpertMatrices,
     Matrix,
     default_threads,
+    float_matrix,
     kernel_error,
     load_kernels,
 )
@@ -45,6 +51,7 @@ from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.models.spec import ModelSpec
 
 PAGE_TOKENS = 256
+DECODE_TOKENS = 8                        # chunks of at most this many tokens attend in the kernels
 NO_EXPERTS = np.zeros(0, np.int64)       # the held ids of a layer this process holds none of
 
 logger = logging.getLogger(__name__)
@@ -59,6 +66,13 @@ class NumpyBackend:
         self.spec = spec
         self.threads = threads
         self._store: ExpertStore | None = None
+        self._rope: tuple[bytes, np.ndarray, np.ndarray] | None = None      # the last positions, cos, sin
+        self._routers: dict[int, tuple[np.ndarray, np.ndarray, Matrix]] = {}   # id -> router, as float32, struct
+        self._kernels = load_kernels()            # for the work around the products; None: numpy_ops
+        self._kernel_threads = threads or default_threads()
+        self._attention_shape = AttentionShape(spec.n_heads, spec.n_kv_heads, spec.head_dim_k, spec.head_dim_v,
+                                               spec.rule.rope_style == "neox", spec.rms_eps,
+                                               1.0 / np.sqrt(spec.head_dim_k))
 
     # -- weights
     def begin_loading(self, gguf: GGUFFile) -> None:
@@ -86,7 +100,7 @@ class NumpyBackend:
         return gguf.dequantize(name).reshape(-1, info.shape[-1])
 
     def vector(self, values: np.ndarray) -> np.ndarray:
-        return values
+        return np.ascontiguousarray(values, np.float32)
 
     def embedding(self, gguf: GGUFFile, name: str) -> RowTable:
         return gguf.row_table(name)
@@ -112,7 +126,10 @@ class NumpyBackend:
         return table.lookup(ids)                                                 # [T, H]
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        return rms_norm(x, weight, self.spec.rms_eps)
+        """x [T, n], weight [n]"""
+        if self._kernels is None:
+            return rms_norm(x, weight, self.spec.rms_eps)
+        return self._kernels.rms_norm(x, weight, self.spec.rms_eps)
 
     def linear(self, x: np.ndarray, weight: np.ndarray | StoredMatrix, bias: np.ndarray | None = None,
                residual: np.ndarray | None = None) -> np.ndarray:
@@ -139,23 +156,51 @@ class NumpyBackend:
         the cache at `positions`. Returns the rotated q [T, NH, D]."""
         spec = self.spec
         n_tokens = q.shape[0]
+        cos, sin = self._rope_tables(positions)
+        if self._kernels is not None:
+            return self._kernels.rope_append(self._attention_shape, q, k, v, q_norm, k_norm, cos, sin,
+                                             *cache.next_rows(layer, n_tokens))
         q = q.reshape(n_tokens, spec.n_heads, spec.head_dim_k)
         k = k.reshape(n_tokens, spec.n_kv_heads, spec.head_dim_k)
         if q_norm is not None:
             q, k = rms_norm(q, q_norm, spec.rms_eps), rms_norm(k, k_norm, spec.rms_eps)
-        cos, sin = rope_tables(positions, spec.head_dim_k, spec.rope_base, spec.rope_scale)
         cache.append(layer, apply_rope(k, cos, sin, spec.rule.rope_style),
                      v.reshape(n_tokens, spec.n_kv_heads, spec.head_dim_v))
         return apply_rope(q, cos, sin, spec.rule.rope_style)
 
+    def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [T, D/2] of positions [T], computed once per step (every layer asks)."""
+        key = positions.tobytes()
+        if self._rope is None or key != self._rope[0]:
+            spec = self.spec
+            self._rope = (key, *rope_tables(positions, spec.head_dim_k, spec.rope_base, spec.rope_scale))
+        return self._rope[1:]
+
     def attention(self, q: np.ndarray, cache: PagedKVCache, layer: int, positions: np.ndarray) -> np.ndarray:
         """q [T, NH, D] over cache rows 0..positions[-1] -> [T, NH*Dv]"""
         keys, values = cache.rows(layer, int(positions[-1]) + 1)
+        if self._kernels is not None and len(q) <= DECODE_TOKENS:
+            return self._kernels.attention(self._attention_shape, q, int(positions[0]), keys, values,
+                                           self._kernel_threads)
         return causal_attention(q, keys, values, int(positions[0]))
 
-    def route(self, x: np.ndarray, norm: np.ndarray, router: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        h = self.rms_norm(x, norm)
-        return h, *route(self.linear(h, router), self.spec.n_experts_used, self.spec.rule.renormalize_topk)
+    def route(self, x: np.ndarray, norm: np.ndarray,
+              router: np.ndarray | StoredMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        spec = self.spec
+        if self._kernels is None:
+            h = self.rms_norm(x, norm)
+            return h, *route(self.linear(h, router), spec.n_experts_used, spec.rule.renormalize_topk)
+        matrix = router.struct if isinstance(router, StoredMatrix) else self._float_router(router)
+        return self._kernels.route(matrix, x, norm, spec.rms_eps, spec.n_experts_used, spec.rule.renormalize_topk,
+                                   self._kernel_threads)
+
+    def _float_router(self, router: np.ndarray) -> Matrix:
+        """The struct of a router [E, H] of floats, made once (the entry holds the array, so that
+        its id stays its own)."""
+        if id(router) not in self._routers:
+            floats = np.ascontiguousarray(router, np.float32)
+            self._routers[id(router)] = (router, floats, float_matrix(floats))
+        return self._routers[id(router)][2]
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return silu(gate) * up
@@ -191,9 +236,14 @@ class PagedKVCache:
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Write k [T, NKV, D], v [T, NKV, Dv] after the current length."""
-        end = self.length + k.shape[0]
-        self._k[layer][self.length:end] = k
-        self._v[layer][self.length:end] = v
+        k_rows, v_rows = self.next_rows(layer, k.shape[0])
+        k_rows[...] = k
+        v_rows[...] = v
+
+    def next_rows(self, layer: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Views of the n_tokens positions after the current length: k [T, NKV, D], v [T, NKV, Dv]."""
+        end = self.length + n_tokens
+        return self._k[layer][self.length:end], self._v[layer][self.length:end]
 
     def rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Views of positions 0..end-1 of one layer: k [S, NKV, D], v [S, NKV, Dv]."""

@@ -1,11 +1,13 @@
 """The compiled CPU kernels through ctypes: the structs of kernels/moe_cpu.h, the functions
 (moe_ffn, the grouped expert FFN, called by numpy_backend.QuantizedExperts; moe_matmul, the
-products of a few matrices with one input, called by numpy_backend.StoredMatrix), the
-instruction set they run with, and the threads they use by default.
+products of a few matrices with one input, called by numpy_backend.StoredMatrix; the work of a
+layer around its products, decode.c, called by numpy_backend.NumpyBackend), the instruction
+set they run with, and the threads they use by default.
 load_kernels() builds or loads the library once per process; where it cannot, it says why once
 and returns None (the caller then takes the numpy path).
 
-Shape legend: T tokens, N a matrix's rows, n its columns.
+Shape legend: T tokens, N a matrix's rows, n its columns, S cached positions, NH/NKV heads,
+D/Dv head dims, E experts, K experts per token.
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ import functools
 import logging
 import os
 from collections.abc import Sequence
-from ctypes import POINTER, c_char_p, c_int, c_int64, c_void_p
+from ctypes import POINTER, c_char_p, c_float, c_int, c_int64, c_void_p
 
 import numpy as np
 
 from moerun.backends.cpu.build import KernelsUnavailable, library_path
+from moerun.gguf.quants import T
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,12 @@ class ExpertMatrices(ctypes.Structure):
     _fields_ = [("gate", Matrix), ("up", Matrix), ("down", Matrix), ("n_experts", c_int64)]
 
 
+class AttentionShape(ctypes.Structure):
+    """struct moe_attention: one model's attention shapes and constants."""
+    _fields_ = [("n_heads", c_int64), ("n_kv_heads", c_int64), ("head_dim_k", c_int64), ("head_dim_v", c_int64),
+                ("rope_neox", c_int64), ("eps", c_float), ("scale", c_float)]
+
+
 class CpuKernels:
     def __init__(self, path):
         self.lib = lib = ctypes.CDLL(str(path))
@@ -47,6 +56,14 @@ class CpuKernels:
         lib.moe_ffn.argtypes = [POINTER(ExpertMatrices), c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
                                 c_void_p, c_int]
         lib.moe_matmul.argtypes = [POINTER(Matrix), c_int64, c_void_p, c_int64, c_void_p, c_int]
+        lib.moe_rms_norm.argtypes = [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_float, c_void_p]
+        lib.moe_rms_norm.restype = None
+        lib.moe_rope_append.argtypes = [POINTER(AttentionShape), c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_int64,
+                                        c_int64, *[c_void_p] * 7]
+        lib.moe_attention.argtypes = [POINTER(AttentionShape), c_void_p, c_int64, c_int64, c_void_p, c_void_p,
+                                      c_void_p, c_int]
+        lib.moe_route.argtypes = [POINTER(Matrix), c_void_p, c_int64, c_void_p, c_float, c_int64, c_int, c_void_p,
+                                  c_void_p, c_void_p, c_int]
         lib.moe_supports_type.argtypes = [c_int64]
         lib.moe_isa_name.argtypes = [c_int]
         lib.moe_isa_name.restype = c_char_p
@@ -81,6 +98,67 @@ class CpuKernels:
         if status:
             raise kernel_error(status)
         return y
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """x [T, n] (rows of unit stride) -> x / sqrt(mean(x²) + eps) · weight [n]"""
+        x = unit_columns(x)
+        out = np.empty(x.shape, np.float32)
+        self.lib.moe_rms_norm(x.ctypes.data, x.strides[0] // 4, x.shape[0], x.shape[1], weight.ctypes.data, eps,
+                              out.ctypes.data)
+        return out
+
+    def rope_append(self, shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                    q_norm: np.ndarray | None, k_norm: np.ndarray | None, cos: np.ndarray, sin: np.ndarray,
+                    k_rows: np.ndarray, v_rows: np.ndarray) -> np.ndarray:
+        """q [T, NH*D], k [T, NKV*D] normed per head (where q_norm, k_norm [D] are given) and rotated
+        by cos, sin [T, D/2]; k written into k_rows [T, NKV, D], v [T, NKV*Dv] into v_rows (the
+        cache's rows). Returns the rotated q [T, NH, D]."""
+        q, k, v = unit_columns(q), unit_columns(k), unit_columns(v)
+        q_out = np.empty((len(q), shape.n_heads, shape.head_dim_k), np.float32)
+        status = self.lib.moe_rope_append(shape, len(q), q.ctypes.data, k.ctypes.data, v.ctypes.data,
+                                          q.strides[0] // 4, k.strides[0] // 4, v.strides[0] // 4,
+                                          None if q_norm is None else q_norm.ctypes.data,
+                                          None if k_norm is None else k_norm.ctypes.data, cos.ctypes.data,
+                                          sin.ctypes.data, k_rows.ctypes.data, v_rows.ctypes.data, q_out.ctypes.data)
+        if status:
+            raise kernel_error(status)
+        return q_out
+
+    def attention(self, shape: AttentionShape, q: np.ndarray, start: int, keys: np.ndarray, values: np.ndarray,
+                  threads: int) -> np.ndarray:
+        """q [T, NH, D] at positions start.. over keys [S, NKV, D] and values [S, NKV, Dv], the
+        cache's rows (S >= start + T) -> [T, NH*Dv]"""
+        out = np.empty((len(q), shape.n_heads * shape.head_dim_v), np.float32)
+        status = self.lib.moe_attention(shape, q.ctypes.data, len(q), start, keys.ctypes.data, values.ctypes.data,
+                                        out.ctypes.data, threads)
+        if status:
+            raise kernel_error(status)
+        return out
+
+    def route(self, router: Matrix, x: np.ndarray, norm: np.ndarray, eps: float, k: int, renormalize: bool,
+              threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """h = rms_norm(x [T, H], norm), h through the router [E, H], softmax, the K most probable
+        (ties to the lower id) -> (h, ids [T, K], weights [T, K])"""
+        x = np.ascontiguousarray(x, np.float32)
+        h = np.empty_like(x)
+        ids = np.empty((len(x), k), np.int64)
+        weights = np.empty((len(x), k), np.float32)
+        status = self.lib.moe_route(router, x.ctypes.data, len(x), norm.ctypes.data, eps, k, renormalize,
+                                    h.ctypes.data, ids.ctypes.data, weights.ctypes.data, threads)
+        if status:
+            raise kernel_error(status)
+        return h, ids, weights
+
+
+def unit_columns(x: np.ndarray) -> np.ndarray:
+    """x [T, n] as float32 rows of unit stride (a column view of a wider array as it is)."""
+    return x if x.dtype == np.float32 and x.strides[-1] == 4 else np.ascontiguousarray(x, np.float32)
+
+
+def float_matrix(array: np.ndarray) -> Matrix:
+    """The struct of a float32 matrix [N, n] (contiguous), for the kernels' F32 products."""
+    rows, cols = array.shape
+    return Matrix(array.ctypes.data, int(T.F32), rows, cols, 4 * cols, 4 * rows * cols)
 
 
 def kernel_error(status: int) -> Exception:

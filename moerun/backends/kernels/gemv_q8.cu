@@ -17,33 +17,9 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, long long n_
     wait_for_previous_grid();
     long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (unit >= n_units) return;
-    const float4* src = reinterpret_cast<const float4*>(x + unit * UNIT);
     float v[UNIT];
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        float4 f = src[i];
-        v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
-        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(f.x), fabsf(f.y)), fmaxf(fabsf(f.z), fabsf(f.w))));
-    }
-    float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int words_a[8] = {0}, words_b[8] = {0}, sum_a = 0, sum_b = 0;
-#pragma unroll
-    for (int i = 0; i < UNIT; i++) {
-        int a, b;
-        split_planes(v[i] * inv, &a, &b);
-        sum_a += a;
-        sum_b += b;
-        words_a[i / 4] |= (a & 0xff) << (8 * (i % 4));
-        words_b[i / 4] |= (b & 0xff) << (8 * (i % 4));
-    }
-    int4* dst = q + 4 * unit;
-    dst[0] = make_int4(words_a[0], words_a[1], words_a[2], words_a[3]);
-    dst[1] = make_int4(words_a[4], words_a[5], words_a[6], words_a[7]);
-    dst[2] = make_int4(words_b[0], words_b[1], words_b[2], words_b[3]);
-    dst[3] = make_int4(words_b[4], words_b[5], words_b[6], words_b[7]);
-    float d = amax / 127.f;
-    ds[unit] = make_float2(d, d * ((float)sum_a + (float)sum_b * (1.f / 254.f)));
+    load_unit(x + unit * UNIT, v);
+    ds[unit] = quantize_unit(v, q + 4 * unit);
 }
 
 // acc[r][t] += Σ over this lane's units of rows[r] · x for t < n_tokens, where token t's
@@ -177,7 +153,8 @@ FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
 // y_s [T, rows_s]. The rows of the three are numbered one after the other; a group of `group`
 // threads per row, staged (stage_rows) when `stride` is not 0. The activations are xq, xds, or,
 // with `norm`, rms_norm(x [T, K_in], norm) converted by every block into its own planes in shared
-// memory after the staged rows (normed_planes): no norm kernel before this one.
+// memory after the staged rows (normed_planes; K_in <= NORMED_UNITS · blockDim.x): no norm kernel
+// before this one.
 __device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* const* row, int units, Q8Activations x,
                                                        int n_tokens, int lane, int group, float (*acc)[MAX_TOKENS]) {
     switch (kind) {

@@ -183,20 +183,64 @@ __device__ __forceinline__ void quantize_unit_of_warp(float value, long long uni
     if (lane == 0) ds[unit] = make_float2(d, d * (sum_a + sum_b * (1.f / 254.f)));
 }
 
-// The rows of x [T, N] through an RMS norm (times weight), as rms_norm computes them, in 8-bit
-// planes into q, ds (shared or global memory), by the whole block: a block sum per token, then
-// each warp converts units in turn. Every thread calls it; N a multiple of UNIT, blockDim.x of 32;
+// One unit of 32 values held by one thread into its two planes (four int4: plane a, plane b)
+// at q; returns its (d, sx).
+__device__ __forceinline__ float2 quantize_unit(const float* v, int4* q) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < UNIT; i++) amax = fmaxf(amax, fabsf(v[i]));
+    float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int words_a[8] = {0}, words_b[8] = {0}, sum_a = 0, sum_b = 0;
+#pragma unroll
+    for (int i = 0; i < UNIT; i++) {
+        int a, b;
+        split_planes(v[i] * inv, &a, &b);
+        sum_a += a;
+        sum_b += b;
+        words_a[i / 4] |= (a & 0xff) << (8 * (i % 4));
+        words_b[i / 4] |= (b & 0xff) << (8 * (i % 4));
+    }
+    q[0] = make_int4(words_a[0], words_a[1], words_a[2], words_a[3]);
+    q[1] = make_int4(words_a[4], words_a[5], words_a[6], words_a[7]);
+    q[2] = make_int4(words_b[0], words_b[1], words_b[2], words_b[3]);
+    q[3] = make_int4(words_b[4], words_b[5], words_b[6], words_b[7]);
+    float d = amax / 127.f;
+    return make_float2(d, d * ((float)sum_a + (float)sum_b * (1.f / 254.f)));
+}
+
+// 32 floats from p (16-byte aligned) into v.
+__device__ __forceinline__ void load_unit(const float* p, float* v) {
+#pragma unroll
+    for (int i = 0; i < UNIT / 4; i++) {
+        float4 f = reinterpret_cast<const float4*>(p)[i];
+        v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+    }
+}
+
+// rms_norm(x [T, N]) · weight in 8-bit planes into q, ds (shared or global memory), by the whole
+// block, as rms_norm and quantize_q8 compute them: warp w holds units w, w + warps, ... of a row
+// (N a multiple of UNIT, at most NORMED_UNITS · UNIT · blockDim.x / 32), all loaded at once, then
+// a block sum of the squares and each unit converted by its warp. Every thread calls it;
 // `scratch` holds blockDim.x / 32 + 1 floats. The planes are visible to the block on return.
+#define NORMED_UNITS 8
 __device__ void normed_planes(const float* __restrict__ x, const float* __restrict__ weight, int width,
                               int n_tokens, float eps, int4* q, float2* ds, float* scratch) {
-    int units = width / UNIT, warps = blockDim.x / UNIT, lane = threadIdx.x % UNIT;
+    int units = width / UNIT, warps = blockDim.x / UNIT, warp = threadIdx.x / UNIT, lane = threadIdx.x % UNIT;
     for (int t = 0; t < n_tokens; t++) {
-        const float* row = x + (long long)t * width;
-        float sum = 0.f;
-        for (int i = threadIdx.x; i < width; i += blockDim.x) sum += row[i] * row[i];
-        float inv = 1.0f / sqrtf(block_sum(sum, scratch) / width + eps);
-        for (int u = threadIdx.x / UNIT; u < units; u += warps)
-            quantize_unit_of_warp(row[u * UNIT + lane] * inv * weight[u * UNIT + lane], (long long)t * units + u, q, ds);
+        float v[NORMED_UNITS], squares = 0.f;                // x · weight
+#pragma unroll
+        for (int j = 0; j < NORMED_UNITS; j++) {
+            int u = warp + j * warps;
+            float value = u < units ? x[(long long)t * width + u * UNIT + lane] : 0.f;
+            squares += value * value;
+            v[j] = u < units ? value * weight[u * UNIT + lane] : 0.f;
+        }
+        float inv = 1.0f / sqrtf(block_sum(squares, scratch) / width + eps);
+#pragma unroll
+        for (int j = 0; j < NORMED_UNITS; j++) {
+            int u = warp + j * warps;
+            if (u < units) quantize_unit_of_warp(v[j] * inv, (long long)t * units + u, q, ds);
+        }
     }
     __syncthreads();
 }

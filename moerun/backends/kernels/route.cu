@@ -56,12 +56,23 @@ extern "C" __global__ void route_top_k(const float* __restrict__ logits, int n_e
                    weights + t * top_k);
 }
 
+__device__ __forceinline__ float float_value_f32(const u8* row, int i) { return reinterpret_cast<const float*>(row)[i]; }
+__device__ __forceinline__ float float_value_f16(const u8* row, int i) {
+    return half_bits_to_float(reinterpret_cast<const u16*>(row)[i]);
+}
+__device__ __forceinline__ float float_value_bf16(const u8* row, int i) {
+    return bf16_bits_to_float(reinterpret_cast<const u16*>(row)[i]);
+}
+
 // A decode step's router in one launch: h = rms_norm(x [T, H], norm), written f32 and, when hq
 // is given (H a multiple of 32), in 8-bit planes (hq, hds) for the experts' products; logits
 // [T, E] = h · routerᵀ; then ids, weights [T, K] as route_top_k. Grid (E), one block per router
-// row (blockDim.x a multiple of 32, at most 1024), staged (stage_rows) when `stride` is not 0;
-// the blocks share out h's units, a warp each.
-// The last block to finish (counted in `done`, which it sets back to 0) ranks the experts.
+// row (blockDim.x a multiple of 32, at most 1024, H <= ROUTE_VALUES · blockDim.x), the row staged
+// (stage_rows) when `stride` is not 0 and the norm read before the wait (weights). Thread i takes
+// values i, i + blockDim.x, ...: one pass sums both x² and router · norm · x, so a logit is
+// (Σ router · norm · x) / rms after one block reduction. The last block to count itself in `done`
+// (which it sets back to 0) ranks the experts; meanwhile the blocks write h's units, one a thread.
+#define ROUTE_VALUES 16
 #define DEFINE_ROUTE_NORMED(TYPE)                                                                          \
     extern "C" __global__ void route_normed_##TYPE(                                                        \
             const float* __restrict__ x, const float* __restrict__ norm, float eps, int hidden, int n_tokens, \
@@ -69,58 +80,59 @@ extern "C" __global__ void route_top_k(const float* __restrict__ logits, int n_e
             int n_experts, int top_k, int renormalize, float* __restrict__ h, int4* __restrict__ hq,       \
             float2* __restrict__ hds, unsigned* __restrict__ done, int* __restrict__ ids,                  \
             float* __restrict__ weights) {                                                                 \
-        __shared__ float partial[MAX_TOKENS][32];          /* per token, per warp */                       \
+        __shared__ float partial[2][MAX_TOKENS][32];       /* x², router · norm · x: per token, per warp */ \
         __shared__ float inv[MAX_TOKENS];                                                                  \
         __shared__ bool last;                                                                              \
-        int expert = blockIdx.x, units = hidden / UNIT;                                                    \
-        int warp = threadIdx.x / 32, warps = blockDim.x / 32, lane = threadIdx.x % 32;                     \
+        int expert = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;                         \
         stage_rows(router + expert * row_bytes, row_bytes, stride, 0, threadIdx.x, blockDim.x);            \
+        float w[ROUTE_VALUES];                                                                             \
+        _Pragma("unroll") for (int j = 0; j < ROUTE_VALUES; j++) {                                         \
+            int i = j * blockDim.x + threadIdx.x;                                                          \
+            w[j] = i < hidden ? norm[i] : 0.f;                                                             \
+        }                                                                                                  \
         wait_for_previous_grid();                                                                          \
         const u8* row = staged_rows(router + expert * row_bytes, stride, 0);                               \
-        float acc[MAX_TOKENS];                                                                             \
-        _Pragma("unroll") for (int t = 0; t < MAX_TOKENS; t++) {         /* each token's 1 / rms */        \
-            acc[t] = 0.f;                                                                                  \
-            for (int i = threadIdx.x; t < n_tokens && i < hidden; i += blockDim.x)                         \
-                acc[t] += x[t * hidden + i] * x[t * hidden + i];                                           \
-            acc[t] = group_sum(acc[t], 32);                                                                \
-            if (lane == 0) partial[t][warp] = acc[t];                                                      \
-            acc[t] = 0.f;                                                                                  \
+        _Pragma("unroll") for (int j = 0; j < ROUTE_VALUES; j++) {                                         \
+            int i = j * blockDim.x + threadIdx.x;                                                          \
+            if (i < hidden) w[j] *= float_value_##TYPE(row, i);                                            \
         }                                                                                                  \
-        __syncthreads();                                                                                   \
-        if (threadIdx.x < n_tokens) {                                                                      \
-            float sum = 0.f;                                                                               \
-            for (int w = 0; w < warps; w++) sum += partial[threadIdx.x][w];                                \
-            inv[threadIdx.x] = 1.0f / sqrtf(sum / hidden + eps);                                           \
-        }                                                                                                  \
-        __syncthreads();                                                                                   \
-        for (int u = threadIdx.x; u < units; u += blockDim.x) {          /* Σ router · norm · x */         \
-            float w[UNIT];                                                                                 \
-            dequant_unit_##TYPE(row, u, w);                                                                \
-            for (int i = 0; i < UNIT; i++) w[i] *= norm[u * UNIT + i];                                     \
-            _Pragma("unroll") for (int t = 0; t < MAX_TOKENS; t++) {                                       \
-                const float* xt = x + (long long)t * hidden + u * UNIT;                                    \
-                for (int i = 0; t < n_tokens && i < UNIT; i++) acc[t] += w[i] * xt[i];                     \
+        for (int t = 0; t < n_tokens; t++) {                                                               \
+            float squares = 0.f, dot = 0.f;                                                                \
+            _Pragma("unroll") for (int j = 0; j < ROUTE_VALUES; j++) {                                     \
+                int i = j * blockDim.x + threadIdx.x;                                                      \
+                float value = i < hidden ? x[t * hidden + i] : 0.f;                                        \
+                squares += value * value;                                                                  \
+                dot += w[j] * value;                                                                       \
             }                                                                                              \
-        }                                                                                                  \
-        _Pragma("unroll") for (int t = 0; t < MAX_TOKENS; t++) {                                           \
-            acc[t] = group_sum(acc[t], 32);                                                                \
-            if (lane == 0) partial[t][warp] = acc[t];                                                      \
+            squares = group_sum(squares, 32);                                                              \
+            dot = group_sum(dot, 32);                                                                      \
+            if (lane == 0) { partial[0][t][warp] = squares; partial[1][t][warp] = dot; }                   \
         }                                                                                                  \
         __syncthreads();                                                                                   \
         if (threadIdx.x < n_tokens) {                                                                      \
-            float sum = 0.f;                                                                               \
-            for (int w = 0; w < warps; w++) sum += partial[threadIdx.x][w];                                \
-            logits[threadIdx.x * n_experts + expert] = sum * inv[threadIdx.x];                             \
-        }                                                                                                  \
-        for (int u = expert * warps + warp; u < n_tokens * units; u += gridDim.x * warps) {  /* h's units */ \
-            int t = u / units, i = (u % units) * UNIT + lane;                                              \
-            float value = x[t * hidden + i] * inv[t] * norm[i];                                            \
-            h[t * hidden + i] = value;                                                                     \
-            if (hq) quantize_unit_of_warp(value, u, hq, hds);                                              \
+            float squares = 0.f, dot = 0.f;                                                                \
+            for (int v = 0; v < blockDim.x / 32; v++) {                                                    \
+                squares += partial[0][threadIdx.x][v];                                                     \
+                dot += partial[1][threadIdx.x][v];                                                         \
+            }                                                                                              \
+            inv[threadIdx.x] = 1.0f / sqrtf(squares / hidden + eps);                                       \
+            logits[threadIdx.x * n_experts + expert] = dot * inv[threadIdx.x];                             \
         }                                                                                                  \
         __threadfence();                                                                                   \
         __syncthreads();                                                                                   \
         if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;                                 \
+        int units = hidden / UNIT;                                                                         \
+        for (int u = expert * blockDim.x + threadIdx.x; u < n_tokens * units; u += gridDim.x * blockDim.x) { \
+            int t = u / units;                                                                             \
+            float v[UNIT], g[UNIT];                                                                        \
+            load_unit(x + (long long)u * UNIT, v);                                                         \
+            load_unit(norm + (u % units) * UNIT, g);                                                       \
+            _Pragma("unroll") for (int i = 0; i < UNIT; i++) v[i] = v[i] * inv[t] * g[i];                  \
+            _Pragma("unroll") for (int i = 0; i < UNIT / 4; i++)                                           \
+                reinterpret_cast<float4*>(h + (long long)u * UNIT)[i] =                                    \
+                    make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);                       \
+            if (hq) hds[u] = quantize_unit(v, hq + 4 * u);                                                 \
+        }                                                                                                  \
         __syncthreads();                                                                                   \
         if (!last) return;                                                                                 \
         __threadfence();                                                                                   \

@@ -39,6 +39,35 @@ MOE_API int moe_ffn(const struct moe_experts* experts, const float* x, int64_t n
 MOE_API int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const float* x, int64_t n_tokens,
                        float* y, int threads);
 
+// decode.c: the work of a layer around its products (numpy_backend.NumpyBackend), each as its
+// numpy_ops reference computes it. One model's attention shapes, filled once:
+struct moe_attention {
+    int64_t n_heads, n_kv_heads;        // NH, NKV (NH a multiple of NKV)
+    int64_t head_dim_k, head_dim_v;     // D, Dv
+    int64_t rope_neox;                  // 1: rope rotates the two halves of D; 0: adjacent pairs
+    float eps;                          // of the per-head q/k norms
+    float scale;                        // of the attention scores
+};
+// moe_rms_norm: out [T, n] = x / sqrt(mean(x²) + eps) · weight [n], x's rows `stride` apart.
+// moe_rope_append: for each token, k [NKV*D] and q [NH*D] normed per head (where q_norm and
+// k_norm [D] are given) and rotated by cos, sin [T, D/2]; k into k_cache, v [NKV*Dv] into
+// v_cache (the rows of the first position to write), q into q_out [T, NH, D]; the strides are
+// those of q, k and v's rows.
+// moe_attention: out [T, NH*Dv] = softmax(q·kᵀ · scale) · v for q [T, NH, D] at positions
+// start.., over keys [S, NKV, D] and values [S, NKV, Dv] up to each position (S = start + T).
+// moe_route: h [T, H] = rms_norm(x [T, H], norm), the router [E, H] product, softmax over E,
+// the K most probable (ties to the lower id) -> ids [T, K], their probabilities [T, K]
+// (rescaled to sum to 1 where `renormalize`). All but moe_rms_norm return a moe_status.
+MOE_API void moe_rms_norm(const float* x, int64_t stride, int64_t rows, int64_t n, const float* weight, float eps,
+                          float* out);
+MOE_API int moe_rope_append(const struct moe_attention* shape, int64_t n_tokens, const float* q, const float* k,
+                            const float* v, int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* q_norm, const float* k_norm,
+                            const float* cos, const float* sin, float* k_cache, float* v_cache, float* q_out);
+MOE_API int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_tokens, int64_t start,
+                          const float* keys, const float* values, float* out, int threads);
+MOE_API int moe_route(const struct moe_matrix* router, const float* x, int64_t n_tokens, const float* norm,
+                      float eps, int64_t k, int renormalize, float* h, int64_t* ids, float* weights, int threads);
+
 enum moe_status {
     MOE_OK = 0,
     MOE_UNSUPPORTED_TYPE = 1,

@@ -1,0 +1,213 @@
+// The work of a layer around its products, for a CPU parent: rms_norm, the per-head q/k norms
+// with rope and the KV cache append, causal attention over the cache, and the router's
+// softmax and top-K. The same math as moerun/backends/numpy_ops.py, in float32, in few calls.
+// The loops are written so that the compiler vectorizes them (LANES independent sums), and the
+// hot functions are built for AVX-512 and AVX2 beside the baseline, chosen at load (x86-64).
+//
+// Shape legend: T tokens, S cached positions, n a row's values, NH/NKV heads, D/Dv head dims,
+// E experts, K experts per token.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+#include "work.h"
+
+#define LANES 16
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define VECTORIZED __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTORIZED
+#endif
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+    float lanes[LANES] = {0}, sum = 0;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] += a[i + l] * b[i + l];
+    for (; i < n; i++) sum += a[i] * b[i];
+    for (int l = 0; l < LANES; l++) sum += lanes[l];
+    return sum;
+}
+
+// e^x for x <= 0, within a few ulp (e^-87 below -87): x = n·ln2 + r with |r| <= ln2/2, e^r by
+// its Taylor series to r^6, 2^n put into the exponent. Branch-free, so that its loops vectorize.
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float round = 0x1.8p23f;                  // adding it rounds to an integer
+    float shifted = x * 1.44269504f + round, n = shifted - round;
+    float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;         // ln2 in two parts, the first exact
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    int32_t bits;
+    memcpy(&bits, &shifted, 4);
+    bits = (bits - 0x4b400000 + 127) << 23;         // 2^n
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+// ---- rms_norm ---------------------------------------------------------------------------------
+
+// out [T, n] = x / sqrt(mean(x²) + eps) · weight [n]; x's rows `stride` values apart.
+VECTORIZED static void norm_rows(const float* x, int64_t stride, int64_t rows, int64_t n, const float* weight,
+                                 float eps, float* out) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float* row = x + t * stride;
+        float root = sqrtf(dot(row, row, n) / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) out[t * n + i] = row[i] / root * weight[i];
+    }
+}
+
+void moe_rms_norm(const float* x, int64_t stride, int64_t rows, int64_t n, const float* weight, float eps,
+                  float* out) {
+    norm_rows(x, stride, rows, n, weight, eps, out);
+}
+
+// ---- q/k norms, rope, the cache append ------------------------------------------------------
+
+// x [heads, D] rotated by cos, sin [D/2] into out: the two halves of D (neox) or adjacent pairs.
+VECTORIZED static void rotate(const float* x, int64_t heads, int64_t dim, int neox, const float* cos,
+                              const float* sin, float* out) {
+    int64_t half = dim / 2;
+    for (int64_t h = 0; h < heads; h++, x += dim, out += dim) {
+        if (neox) {
+            for (int64_t i = 0; i < half; i++) {
+                out[i] = x[i] * cos[i] - x[half + i] * sin[i];
+                out[half + i] = x[half + i] * cos[i] + x[i] * sin[i];
+            }
+        } else {
+            for (int64_t i = 0; i < half; i++) {
+                out[2 * i] = x[2 * i] * cos[i] - x[2 * i + 1] * sin[i];
+                out[2 * i + 1] = x[2 * i] * sin[i] + x[2 * i + 1] * cos[i];
+            }
+        }
+    }
+}
+
+// One token's q or k [heads, D]: normed per head where `norm` is given (into `normed`), then
+// rotated into out.
+static void norm_rotate(const struct moe_attention* shape, const float* x, int64_t heads, const float* norm,
+                        const float* cos, const float* sin, float* normed, float* out) {
+    int64_t dim = shape->head_dim_k;
+    if (norm) {
+        norm_rows(x, dim, heads, dim, norm, shape->eps, normed);
+        x = normed;
+    }
+    rotate(x, heads, dim, (int)shape->rope_neox, cos, sin, out);
+}
+
+int moe_rope_append(const struct moe_attention* shape, int64_t n_tokens, const float* q, const float* k,
+                    const float* v, int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* q_norm, const float* k_norm,
+                    const float* cos, const float* sin, float* k_cache, float* v_cache, float* q_out) {
+    int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
+    float* normed = malloc((size_t)nh * dim * sizeof(float));
+    if (!normed) return MOE_NO_MEMORY;
+    for (int64_t t = 0; t < n_tokens; t++) {
+        const float* cos_t = cos + t * (dim / 2);
+        const float* sin_t = sin + t * (dim / 2);
+        norm_rotate(shape, k + t * k_stride, nkv, k_norm, cos_t, sin_t, normed, k_cache + t * nkv * dim);
+        memcpy(v_cache + t * nkv * dim_v, v + t * v_stride, (size_t)nkv * dim_v * sizeof(float));
+        norm_rotate(shape, q + t * q_stride, nh, q_norm, cos_t, sin_t, normed, q_out + t * nh * dim);
+    }
+    free(normed);
+    return MOE_OK;
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+
+struct attention_job {
+    const struct moe_attention* shape;
+    const float* q;             // [T, NH, D]
+    int64_t n_tokens, start;
+    const float *keys, *values; // [S, NKV, D], [S, NKV, Dv]
+    float* out;                 // [T, NH * Dv]
+    float* scores;              // [threads, S]
+};
+
+// One query head over its positions, for every token: out = softmax(q·kᵀ · scale) · v.
+VECTORIZED static void attend_head(void* context, int64_t head, int64_t next, int thread) {
+    (void)next;
+    const struct attention_job* job = context;
+    const struct moe_attention* shape = job->shape;
+    int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
+    int64_t kv = head / (nh / nkv), seen = job->start + job->n_tokens;
+    float* scores = job->scores + thread * seen;
+    for (int64_t t = 0; t < job->n_tokens; t++) {
+        const float* q = job->q + (t * nh + head) * dim;
+        int64_t n = job->start + t + 1;
+        float top = -INFINITY, total = 0;
+        for (int64_t s = 0; s < n; s++) {
+            scores[s] = dot(q, job->keys + (s * nkv + kv) * dim, dim) * shape->scale;
+            top = scores[s] > top ? scores[s] : top;
+        }
+        for (int64_t s = 0; s < n; s++) scores[s] = exp_nonpositive(scores[s] - top);
+        for (int64_t s = 0; s < n; s++) total += scores[s];
+        float* out = job->out + t * nh * dim_v + head * dim_v;
+        memset(out, 0, (size_t)dim_v * sizeof(float));
+        for (int64_t s = 0; s < n; s++) {
+            const float* v = job->values + (s * nkv + kv) * dim_v;
+            float p = scores[s] / total;
+            for (int64_t i = 0; i < dim_v; i++) out[i] += p * v[i];
+        }
+    }
+}
+
+int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_tokens, int64_t start,
+                  const float* keys, const float* values, float* out, int threads) {
+    static float* scores;       // grown as needed, under the kernels' lock
+    static size_t scores_size;
+    int64_t seen = start + n_tokens;
+    threads = threads_for(threads, (double)n_tokens * seen * shape->n_heads * (shape->head_dim_k + shape->head_dim_v));
+    size_t wanted = (size_t)threads * seen * sizeof(float);
+    lock_kernels();
+    if (wanted > scores_size) {
+        free(scores);
+        scores = malloc(wanted);
+        scores_size = scores ? wanted : 0;
+    }
+    int status = scores ? MOE_OK : MOE_NO_MEMORY;
+    if (scores) {
+        struct attention_job job = {shape, q, n_tokens, start, keys, values, out, scores};
+        pool_run(threads, shape->n_heads, attend_head, &job);
+    }
+    unlock_kernels();
+    return status;
+}
+
+// ---- routing -----------------------------------------------------------------------------------
+
+// One token's logits [E] -> its K most probable experts (ties to the lower id) and their
+// probabilities, rescaled to sum to 1 where `renormalize`.
+static void top_experts(const float* logits, int64_t n_experts, int64_t k, int renormalize, float* probs,
+                        int64_t* ids, float* weights) {
+    float top = -INFINITY, total = 0, kept = 0;
+    for (int64_t e = 0; e < n_experts; e++) top = logits[e] > top ? logits[e] : top;
+    for (int64_t e = 0; e < n_experts; e++) total += probs[e] = expf(logits[e] - top);
+    for (int64_t e = 0; e < n_experts; e++) probs[e] /= total;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < n_experts; e++)
+            if (probs[e] >= 0 && (best < 0 || probs[e] > probs[best])) best = e;
+        ids[j] = best;
+        kept += weights[j] = probs[best];
+        probs[best] = -1;       // taken
+    }
+    if (renormalize)
+        for (int64_t j = 0; j < k; j++) weights[j] /= kept;
+}
+
+int moe_route(const struct moe_matrix* router, const float* x, int64_t n_tokens, const float* norm, float eps,
+              int64_t k, int renormalize, float* h, int64_t* ids, float* weights, int threads) {
+    int64_t hidden = router->cols, n_experts = router->rows;
+    if (k < 1 || k > n_experts) return MOE_BAD_SHAPE;
+    float* logits = malloc((size_t)(n_tokens + 1) * n_experts * sizeof(float));     // and one token's probs
+    if (!logits) return MOE_NO_MEMORY;
+    norm_rows(x, hidden, n_tokens, hidden, norm, eps, h);
+    int status = moe_matmul(router, 1, h, n_tokens, logits, threads);
+    for (int64_t t = 0; status == MOE_OK && t < n_tokens; t++)
+        top_experts(logits + t * n_experts, n_experts, k, renormalize, logits + n_tokens * n_experts, ids + t * k,
+                    weights + t * k);
+    free(logits);
+    return status;
+}

@@ -58,8 +58,8 @@ class CpuKernels:
         lib.moe_matmul.argtypes = [POINTER(Matrix), c_int64, c_void_p, c_int64, c_void_p, c_int]
         lib.moe_rms_norm.argtypes = [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_float, c_void_p]
         lib.moe_rms_norm.restype = None
-        lib.moe_rope_append.argtypes = [POINTER(AttentionShape), c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_int64,
-                                        c_int64, *[c_void_p] * 7]
+        lib.moe_rope_append.argtypes = [POINTER(AttentionShape), c_int64, c_void_p, c_void_p, c_void_p, c_int64,
+                                        c_int64, c_int64, *[c_void_p] * 7]
         lib.moe_attention.argtypes = [POINTER(AttentionShape), c_void_p, c_int64, c_int64, c_void_p, c_void_p,
                                       c_void_p, c_int]
         lib.moe_route.argtypes = [POINTER(Matrix), c_void_p, c_int64, c_void_p, c_float, c_int64, c_int, c_void_p,

@@ -98,8 +98,9 @@ static void norm_rotate(const struct moe_attention* shape, const float* x, int64
 }
 
 int moe_rope_append(const struct moe_attention* shape, int64_t n_tokens, const float* q, const float* k,
-                    const float* v, int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* q_norm, const float* k_norm,
-                    const float* cos, const float* sin, float* k_cache, float* v_cache, float* q_out) {
+                    const float* v, int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* q_norm,
+                    const float* k_norm, const float* cos, const float* sin, float* k_cache, float* v_cache,
+                    float* q_out) {
     int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
     float* normed = malloc((size_t)nh * dim * sizeof(float));
     if (!normed) return MOE_NO_MEMORY;

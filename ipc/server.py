@@ -403,10 +403,10 @@ class Server:
 
 def _ragged(request: p.ComputeRequest, top_k: int) -> p.ComputeRequest:
     """A padded request (ids and weights [T, K], -1: no expert) in the ragged form."""
-    ids = request.local_ids.reshape(-1, top_k)                  # [T, K]
-    present = ids >= 0
-    return p.ComputeRequest(request.layer, request.x, present.sum(axis=1).astype(np.int32),
-                            ids[present], request.weights.reshape(-1, top_k)[present])
+    present = request.local_ids >= 0                            # [T·K]
+    counts = present.reshape(-1, top_k).sum(axis=1, dtype=np.int32)
+    return p.ComputeRequest(request.layer, request.x, counts, request.local_ids[present],
+                            request.weights[present])
 
 
 def _fields(*parts: dict) -> dict:

@@ -97,13 +97,15 @@ class ExpertDaemon:
         """out[t] = Σ weights · FFN(x[t]) over token t's experts here.  x [T, H] -> [T, H]"""
         started = time.perf_counter()
         experts = self._experts_of(layer)
-        if local_ids.size and (local_ids.min() < 0 or local_ids.max() >= len(experts)):
-            raise IndexError(f"layer {layer}: local expert ids must be in 0..{len(experts) - 1}")
+        try:                        # as uint32 a negative id is out of range too (ids are int32)
+            global_ids = experts.take(local_ids.astype(np.uint32, copy=False))      # [P]
+        except IndexError:
+            raise IndexError(f"layer {layer}: local expert ids must be in 0..{len(experts) - 1}") from None
         if self.gpu is not None:
             out = self.gpu.compute(layer, x, counts, local_ids, weights)
         else:
-            rows = np.repeat(np.arange(len(counts)), counts)                          # [P]
-            out = self.store.grouped_ffn(layer, x, rows, experts[local_ids], weights)
+            rows = np.zeros(len(local_ids), np.int64) if len(counts) == 1 else np.repeat(np.arange(len(counts)), counts)
+            out = self.store.grouped_ffn(layer, x, rows, global_ids, weights)
         self.calls += 1
         self.tokens += len(counts)
         self.pairs += len(local_ids)

@@ -100,7 +100,7 @@ class NumpyBackend:
         return gguf.dequantize(name).reshape(-1, info.shape[-1])
 
     def vector(self, values: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(values, np.float32)
+        return np.array(values, np.float32)           # its own (writable) copy: the kernels take its address fastest
 
     def embedding(self, gguf: GGUFFile, name: str) -> RowTable:
         return gguf.row_table(name)

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 from collections.abc import Sequence
-from ctypes import POINTER, c_char_p, c_float, c_int, c_int64, c_void_p
+from ctypes import POINTER, c_char, c_char_p, c_float, c_int, c_int64, c_void_p
 
 import numpy as np
 
@@ -103,8 +103,8 @@ class CpuKernels:
         """x [T, n] (rows of unit stride) -> x / sqrt(mean(x²) + eps) · weight [n]"""
         x = unit_columns(x)
         out = np.empty(x.shape, np.float32)
-        self.lib.moe_rms_norm(x.ctypes.data, x.strides[0] // 4, x.shape[0], x.shape[1], weight.ctypes.data, eps,
-                              out.ctypes.data)
+        self.lib.moe_rms_norm(address(x), x.strides[0] // 4, x.shape[0], x.shape[1], address(weight), eps,
+                              address(out))
         return out
 
     def rope_append(self, shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -115,11 +115,11 @@ class CpuKernels:
         cache's rows). Returns the rotated q [T, NH, D]."""
         q, k, v = unit_columns(q), unit_columns(k), unit_columns(v)
         q_out = np.empty((len(q), shape.n_heads, shape.head_dim_k), np.float32)
-        status = self.lib.moe_rope_append(shape, len(q), q.ctypes.data, k.ctypes.data, v.ctypes.data,
+        status = self.lib.moe_rope_append(shape, len(q), address(q), address(k), address(v),
                                           q.strides[0] // 4, k.strides[0] // 4, v.strides[0] // 4,
-                                          None if q_norm is None else q_norm.ctypes.data,
-                                          None if k_norm is None else k_norm.ctypes.data, cos.ctypes.data,
-                                          sin.ctypes.data, k_rows.ctypes.data, v_rows.ctypes.data, q_out.ctypes.data)
+                                          None if q_norm is None else address(q_norm),
+                                          None if k_norm is None else address(k_norm), address(cos),
+                                          address(sin), address(k_rows), address(v_rows), address(q_out))
         if status:
             raise kernel_error(status)
         return q_out
@@ -128,9 +128,10 @@ class CpuKernels:
                   threads: int) -> np.ndarray:
         """q [T, NH, D] at positions start.. over keys [S, NKV, D] and values [S, NKV, Dv], the
         cache's rows (S >= start + T) -> [T, NH*Dv]"""
+        q = np.ascontiguousarray(q, np.float32)
         out = np.empty((len(q), shape.n_heads * shape.head_dim_v), np.float32)
-        status = self.lib.moe_attention(shape, q.ctypes.data, len(q), start, keys.ctypes.data, values.ctypes.data,
-                                        out.ctypes.data, threads)
+        status = self.lib.moe_attention(shape, address(q), len(q), start, address(keys), address(values),
+                                        address(out), threads)
         if status:
             raise kernel_error(status)
         return out
@@ -143,11 +144,20 @@ class CpuKernels:
         h = np.empty_like(x)
         ids = np.empty((len(x), k), np.int64)
         weights = np.empty((len(x), k), np.float32)
-        status = self.lib.moe_route(router, x.ctypes.data, len(x), norm.ctypes.data, eps, k, renormalize,
-                                    h.ctypes.data, ids.ctypes.data, weights.ctypes.data, threads)
+        status = self.lib.moe_route(router, address(x), len(x), address(norm), eps, k, renormalize,
+                                    address(h), address(ids), address(weights), threads)
         if status:
             raise kernel_error(status)
         return h, ids, weights
+
+
+def address(array: np.ndarray) -> int:
+    """Where the array's values start: through the buffer protocol where it is writable and
+    contiguous (a fifth of the cost of array.ctypes.data, which is called for the others)."""
+    try:
+        return ctypes.addressof(c_char.from_buffer(array))
+    except (TypeError, ValueError, BufferError):
+        return array.ctypes.data
 
 
 def unit_columns(x: np.ndarray) -> np.ndarray:

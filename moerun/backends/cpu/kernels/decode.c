@@ -1,8 +1,8 @@
 // The work of a layer around its products, for a CPU parent: rms_norm, the per-head q/k norms
 // with rope and the KV cache append, causal attention over the cache, and the router's
 // softmax and top-K. The same math as moerun/backends/numpy_ops.py, in float32, in few calls.
-// The loops are written so that the compiler vectorizes them (LANES independent sums), and the
-// hot functions are built for AVX-512 and AVX2 beside the baseline, chosen at load (x86-64).
+// The sums run in vectors of LANES floats, and the hot functions are built for AVX-512 and AVX2
+// beside the baseline, chosen at load (x86-64).
 //
 // Shape legend: T tokens, S cached positions, n a row's values, NH/NKV heads, D/Dv head dims,
 // E experts, K experts per token.
@@ -15,25 +15,97 @@
 
 #define LANES 16
 
+// The helpers are inlined into each build of the functions that call them.
+#define INLINE static inline __attribute__((always_inline))
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define VECTORIZED __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define VECTORIZED
 #endif
 
-static inline float dot(const float* a, const float* b, int64_t n) {
-    float lanes[LANES] = {0}, sum = 0;
+// A vector of LANES floats (GCC and Clang vector extensions): one register in the AVX-512
+// build, two or four in the others.
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(float))));
+typedef float half_vf __attribute__((vector_size(LANES * sizeof(float) / 2)));
+
+INLINE void load(vf* v, const float* p) { memcpy(v, p, sizeof *v); }
+
+// The lanes' sum, folded in halves.
+INLINE float fold(const vf* v) {
+    half_vf low, high;
+    memcpy(&low, v, sizeof low);
+    memcpy(&high, (const char*)v + sizeof low, sizeof high);
+    low += high;
+    float lanes[LANES / 2], total = 0;
+    memcpy(lanes, &low, sizeof lanes);
+    for (int l = 0; l < LANES / 2; l++) total += lanes[l];
+    return total;
+}
+
+INLINE float dot(const float* a, const float* b, int64_t n) {
+    vf sums = {0}, x, y;
+    float rest = 0;
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) lanes[l] += a[i + l] * b[i + l];
-    for (; i < n; i++) sum += a[i] * b[i];
-    for (int l = 0; l < LANES; l++) sum += lanes[l];
-    return sum;
+    for (; i + LANES <= n; i += LANES) {
+        load(&x, a + i);
+        load(&y, b + i);
+        sums += x * y;
+    }
+    for (; i < n; i++) rest += a[i] * b[i];
+    return fold(&sums) + rest;
+}
+
+// q [n] · each of 4 rows of b, `stride` apart, into out[4]: four independent sums at once.
+INLINE void dot4(const float* q, const float* b, int64_t stride, int64_t n, float* out) {
+    vf sums[4] = {{0}}, x, y;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        load(&x, q + i);
+        for (int r = 0; r < 4; r++) {
+            load(&y, b + r * stride + i);
+            sums[r] += x * y;
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        float rest = 0;
+        for (int64_t j = i; j < n; j++) rest += q[j] * b[r * stride + j];
+        out[r] = fold(&sums[r]) + rest;
+    }
+}
+
+// The largest of x [n] (-inf for none), and their sum.
+INLINE float largest(const float* x, int64_t n) {
+    vf tops, v;
+    float top = -INFINITY, lanes[LANES];
+    int64_t i = 0;
+    for (int l = 0; l < LANES; l++) tops[l] = -INFINITY;
+    for (; i + LANES <= n; i += LANES) {
+        load(&v, x + i);
+        vi above = v > tops;                                    // all bits set where v is larger
+        tops = (vf)(((vi)v & above) | ((vi)tops & ~above));
+    }
+    memcpy(lanes, &tops, sizeof lanes);
+    for (int l = 0; l < LANES; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (; i < n; i++) top = x[i] > top ? x[i] : top;
+    return top;
+}
+
+INLINE float sum(const float* x, int64_t n) {
+    vf sums = {0}, v;
+    float rest = 0;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        load(&v, x + i);
+        sums += v;
+    }
+    for (; i < n; i++) rest += x[i];
+    return fold(&sums) + rest;
 }
 
 // e^x for x <= 0, within a few ulp (e^-87 below -87): x = n·ln2 + r with |r| <= ln2/2, e^r by
 // its Taylor series to r^6, 2^n put into the exponent. Branch-free, so that its loops vectorize.
-static inline float exp_nonpositive(float x) {
+INLINE float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float round = 0x1.8p23f;                  // adding it rounds to an integer
     float shifted = x * 1.44269504f + round, n = shifted - round;
@@ -123,44 +195,68 @@ struct attention_job {
     int64_t n_tokens, start;
     const float *keys, *values; // [S, NKV, D], [S, NKV, Dv]
     float* out;                 // [T, NH * Dv]
-    float* scores;              // [threads, S]
+    float* scores;              // [threads, G, S]
 };
 
-// One query head over its positions, for every token: out = softmax(q·kᵀ · scale) · v.
-VECTORIZED static void attend_head(void* context, int64_t head, int64_t next, int thread) {
-    (void)next;
-    const struct attention_job* job = context;
+// One token's G = NH/NKV query heads that read kv head `kv`, over positions 0..n-1: each key
+// and value row is read once for all of them. probs [G, `seen`] is this thread's.
+INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv, float* probs) {
     const struct moe_attention* shape = job->shape;
     int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
-    int64_t kv = head / (nh / nkv), seen = job->start + job->n_tokens;
-    float* scores = job->scores + thread * seen;
-    for (int64_t t = 0; t < job->n_tokens; t++) {
-        const float* q = job->q + (t * nh + head) * dim;
-        int64_t n = job->start + t + 1;
-        float top = -INFINITY, total = 0;
-        for (int64_t s = 0; s < n; s++) {
-            scores[s] = dot(q, job->keys + (s * nkv + kv) * dim, dim) * shape->scale;
-            top = scores[s] > top ? scores[s] : top;
+    int64_t group = nh / nkv, seen = job->start + job->n_tokens, n = job->start + t + 1;
+    const float* q = job->q + (t * nh + kv * group) * dim;                       // [G, D]
+    const float* keys = job->keys + kv * dim;                                     // rows nkv * dim apart
+    const float* values = job->values + kv * dim_v;                               // rows nkv * dim_v apart
+    float* out = job->out + (t * nh + kv * group) * dim_v;                        // [G, Dv]
+    for (int64_t s = 0; s < n; s++) {
+        const float* key = keys + s * nkv * dim;
+        float four[4];
+        int64_t g = 0;
+        for (; g + 4 <= group; g += 4) {
+            dot4(key, q + g * dim, dim, dim, four);
+            for (int r = 0; r < 4; r++) probs[(g + r) * seen + s] = four[r];
         }
-        for (int64_t s = 0; s < n; s++) scores[s] = exp_nonpositive(scores[s] - top);
-        for (int64_t s = 0; s < n; s++) total += scores[s];
-        float* out = job->out + t * nh * dim_v + head * dim_v;
-        memset(out, 0, (size_t)dim_v * sizeof(float));
-        for (int64_t s = 0; s < n; s++) {
-            const float* v = job->values + (s * nkv + kv) * dim_v;
-            float p = scores[s] / total;
-            for (int64_t i = 0; i < dim_v; i++) out[i] += p * v[i];
+        for (; g < group; g++) probs[g * seen + s] = dot(key, q + g * dim, dim);
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float* p = probs + g * seen;
+        for (int64_t s = 0; s < n; s++) p[s] *= shape->scale;
+        float top = largest(p, n);
+        for (int64_t s = 0; s < n; s++) p[s] = exp_nonpositive(p[s] - top);
+        float total = sum(p, n);
+        for (int64_t s = 0; s < n; s++) p[s] /= total;
+    }
+    memset(out, 0, (size_t)(group * dim_v) * sizeof(float));
+    int64_t s = 0;
+    for (; s + 4 <= n; s += 4) {
+        const float* v0 = values + s * nkv * dim_v;
+        const float *v1 = v0 + nkv * dim_v, *v2 = v1 + nkv * dim_v, *v3 = v2 + nkv * dim_v;
+        for (int64_t g = 0; g < group; g++) {
+            const float* p = probs + g * seen + s;
+            float* o = out + g * dim_v;
+            for (int64_t i = 0; i < dim_v; i++) o[i] += p[0] * v0[i] + p[1] * v1[i] + p[2] * v2[i] + p[3] * v3[i];
         }
     }
+    for (; s < n; s++)
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < dim_v; i++) out[g * dim_v + i] += probs[g * seen + s] * values[s * nkv * dim_v + i];
+}
+
+// Task t · NKV + kv: token t's query heads over kv head kv.
+VECTORIZED static void attend_task(void* context, int64_t task, int64_t next, int thread) {
+    (void)next;
+    const struct attention_job* job = context;
+    int64_t nkv = job->shape->n_kv_heads, group = job->shape->n_heads / nkv;
+    attend_group(job, task / nkv, task % nkv, job->scores + thread * group * (job->start + job->n_tokens));
 }
 
 int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_tokens, int64_t start,
                   const float* keys, const float* values, float* out, int threads) {
     static float* scores;       // grown as needed, under the kernels' lock
     static size_t scores_size;
-    int64_t seen = start + n_tokens;
+    int64_t seen = start + n_tokens, group = shape->n_heads / shape->n_kv_heads;
     threads = threads_for(threads, (double)n_tokens * seen * shape->n_heads * (shape->head_dim_k + shape->head_dim_v));
-    size_t wanted = (size_t)threads * seen * sizeof(float);
+    size_t wanted = (size_t)threads * group * seen * sizeof(float);
     lock_kernels();
     if (wanted > scores_size) {
         free(scores);
@@ -170,7 +266,7 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     int status = scores ? MOE_OK : MOE_NO_MEMORY;
     if (scores) {
         struct attention_job job = {shape, q, n_tokens, start, keys, values, out, scores};
-        pool_run(threads, shape->n_heads, attend_head, &job);
+        pool_run(threads, n_tokens * shape->n_kv_heads, attend_task, &job);
     }
     unlock_kernels();
     return status;

@@ -44,7 +44,7 @@ FEW_ROWS_THREADS = 64          # threads of each of those blocks
 ROUTE_THREADS = 128            # threads of each block of route_normed (a router row; the last ranks the experts) ...
 ROUTE_VALUES = 16              # ... each taking this many hidden values, at most (ROUTE_VALUES in route.cu)
 MAX_EXPERTS, MAX_TOP_K = 1024, 32   # most experts and experts per token routing takes (route.cu)
-NORMED_UNITS = 8               # units of 32 values each warp converts when q/k/v fold the norm (q8_dot.cuh) ...
+NORMED_VALUES = 8              # values of a row each thread converts when q/k/v fold the norm (q8_dot.cuh) ...
 NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
 NULL = np.uint64(0)            # a null pointer argument
@@ -238,13 +238,13 @@ class GpuBackend:
 
     def linears(self, x: Any, weights: tuple[DeviceMatrix, ...], biases: tuple[Any | None, ...],
                 norm: Any | None = None) -> tuple[Any, ...]:
-        """x [T, K] (with `norm`: rms_norm(x, norm)) through several weights (q, k, v) (+ biases):
-        one launch for three quantized weights and a few tokens, the norm folded into it (each
-        block converts the normed rows itself, NORMED_PLANES_LIMIT), else one product each."""
+        """x [T, K] (with `norm`: rms_norm(x, norm)) through up to three weights (q, k, v, or a fused
+        qkv) (+ biases): one launch for quantized weights and a few tokens, the norm folded into it
+        (each block converts the normed rows itself, within NORMED_PLANES_LIMIT), else one product each."""
         n_tokens, width = x.shape
         planes_bytes = n_tokens * width // UNIT * (4 * 16 + 8)                   # [T, K/32] int4 x 4 + float2
-        fused = n_tokens <= MAX_GEMV_TOKENS and len(weights) == 3 and all(w.kind in INT_KINDS for w in weights)
-        foldable = width % UNIT == 0 and width <= NORMED_UNITS * BLOCK and planes_bytes <= NORMED_PLANES_LIMIT
+        fused = n_tokens <= MAX_GEMV_TOKENS and len(weights) <= 3 and all(w.kind in INT_KINDS for w in weights)
+        foldable = width % UNIT == 0 and width <= NORMED_VALUES * BLOCK and planes_bytes <= NORMED_PLANES_LIMIT
         if norm is not None and not (fused and foldable):
             x, norm = self.rms_norm(x, norm), None
         if not fused:
@@ -254,6 +254,7 @@ class GpuBackend:
         outs = tuple(self.cupy.empty((n_tokens, w.rows), self.cupy.float32) for w in weights)
         segments = [arg for w, y in zip(weights, outs)
                     for arg in (w.data, i64(w.row_bytes), i32(INT_KINDS.index(w.kind)), i32(w.rows), y)]
+        segments += [NULL, i64(0), i32(0), i32(0), NULL] * (3 - len(weights))
         self.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), width // UNIT, 1,
                           (*segments, q, ds, x, pointer(norm), np.float32(self.spec.rms_eps), i32(width),
                            i32(n_tokens)), UNITS_PER_LANE, staged_bytes=max(w.row_bytes for w in weights),

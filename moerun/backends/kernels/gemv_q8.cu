@@ -18,7 +18,7 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, long long n_
     long long unit = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (unit >= n_units) return;
     float v[UNIT];
-    load_unit(x + unit * UNIT, v);
+    load_values<UNIT>(x + unit * UNIT, v);
     ds[unit] = quantize_unit(v, q + 4 * unit);
 }
 
@@ -153,8 +153,8 @@ FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
 // y_s [T, rows_s]. The rows of the three are numbered one after the other; a group of `group`
 // threads per row, staged (stage_rows) when `stride` is not 0. The activations are xq, xds, or,
 // with `norm`, rms_norm(x [T, K_in], norm) converted by every block into its own planes in shared
-// memory after the staged rows (normed_planes; K_in <= NORMED_UNITS · blockDim.x): no norm kernel
-// before this one.
+// memory after the staged rows (normed_planes; K_in <= 8 · blockDim.x): no norm kernel before this
+// one. Unused matrices have 0 rows.
 __device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* const* row, int units, Q8Activations x,
                                                        int n_tokens, int lane, int group, float (*acc)[MAX_TOKENS]) {
     switch (kind) {

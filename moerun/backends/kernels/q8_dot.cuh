@@ -208,38 +208,59 @@ __device__ __forceinline__ float2 quantize_unit(const float* v, int4* q) {
     return make_float2(d, d * ((float)sum_a + (float)sum_b * (1.f / 254.f)));
 }
 
-// 32 floats from p (16-byte aligned) into v.
-__device__ __forceinline__ void load_unit(const float* p, float* v) {
+// N floats from p (16-byte aligned, N a multiple of 4) into v.
+template <int N>
+__device__ __forceinline__ void load_values(const float* p, float* v) {
 #pragma unroll
-    for (int i = 0; i < UNIT / 4; i++) {
+    for (int i = 0; i < N / 4; i++) {
         float4 f = reinterpret_cast<const float4*>(p)[i];
         v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
     }
 }
 
 // rms_norm(x [T, N]) · weight in 8-bit planes into q, ds (shared or global memory), by the whole
-// block, as rms_norm and quantize_q8 compute them: warp w holds units w, w + warps, ... of a row
-// (N a multiple of UNIT, at most NORMED_UNITS · UNIT · blockDim.x / 32), all loaded at once, then
-// a block sum of the squares and each unit converted by its warp. Every thread calls it;
-// `scratch` holds blockDim.x / 32 + 1 floats. The planes are visible to the block on return.
-#define NORMED_UNITS 8
+// block, as rms_norm and quantize_q8 compute them: thread i holds values 8i..8i+7 of a row (N a
+// multiple of UNIT, at most 8 · blockDim.x), all loaded at once; after a block sum of the squares,
+// the four threads of a unit find its max and sums with two shuffles each (a warp converts 8 units
+// at once). Every thread calls it; `scratch` holds blockDim.x / 32 + 1 floats. The planes are
+// visible to the block on return.
 __device__ void normed_planes(const float* __restrict__ x, const float* __restrict__ weight, int width,
                               int n_tokens, float eps, int4* q, float2* ds, float* scratch) {
-    int units = width / UNIT, warps = blockDim.x / UNIT, warp = threadIdx.x / UNIT, lane = threadIdx.x % UNIT;
+    int units = width / UNIT, first = 8 * threadIdx.x, part = threadIdx.x % 4;
+    bool holds = first < width;                         // the same for the four threads of a unit
+    float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (holds) load_values<8>(weight + first, g);
     for (int t = 0; t < n_tokens; t++) {
-        float v[NORMED_UNITS], squares = 0.f;                // x · weight
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, squares = 0.f, amax = 0.f;
+        if (holds) load_values<8>(x + (long long)t * width + first, v);
 #pragma unroll
-        for (int j = 0; j < NORMED_UNITS; j++) {
-            int u = warp + j * warps;
-            float value = u < units ? x[(long long)t * width + u * UNIT + lane] : 0.f;
-            squares += value * value;
-            v[j] = u < units ? value * weight[u * UNIT + lane] : 0.f;
-        }
+        for (int i = 0; i < 8; i++) squares += v[i] * v[i];
         float inv = 1.0f / sqrtf(block_sum(squares, scratch) / width + eps);
 #pragma unroll
-        for (int j = 0; j < NORMED_UNITS; j++) {
-            int u = warp + j * warps;
-            if (u < units) quantize_unit_of_warp(v[j] * inv, (long long)t * units + u, q, ds);
+        for (int i = 0; i < 8; i++) {
+            v[i] = v[i] * inv * g[i];
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        amax = group_max(amax, 4);
+        float scale = amax > 0.f ? 127.f / amax : 0.f;
+        int words_a[2] = {0, 0}, words_b[2] = {0, 0}, sum_a = 0, sum_b = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int a, b;
+            split_planes(v[i] * scale, &a, &b);
+            sum_a += a;
+            sum_b += b;
+            words_a[i / 4] |= (a & 0xff) << (8 * (i % 4));
+            words_b[i / 4] |= (b & 0xff) << (8 * (i % 4));
+        }
+        float sums_a = group_sum((float)sum_a, 4), sums_b = group_sum((float)sum_b, 4);
+        long long unit = (long long)t * units + first / UNIT;
+        if (holds) {
+            int2* planes = reinterpret_cast<int2*>(q + 4 * unit);
+            planes[part] = make_int2(words_a[0], words_a[1]);
+            planes[4 + part] = make_int2(words_b[0], words_b[1]);
+            float d = amax / 127.f;
+            if (part == 0) ds[unit] = make_float2(d, d * (sums_a + sums_b * (1.f / 254.f)));
         }
     }
     __syncthreads();

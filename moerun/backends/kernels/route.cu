@@ -125,8 +125,8 @@ __device__ __forceinline__ float float_value_bf16(const u8* row, int i) {
         for (int u = expert * blockDim.x + threadIdx.x; u < n_tokens * units; u += gridDim.x * blockDim.x) { \
             int t = u / units;                                                                             \
             float v[UNIT], g[UNIT];                                                                        \
-            load_unit(x + (long long)u * UNIT, v);                                                         \
-            load_unit(norm + (u % units) * UNIT, g);                                                       \
+            load_values<UNIT>(x + (long long)u * UNIT, v);                                                         \
+            load_values<UNIT>(norm + (u % units) * UNIT, g);                                                       \
             _Pragma("unroll") for (int i = 0; i < UNIT; i++) v[i] = v[i] * inv[t] * g[i];                  \
             _Pragma("unroll") for (int i = 0; i < UNIT / 4; i++)                                           \
                 reinterpret_cast<float4*>(h + (long long)u * UNIT)[i] =                                    \

@@ -96,28 +96,39 @@ MOE_API int moe_supports_type(int64_t ggml_id);
 // ---- what each instruction set provides ----------------------------------------------------------
 
 #define TILE_ROWS 4         // weight rows a tile multiplies at once
+#define MOST_TOKENS 8       // at least the tokens any instruction set's tile multiplies at once (NT_MAX)
+#define MOST_LANES 16       // at least the floats of any instruction set's vector (VL)
+#define TILE_SUMS (TILE_ROWS * MOST_TOKENS * MOST_LANES)    // floats a tile's sums keep between chunks
 
-// TILE_ROWS weight rows of n values times the activations x [T, n] (float32, as given) of the
-// tokens in tokens[]: out[t * TILE_ROWS + r] = w[r] · x[tokens[t]]. A tile's rows are either
-// dequantized to float32 first (struct tile, for many tokens) or read as stored and
-// dequantized in registers as they are multiplied (struct stored_tile, for a few): the same
+// Weight rows of n values times each of a list of tokens' activations x [T, n] (float32, as
+// given): out[t * stride + r] = w[r] · x[tokens[t]]. The rows are either dequantized to float32
+// first (struct panel, any number of rows, for many tokens) or read as stored and dequantized
+// in registers as they are multiplied (struct stored_tile, TILE_ROWS rows, for a few): the same
 // operations in the same order, so the same results.
-struct tile {
-    const float* w[TILE_ROWS];
+struct panel {
+    const float* w;             // [rows, n]
+    int64_t rows;
     const float* x;
     int64_t n;
+    int64_t chunk;              // values of a row multiplied per pass over the panel's tiles (a multiple of 16)
+    float* sums;                // [tiles, TILE_SUMS]: each tile's sums from one chunk to the next (chunk < n)
+    float* out;
+    int64_t stride;
 };
 
 struct stored_tile {
-    const uint8_t* rows[TILE_ROWS];
+    const uint8_t* rows[TILE_ROWS];     // the rows past `count` repeat the last
+    int count;                          // rows written to out
     const float* x;
     int64_t n;
     const uint8_t* next;        // the first row of the tile the caller computes next (NULL: none),
     int64_t row_bytes;          // its rows this far apart: fetched ahead as this one is read
+    float* out;
+    int64_t stride;
 };
 
 typedef void (*dequantize_fn)(const uint8_t* row, int64_t n, float* w);
-typedef void (*fused_fn)(const struct stored_tile* tile, const int64_t* tokens, int64_t n_tokens, float* out);
+typedef void (*fused_fn)(const struct stored_tile* tile, const int64_t* tokens, int64_t n_tokens);
 
 // The kernels of one instruction set (isa_*.c, each built from tiles.h). `fused` takes at most
 // `fused_tokens` tokens and rows whose length is a multiple of 16.
@@ -126,7 +137,7 @@ struct isa_kernels {
     dequantize_fn dequantize[N_TYPES];
     fused_fn fused[N_TYPES];
     int fused_tokens;
-    void (*multiply)(const struct tile* tile, const int64_t* tokens, int64_t n_tokens, float* out);
+    void (*multiply)(const struct panel* panel, const int64_t* tokens, int64_t n_tokens);
 };
 
 // isa.c: the kernels in use; for Python, the instruction sets usable here (best first), the

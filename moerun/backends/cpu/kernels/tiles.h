@@ -10,56 +10,85 @@
 // A tile is TILE_ROWS weight rows times each of a list of tokens' activations, in float32:
 // acc[r][t] = fma(w[r][i..], x[t][i..], acc[r][t]) for i = 0, VL, 2·VL, ... in order, the lanes
 // added at the end, the values past the last full vector (element types) one by one. Either
-// the rows are dequantized first into a buffer that every block of NT_MAX tokens reads
+// the rows are dequantized first into a panel of rows that every block of NT_MAX tokens reads
 // (`multiply`), or, for a few tokens, each 16 values of a row are dequantized in registers and
 // multiplied at once (`fused_T`): the same operations on the same values in the same order,
-// so each output is the same whatever the number of tokens or threads.
+// so each output is the same whatever the number of tokens or threads, and whatever the
+// panel's rows or chunks.
 #include "blocks.h"
 
-ALWAYS_INLINE void block(const struct tile* tile, const int64_t* tokens, const int nt, float* out) {
-    const int64_t n = tile->n;
-    const float* x[NT_MAX];
-    for (int t = 0; t < nt; t++) x[t] = tile->x + tokens[t] * n;
+_Static_assert(NT_MAX <= MOST_TOKENS && NT_FUSED <= MOST_TOKENS && VL <= MOST_LANES, "sums do not fit");
+
+// Tokens in blocks of `most` (a constant, NT_MAX or NT_FUSED), the rest in blocks of 4, 2 and 1:
+// each block a call block_fn(tile, tokens, first, nt) for the tokens first .. first + nt - 1 of
+// the list, nt a constant there. (A block size the registers do not hold is never reached: its
+// condition is false, its constant made 1.)
+#define BY_TOKEN_BLOCKS(block_fn, most, tile, tokens, n_tokens)                    \
+    do {                                                                          \
+        int64_t t = 0;                                                            \
+        for (; t + most <= n_tokens; t += most) block_fn(tile, tokens, t, most);  \
+        if (most > 4 && t + 4 <= n_tokens) {                                      \
+            block_fn(tile, tokens, t, most > 4 ? 4 : 1);                          \
+            t += 4;                                                               \
+        }                                                                         \
+        if (most > 2 && t + 2 <= n_tokens) {                                      \
+            block_fn(tile, tokens, t, most > 2 ? 2 : 1);                          \
+            t += 2;                                                               \
+        }                                                                         \
+        for (; t < n_tokens; t++) block_fn(tile, tokens, t, 1);                   \
+    } while (0)
+
+// Rows row .. row + TILE_ROWS - 1 of the panel (those past its last repeat the last) times the
+// nt tokens whose activations are x[], over values [from, to) of the rows (from a multiple of
+// VL; to one, or the rows' end n): the sums start from zero (from 0) or from `sums`
+// [TILE_ROWS·nt vectors], and end there (to < n) or, the lanes added and the values past the
+// last full vector with them, in out[t * stride + r].
+ALWAYS_INLINE void tile_chunk(const struct panel* p, const float* const* x, const int nt, int64_t row, int64_t from,
+                              int64_t to, float* sums, float* out) {
+    const int64_t n = p->n;
+    int rows = p->rows - row < TILE_ROWS ? (int)(p->rows - row) : TILE_ROWS;
+    const float* w[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) w[r] = p->w + (row + (r < rows ? r : rows - 1)) * n;
     vf acc[TILE_ROWS][NT_MAX];
     for (int r = 0; r < TILE_ROWS; r++)
-        for (int t = 0; t < nt; t++) acc[r][t] = vf_zero();
-    int64_t i = 0;
-    for (; i + VL <= n; i += VL) {
+        for (int t = 0; t < nt; t++) acc[r][t] = from ? vf_load(sums + (t * TILE_ROWS + r) * VL) : vf_zero();
+    int64_t i = from;
+    for (; i + VL <= to; i += VL) {
         vf values[NT_MAX];
         for (int t = 0; t < nt; t++) values[t] = vf_load(x[t] + i);
         for (int r = 0; r < TILE_ROWS; r++) {
-            vf weights = vf_load(tile->w[r] + i);
+            vf weights = vf_load(w[r] + i);
             for (int t = 0; t < nt; t++) acc[r][t] = vf_fma(acc[r][t], weights, values[t]);
         }
     }
-    for (int r = 0; r < TILE_ROWS; r++)
+    if (to < n) {
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int t = 0; t < nt; t++) vf_store(sums + (t * TILE_ROWS + r) * VL, acc[r][t]);
+        return;
+    }
+    for (int r = 0; r < rows; r++)
         for (int t = 0; t < nt; t++) {
             float sum = vf_sum(acc[r][t]);
-            for (int64_t j = i; j < n; j++) sum += tile->w[r][j] * x[t][j];
-            out[t * TILE_ROWS + r] = sum;
+            for (int64_t j = i; j < n; j++) sum += w[r][j] * x[t][j];
+            out[t * p->stride + r] = sum;
         }
 }
 
-// Tokens in blocks of `most` (a constant, NT_MAX or NT_FUSED), the rest in blocks of 4, 2 and 1:
-// each block a call of `block_fn`, whose token count is a constant there. (A block size the
-// registers do not hold is never reached: its condition is false, its constant made 1.)
-#define BY_TOKEN_BLOCKS(block_fn, most, tile, tokens, n_tokens, out)                                 \
-    do {                                                                                            \
-        int64_t t = 0;                                                                              \
-        for (; t + most <= n_tokens; t += most) block_fn(tile, tokens + t, most, out + t * TILE_ROWS); \
-        if (most > 4 && t + 4 <= n_tokens) {                                                        \
-            block_fn(tile, tokens + t, most > 4 ? 4 : 1, out + t * TILE_ROWS);                      \
-            t += 4;                                                                                 \
-        }                                                                                           \
-        if (most > 2 && t + 2 <= n_tokens) {                                                        \
-            block_fn(tile, tokens + t, most > 2 ? 2 : 1, out + t * TILE_ROWS);                      \
-            t += 2;                                                                                 \
-        }                                                                                           \
-        for (; t < n_tokens; t++) block_fn(tile, tokens + t, 1, out + t * TILE_ROWS);              \
-    } while (0)
+// A block of tokens times the whole panel, a chunk of the rows' values at a time: the block's
+// activations of one chunk are read from L1 by every tile, each tile's chunk of weights once.
+ALWAYS_INLINE void panel_block(const struct panel* p, const int64_t* tokens, int64_t first, const int nt) {
+    const float* x[NT_MAX];
+    for (int t = 0; t < nt; t++) x[t] = p->x + tokens[first + t] * p->n;
+    for (int64_t from = 0; from < p->n; from += p->chunk) {
+        int64_t to = p->n - from > p->chunk ? from + p->chunk : p->n;
+        for (int64_t row = 0; row < p->rows; row += TILE_ROWS)
+            tile_chunk(p, x, nt, row, from, to, p->sums + row / TILE_ROWS * TILE_SUMS,
+                       p->out + first * p->stride + row);
+    }
+}
 
-static void multiply(const struct tile* tile, const int64_t* tokens, int64_t n_tokens, float* out) {
-    BY_TOKEN_BLOCKS(block, NT_MAX, tile, tokens, n_tokens, out);
+static void multiply(const struct panel* panel, const int64_t* tokens, int64_t n_tokens) {
+    BY_TOKEN_BLOCKS(panel_block, NT_MAX, panel, tokens, n_tokens);
 }
 
 // The cache lines of bytes [start, start + size) of row r of the tile that comes next.
@@ -71,10 +100,10 @@ ALWAYS_INLINE void prefetch_block(const struct stored_tile* tile, int r, int64_t
 
 // fused_T: the stored rows' blocks read once per block of tokens, 16 values at a time.
 #define FUSED_TILE(name, type, values, bytes)                                                        \
-    ALWAYS_INLINE void fused_block_##name(const struct stored_tile* tile, const int64_t* tokens, const int nt, \
-                                          float* out) {                                              \
+    ALWAYS_INLINE void fused_block_##name(const struct stored_tile* tile, const int64_t* tokens, int64_t first, \
+                                          const int nt) {                                            \
         const float* x[NT_FUSED];                                                                    \
-        for (int t = 0; t < nt; t++) x[t] = tile->x + tokens[t] * tile->n;                           \
+        for (int t = 0; t < nt; t++) x[t] = tile->x + tokens[first + t] * tile->n;                   \
         vf acc[TILE_ROWS][NT_FUSED];                                                                 \
         for (int r = 0; r < TILE_ROWS; r++)                                                          \
             for (int t = 0; t < nt; t++) acc[r][t] = vf_zero();                                      \
@@ -92,11 +121,12 @@ ALWAYS_INLINE void prefetch_block(const struct stored_tile* tile, int r, int64_t
                             acc[r][t] = vf_fma(acc[r][t], w.v[p], vf_load(x[t] + b * values + 16 * g + p * VL)); \
                 }                                                                                    \
         }                                                                                            \
-        for (int r = 0; r < TILE_ROWS; r++)                                                          \
-            for (int t = 0; t < nt; t++) out[t * TILE_ROWS + r] = vf_sum(acc[r][t]);                 \
+        float* out = tile->out + first * tile->stride;                                               \
+        for (int r = 0; r < tile->count; r++)                                                        \
+            for (int t = 0; t < nt; t++) out[t * tile->stride + r] = vf_sum(acc[r][t]);              \
     }                                                                                                \
-    static void fused_##name(const struct stored_tile* tile, const int64_t* tokens, int64_t n_tokens, float* out) { \
-        BY_TOKEN_BLOCKS(fused_block_##name, NT_FUSED, tile, tokens, n_tokens, out);                  \
+    static void fused_##name(const struct stored_tile* tile, const int64_t* tokens, int64_t n_tokens) { \
+        BY_TOKEN_BLOCKS(fused_block_##name, NT_FUSED, tile, tokens, n_tokens);                       \
     }
 TYPES(FUSED_TILE)
 

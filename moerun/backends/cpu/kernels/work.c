@@ -1,7 +1,9 @@
+#define _GNU_SOURCE
 #include "work.h"
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include "pool.h"
 
 #define ALIGN 64
@@ -28,22 +30,73 @@ int check_matrix(const struct moe_matrix* m, int64_t rows, int64_t cols, int* ty
     return MOE_OK;
 }
 
+void panel_product(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert, int64_t row,
+                   int64_t count, const uint8_t* next, const float* x, const int64_t* tokens, int64_t n_tokens,
+                   float* panel, float* sums, float* out, int64_t stride) {
+    const uint8_t* first = stored_row(m, expert, row);
+    if (n_tokens <= isa->fused_tokens && m->cols % 16 == 0) {
+        struct stored_tile tile = {.x = x, .n = m->cols, .row_bytes = m->row_bytes, .stride = stride};
+        for (int64_t tile_row = 0; tile_row < count; tile_row += TILE_ROWS) {
+            tile.count = count - tile_row < TILE_ROWS ? (int)(count - tile_row) : TILE_ROWS;
+            for (int r = 0; r < TILE_ROWS; r++)
+                tile.rows[r] = first + (tile_row + (r < tile.count ? r : tile.count - 1)) * m->row_bytes;
+            tile.next = tile_row + TILE_ROWS < count ? first + (tile_row + TILE_ROWS) * m->row_bytes : next;
+            tile.out = out + tile_row;
+            isa->fused[type](&tile, tokens, n_tokens);
+        }
+        return;
+    }
+    for (int64_t r = 0; r < count; r++) isa->dequantize[type](first + r * m->row_bytes, m->cols, panel + r * m->cols);
+    struct panel p = {.w = panel, .rows = count, .x = x, .n = m->cols, .sums = sums, .out = out, .stride = stride,
+                      .chunk = sums ? chunk_values(m->cols) : m->cols};
+    isa->multiply(&p, tokens, n_tokens);
+}
+
 void tile_product(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert, int64_t row,
                   int count, const uint8_t* next, const float* x, const int64_t* tokens, int64_t n_tokens,
                   float* buffer, float* out) {
-    const uint8_t* first = stored_row(m, expert, row);
-    if (n_tokens <= isa->fused_tokens && m->cols % 16 == 0) {
-        struct stored_tile tile = {.x = x, .n = m->cols, .next = next, .row_bytes = m->row_bytes};
-        for (int r = 0; r < TILE_ROWS; r++) tile.rows[r] = first + (r < count ? r : count - 1) * m->row_bytes;
-        isa->fused[type](&tile, tokens, n_tokens, out);
-        return;
-    }
-    struct tile tile = {.x = x, .n = m->cols};
-    for (int r = 0; r < TILE_ROWS; r++) {
-        if (r < count) isa->dequantize[type](first + r * m->row_bytes, m->cols, buffer + r * m->cols);
-        tile.w[r] = buffer + (r < count ? r : count - 1) * m->cols;
-    }
-    isa->multiply(&tile, tokens, n_tokens, out);
+    panel_product(isa, m, type, expert, row, count, next, x, tokens, n_tokens, buffer, NULL, out, TILE_ROWS);
+}
+
+// ---- blocking ---------------------------------------------------------------------------------
+
+#define FEWEST_PANEL_ROWS 16
+#define MOST_PANEL_ROWS 256
+
+static struct { int64_t panel_rows, chunk; } fixed;     // moe_set_blocking's sizes; 0: from the caches
+
+// A cache's bytes as the C library reports them, else `otherwise`; at most `most` (a shared
+// cache may be reported whole).
+static int64_t cache_bytes(int name, int64_t otherwise, int64_t most) {
+    long bytes = name ? sysconf(name) : 0;
+    return bytes <= 0 ? otherwise : bytes < most ? bytes : most;
+}
+
+#ifdef _SC_LEVEL2_CACHE_SIZE
+#define L2_NAME _SC_LEVEL2_CACHE_SIZE
+#else
+#define L2_NAME 0
+#endif
+
+// Half of L2 for the panel (the rest: a block of tokens' activations, the sums, the next rows).
+int64_t panel_rows(int64_t n, int64_t rows, int threads) {
+    if (fixed.panel_rows) return fixed.panel_rows;
+    int64_t l2 = cache_bytes(L2_NAME, 1 << 20, 4 << 20);
+    int64_t most = l2 / 2 / (n * (int64_t)sizeof(float)), balanced = rows / ((int64_t)threads * PANELS_PER_THREAD);
+    int64_t panel = (most < balanced ? most : balanced) / FEWEST_PANEL_ROWS * FEWEST_PANEL_ROWS;
+    return panel < FEWEST_PANEL_ROWS ? FEWEST_PANEL_ROWS : panel > MOST_PANEL_ROWS ? MOST_PANEL_ROWS : panel;
+}
+
+int64_t chunk_values(int64_t n) { return fixed.chunk && fixed.chunk < n ? fixed.chunk : n; }
+
+void moe_set_blocking(int64_t rows, int64_t chunk) {
+    fixed.panel_rows = rows > 0 ? (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS : 0;
+    fixed.chunk = chunk > 0 ? (chunk + 15) / 16 * 16 : 0;
+}
+
+void moe_blocking(int64_t n, int64_t rows, int threads, int64_t* panel, int64_t* chunk) {
+    *panel = panel_rows(n, rows, threads);
+    *chunk = chunk_values(n);
 }
 
 // ---- memory -----------------------------------------------------------------------------------
@@ -61,16 +114,19 @@ void* workspace(int slot, size_t bytes) {
     return buffers[slot].data;
 }
 
-struct scratch* thread_scratch(int threads, int sets, int64_t n, int outs, int64_t max_tokens) {
-    size_t row_bytes = round_up(TILE_ROWS * n * sizeof(float));
-    size_t out_bytes = round_up(max_tokens * TILE_ROWS * sizeof(float));
+struct scratch* panel_scratch(int threads, int sets, int64_t rows, int64_t n, int outs, int64_t max_tokens) {
+    size_t panel_bytes = round_up(rows * n * sizeof(float));
+    size_t sums_bytes = round_up((rows + TILE_ROWS - 1) / TILE_ROWS * TILE_SUMS * sizeof(float));
+    size_t out_bytes = round_up(max_tokens * rows * sizeof(float));
     size_t head = round_up(threads * sizeof(struct scratch));
-    char* memory = workspace(SLOT_SCRATCH, head + threads * (sets * row_bytes + outs * out_bytes));
+    char* memory = workspace(SLOT_SCRATCH, head + threads * (sets * panel_bytes + sums_bytes + outs * out_bytes));
     if (!memory) return NULL;
     struct scratch* scratch = (struct scratch*)memory;
     char* cursor = memory + head;
     for (int thread = 0; thread < threads; thread++) {
-        for (int i = 0; i < sets; i++, cursor += row_bytes) scratch[thread].rows[i] = (float*)cursor;
+        for (int i = 0; i < sets; i++, cursor += panel_bytes) scratch[thread].rows[i] = (float*)cursor;
+        scratch[thread].sums = (float*)cursor;
+        cursor += sums_bytes;
         for (int i = 0; i < outs; i++, cursor += out_bytes) scratch[thread].outs[i] = (float*)cursor;
     }
     return scratch;

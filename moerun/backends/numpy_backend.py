@@ -2,7 +2,8 @@
 numpy_ops), but for the weight matrices, which the CPU kernels (moerun.backends.cpu) multiply
 straight from their stored blocks in the mmap: the routed experts (QuantizedExperts) and the
 dense matrices, attention, shared experts and the LM head (StoredMatrix). F32 matrices (the
-routers) stay numpy, on a view of the mapping; the embedding rows are dequantized on use.
+routers) stay numpy, on a view of the mapping (routing multiplies them in the kernels); the
+embedding rows are dequantized on use.
 
 The work of a layer around its products (rms_norm, the q/k norms with rope and the cache append,
 a decode step's attention, the router's softmax and top-K) runs in the kernels too, a call or

@@ -1,7 +1,8 @@
 """The path of one decode token through a CPU rig stays short: the parent's files whose code runs
 while the runtime decodes one token (Runtime._decode and all it calls: the forward pass, the
 backend, the dispatcher, the wire to the daemon and back) are at most MAX_FILES — the hops
-docs/architecture.md names."""
+docs/architecture.md names (backends/cpu/library.py among them where the CPU kernels load: they run the
+norms, rope, attention and routing of a float32 model too)."""
 from __future__ import annotations
 
 import sys
@@ -13,7 +14,7 @@ from moerun.engine.runtime import Runtime
 from moerun.rig.settings import RigConfig
 from tests.support.daemon_fixtures import GREEDY, PROMPT, tiny_daemon_model
 
-MAX_FILES = 10
+MAX_FILES = 11
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = tuple(str(REPO / folder) for folder in ("moerun", "ipc", "daemons"))
 STEPS = 4
@@ -46,7 +47,7 @@ def decode_files(runtime: Runtime) -> list[set[str]]:
 
 
 @pytest.mark.parametrize("transport", ["shared", "stream"])
-def test_one_decode_token_touches_at_most_ten_files(tmp_path, transport):
+def test_one_decode_token_touches_at_most_eleven_files(tmp_path, transport):
     model = tiny_daemon_model(tmp_path)
     with Runtime(model, rig=RigConfig(daemons=("cpu",), hot=2, transport=transport)) as runtime:
         steps = decode_files(runtime)

@@ -2,6 +2,7 @@
 // Shape legend: T tokens, S cache positions, NH/NKV query/KV heads, D/Dv head dims,
 // E experts, K experts per token, H hidden, N a row width.
 #include "q8_dot.cuh"
+#include "staging.cuh"
 
 #define MAX_HEAD_DIM 256
 #define ATTENTION_CHUNK 256     // cache rows a split of decode attention scores at a time
@@ -46,36 +47,39 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 // per-head RMS norm when given, rotate by the token's position, then
 // store a query head back in q or a key head (with its value head) into the cache
 // at row positions[t].  neox rotates pairs (i, i + D/2), otherwise (2i, 2i + 1).
+// The angle is computed before the wait: the positions were written before the step's first
+// kernel (read from L2), the norms and frequencies by none.
 extern "C" __global__ void qk_norm_rope_append(
         float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
         const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,
         const int* __restrict__ positions, const double* __restrict__ inv_freq, double inv_scale, int neox,
         float* __restrict__ k_cache, float* __restrict__ v_cache,
         int n_heads, int n_kv_heads, int head_dim, int head_dim_v) {
-    wait_for_previous_grid();
     __shared__ float scratch[MAX_HEAD_DIM / 2];
     int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x, half = head_dim / 2;
     bool is_query = head < n_heads;
-    int kv_head = head - n_heads;
-    const float* src = is_query ? q + ((long long)t * n_heads + head) * head_dim
-                                : k + ((long long)t * n_kv_heads + kv_head) * head_dim;
+    int kv_head = head - n_heads, position = load_from_l2(positions + t);
     const float* norm = is_query ? q_norm : k_norm;
     int i1 = neox ? i : 2 * i, i2 = neox ? i + half : 2 * i + 1;
+    float norm1 = norm ? norm[i1] : 1.f, norm2 = norm ? norm[i2] : 1.f;
+    double angle = (double)position * inv_scale * inv_freq[i];
+    float c = (float)cos(angle), s = (float)sin(angle);
+    wait_for_previous_grid();
+    const float* src = is_query ? q + ((long long)t * n_heads + head) * head_dim
+                                : k + ((long long)t * n_kv_heads + kv_head) * head_dim;
     float a = src[i1], b = src[i2];
     if (norm) {
         float inv = 1.0f / sqrtf(block_sum(a * a + b * b, scratch) / head_dim + eps);
-        a = a * inv * norm[i1];
-        b = b * inv * norm[i2];
+        a = a * inv * norm1;
+        b = b * inv * norm2;
     }
-    double angle = (double)positions[t] * inv_scale * inv_freq[i];
-    float c = (float)cos(angle), s = (float)sin(angle);
     float ra = a * c - b * s, rb = b * c + a * s;
     if (is_query) {
         float* dst = q + ((long long)t * n_heads + head) * head_dim;
         dst[i1] = ra; dst[i2] = rb;
         return;
     }
-    long long slot = (long long)positions[t] * n_kv_heads + kv_head;
+    long long slot = (long long)position * n_kv_heads + kv_head;
     k_cache[slot * head_dim + i1] = ra;
     k_cache[slot * head_dim + i2] = rb;
     const float* v_src = v + ((long long)t * n_kv_heads + kv_head) * head_dim_v;
@@ -89,22 +93,30 @@ extern "C" __global__ void qk_norm_rope_append(
 // rounded up to whole ATTENTION_GRANULE rows (so the last splits may get fewer, or none),
 // and walks it ATTENTION_CHUNK rows at a time with a running max and sum. Writes the
 // split's unnormalised output acc [T, NH, splits, Dv] and its (max, sum) [T, NH, splits, 2],
-// (-inf, 0) for a split with no rows.
+// (-inf, 0) for a split with no rows. Before the wait, the split's rows the steps before wrote
+// (all but those of this step's tokens, from positions[0]) are fetched into L2.
 extern "C" __global__ void attention_partial(
         const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
         const int* __restrict__ positions, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,
         float scale, float* __restrict__ acc, float* __restrict__ max_sum) {
-    wait_for_previous_grid();
     __shared__ float q_shared[MAX_HEAD_DIM];
     __shared__ float probs[ATTENTION_CHUNK];
     __shared__ float scratch[1024];
     int t = blockIdx.x, head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     int kv_head = head / (n_heads / n_kv_heads);
     long long part = ((long long)t * n_heads + head) * splits + split;
-    int length = positions[t] + 1;
+    int length = load_from_l2(positions + t) + 1;
     int share = (length + splits - 1) / splits;
     share = (share + ATTENTION_GRANULE - 1) / ATTENTION_GRANULE * ATTENTION_GRANULE;
     int begin = split * share, end = min(begin + share, length);
+    int written = min(end, load_from_l2(positions));                  // rows before this step's
+    int lines = head_dim / 32, lines_v = head_dim_v / 32;              // 128-byte lines of a row
+    for (int l = threadIdx.x; l < (written - begin) * (lines + lines_v); l += blockDim.x) {
+        int s = begin + l / (lines + lines_v), line = l % (lines + lines_v);
+        prefetch_l2(line < lines ? k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim + 32 * line
+                                 : v_cache + ((long long)s * n_kv_heads + kv_head) * head_dim_v + 32 * (line - lines));
+    }
+    wait_for_previous_grid();
     if (begin >= end) {
         if (threadIdx.x == 0) { max_sum[2 * part] = NEG_INF; max_sum[2 * part + 1] = 0.f; }
         return;

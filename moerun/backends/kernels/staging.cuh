@@ -60,3 +60,10 @@ __device__ __forceinline__ V load_from_l2(const V* p) {
     return *p;
 #endif
 }
+
+// The 128-byte line at p into L2 (where CUDA can), without waiting for it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__) && !defined(__HIP_PLATFORM_AMD__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}

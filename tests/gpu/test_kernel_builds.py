@@ -84,10 +84,12 @@ def kernel_bodies() -> dict[str, str]:
 
 
 # These read weights, which no kernel writes, before they wait (staging.cuh; the down experts'
-# ids too, written two launches before).
+# ids too, written two launches before; rope and attention the step's positions, written before
+# its first kernel, and attention fetches earlier steps' cache rows into L2).
 READ_BEFORE_WAIT = {"layers.cu:rms_norm", "gemv_q8.cu:gemv_q8_##TYPE", "gemv_q8.cu:gemv_q8_three",
                     "gemv_q8.cu:moe_down_q8_##TYPE", "gemv.cu:gemv_few_rows_##TYPE",
-                    "route.cu:route_normed_##TYPE"}
+                    "route.cu:route_normed_##TYPE", "layers.cu:qk_norm_rope_append",
+                    "layers.cu:attention_partial"}
 
 
 def test_every_kernel_first_waits_for_the_previous_grid():

@@ -117,7 +117,6 @@ class GpuBackend:
         self._last_q8: tuple[Any, Any] = (None, None)         # (activations, their 8-bit planes)
         self.inv_freq = cupy.asarray(rope_frequencies(spec.head_dim_k, spec.rope_base))
         self._route_done = cupy.zeros(1, cupy.uint32)        # route_normed's count of finished blocks
-        self._attention_done = cupy.zeros((MAX_GEMV_TOKENS, spec.n_heads), cupy.uint32)   # attention's, per head
         if spec.n_experts > MAX_EXPERTS or spec.n_experts_used > MAX_TOP_K:
             raise ValueError(f"{spec.n_experts} experts, {spec.n_experts_used} per token: the GPU backend routes "
                              f"at most {MAX_EXPERTS} experts, {MAX_TOP_K} per token")
@@ -294,17 +293,20 @@ class GpuBackend:
         spec, cupy = self.spec, self.cupy
         n_tokens = q.shape[0]
         span = cache.capacity if n_tokens == 1 else cache.length + n_tokens
-        splits = attention_splits(span, n_tokens * spec.n_heads, self.kernels.wave("attention"))
+        splits = attention_splits(span, n_tokens * spec.n_heads, self.kernels.wave("attention_partial"))
         acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)    # [T, NH, splits, Dv]
         max_sum = cupy.empty((n_tokens, spec.n_heads, splits, 2), cupy.float32)
-        out = cupy.empty((n_tokens, spec.n_heads * spec.head_dim_v), cupy.float32)
-        q8, ds = self._planes_for(out) if spec.head_dim_v % UNIT == 0 else (None, None)
         self.kernels.launch(
-            "attention",
+            "attention_partial",
             (n_tokens, spec.n_heads, splits), (BLOCK,),
             (q, cache.k[layer], cache.v[layer], positions, i32(spec.n_heads), i32(spec.n_kv_heads),
              i32(spec.head_dim_k), i32(spec.head_dim_v), np.float32(1.0 / math.sqrt(spec.head_dim_k)),
-             acc, max_sum, self._attention_done, out, pointer(q8), pointer(ds)))
+             acc, max_sum))
+        out = cupy.empty((n_tokens, spec.n_heads * spec.head_dim_v), cupy.float32)
+        q, ds = self._planes_for(out) if spec.head_dim_v % UNIT == 0 else (None, None)
+        self.kernels.launch("attention_combine", (n_tokens, spec.n_heads), (128,),
+                                          (acc, max_sum, i32(splits), i32(spec.n_heads), i32(spec.head_dim_v), out,
+                                           pointer(q), pointer(ds)))
         return out
 
     def _prefill_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:

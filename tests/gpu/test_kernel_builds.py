@@ -17,9 +17,9 @@ from moerun.backends.gpu_weights import KERNEL_TYPES
 
 pytestmark = pytest.mark.tools
 PER_TYPE = ("moe_gate_up", "moe_down", "moe_mm_gate_up", "moe_mm_down", "dequant_f16", "gather_rows_f32")
-PER_FLOAT_TYPE = ("gemv", "gemv_few_rows", "route_normed")
+PER_FLOAT_TYPE = ("gemv", "gemv_few_rows")
 PER_INT_TYPE = ("gemv_q8", "moe_gate_up_q8", "moe_down_q8")
-SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "qk_norm_rope_append", "attention", "route_top_k", "silu_mul",
+SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "qk_norm_rope_append", "attention_partial", "attention_combine", "route_top_k", "silu_mul",
           "gather_rows_f16", "combine_rows", "add_gated", "to_f16", "expand_kv_heads",
           "causal_softmax", "layout_pairs", "split_parent_ids", "pack_remote",
           "unpack_payload", "add_reply_rows")
@@ -89,7 +89,7 @@ def kernel_bodies() -> dict[str, str]:
 READ_BEFORE_WAIT = {"layers.cu:rms_norm", "gemv_q8.cu:gemv_q8_##TYPE", "gemv_q8.cu:gemv_q8_three",
                     "gemv_q8.cu:moe_down_q8_##TYPE", "gemv.cu:gemv_few_rows_##TYPE",
                     "route.cu:route_normed_##TYPE", "layers.cu:qk_norm_rope_append",
-                    "layers.cu:attention"}
+                    "layers.cu:attention_partial"}
 
 
 def test_every_kernel_first_waits_for_the_previous_grid():

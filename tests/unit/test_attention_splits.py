@@ -6,7 +6,7 @@ import pytest
 
 from moerun.backends.gpu_backend import DECODE_CHUNK, attention_splits
 
-WAVE = 5 * 132          # blocks of attention an H100 holds at once (46 registers)
+WAVE = 5 * 132          # blocks of attention_partial an H100 holds at once (46 registers)
 
 
 @pytest.mark.parametrize("capacity", [4096, 32768, 131072])

@@ -87,46 +87,40 @@ extern "C" __global__ void qk_norm_rope_append(
         v_cache[slot * head_dim_v + j] = v_src[j];
 }
 
-// The splits of one (token t, head) combined: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] /
-// Σ_c e^(m_c - M) l_c over the splits that saw rows (m_c > -inf), and in 8-bit planes into q, ds
-// when q is given (Dv a multiple of 32), by the whole block (blockDim.x a multiple of 32). The
-// splits were written by other blocks: read from L2. Each thread reads every split's (max, sum)
-// (no block reduction: its barriers cost more than a few dozen loads).
-__device__ void combine_splits(const float* acc, const float* max_sum, int splits, int t, int head, int n_heads,
-                               int head_dim_v, float* __restrict__ out, int4* __restrict__ q,
-                               float2* __restrict__ ds) {
-    const float2* parts = reinterpret_cast<const float2*>(max_sum) + ((long long)t * n_heads + head) * splits;
-    float best = NEG_INF;
-#pragma unroll 4
-    for (int c = 0; c < splits; c++) best = fmaxf(best, load_from_l2(parts + c).x);
-    float denominator = 0.f;
-#pragma unroll 4
-    for (int c = 0; c < splits; c++) {
-        float2 part = load_from_l2(parts + c);
-        if (part.x > NEG_INF) denominator += expf(part.x - best) * part.y;
+// Split-K causal attention of a few tokens, first pass. Grid (T, NH, splits), blockDim <= 256
+// (scratch holds the [strides, Dv] partial sums: 4·blockDim floats; launched with 256).
+// Token t attends to cache rows [0, positions[t]]; split c takes an equal share of them,
+// rounded up to whole ATTENTION_GRANULE rows (so the last splits may get fewer, or none),
+// and walks it ATTENTION_CHUNK rows at a time with a running max and sum. Writes the
+// split's unnormalised output acc [T, NH, splits, Dv] and its (max, sum) [T, NH, splits, 2],
+// (-inf, 0) for a split with no rows. Before the wait, the split's rows the steps before wrote
+// (all but those of this step's tokens, from positions[0]) are fetched into L2.
+extern "C" __global__ void attention_partial(
+        const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
+        const int* __restrict__ positions, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,
+        float scale, float* __restrict__ acc, float* __restrict__ max_sum) {
+    __shared__ float q_shared[MAX_HEAD_DIM];
+    __shared__ float probs[ATTENTION_CHUNK];
+    __shared__ float scratch[1024];
+    int t = blockIdx.x, head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    int kv_head = head / (n_heads / n_kv_heads);
+    long long part = ((long long)t * n_heads + head) * splits + split;
+    int length = load_from_l2(positions + t) + 1;
+    int share = (length + splits - 1) / splits;
+    share = (share + ATTENTION_GRANULE - 1) / ATTENTION_GRANULE * ATTENTION_GRANULE;
+    int begin = split * share, end = min(begin + share, length);
+    int written = min(end, load_from_l2(positions));                  // rows before this step's
+    int lines = head_dim / 32, lines_v = head_dim_v / 32;              // 128-byte lines of a row
+    for (int l = threadIdx.x; l < (written - begin) * (lines + lines_v); l += blockDim.x) {
+        int s = begin + l / (lines + lines_v), line = l % (lines + lines_v);
+        prefetch_l2(line < lines ? k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim + 32 * line
+                                 : v_cache + ((long long)s * n_kv_heads + kv_head) * head_dim_v + 32 * (line - lines));
     }
-    const float* head_acc = acc + ((long long)t * n_heads + head) * splits * head_dim_v;
-    for (int start = 0; start < head_dim_v; start += blockDim.x) {
-        int d = start + threadIdx.x;
-        if (d - threadIdx.x % UNIT >= head_dim_v) break;      // the whole warp is past the head
-        float sum = 0.f;
-        for (int c = 0; c < splits && d < head_dim_v; c++) {
-            float m = load_from_l2(parts + c).x;
-            if (m > NEG_INF) sum += expf(m - best) * load_from_l2(head_acc + (long long)c * head_dim_v + d);
-        }
-        long long at = ((long long)t * n_heads + head) * head_dim_v + d;
-        if (d < head_dim_v) out[at] = sum / denominator;
-        if (q) quantize_unit_of_warp(sum / denominator, at / UNIT, q, ds);
+    wait_for_previous_grid();
+    if (begin >= end) {
+        if (threadIdx.x == 0) { max_sum[2 * part] = NEG_INF; max_sum[2 * part + 1] = 0.f; }
+        return;
     }
-}
-
-// One split's rows [begin, end) of token t's attention for one head: its unnormalised output
-// acc [Dv] and (max, sum) in max_sum [2] (see attention).
-__device__ void split_attention(const float* __restrict__ q, const float* __restrict__ k_cache,
-                                const float* __restrict__ v_cache, int t, int head, int kv_head, int begin, int end,
-                                int n_heads, int n_kv_heads, int head_dim, int head_dim_v, float scale,
-                                float* __restrict__ acc, float* __restrict__ max_sum, float* q_shared, float* probs,
-                                float* scratch) {
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
         q_shared[d] = q[((long long)t * n_heads + head) * head_dim + d];
     __syncthreads();
@@ -187,59 +181,40 @@ __device__ void split_attention(const float* __restrict__ q, const float* __rest
     for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {
         float value = 0.f;
         for (int r = 0; r < strides; r++) value += scratch[r * head_dim_v + d];
-        acc[d] = value;
+        acc[part * head_dim_v + d] = value;
     }
-    if (threadIdx.x == 0) { max_sum[0] = best; max_sum[1] = total; }
+    if (threadIdx.x == 0) { max_sum[2 * part] = best; max_sum[2 * part + 1] = total; }
 }
 
-// Split-K causal attention of a few tokens. Grid (T, NH, splits), blockDim <= 256, a multiple
-// of 32 (scratch holds the [strides, Dv] partial sums: 4·blockDim floats; launched with 256).
-// Token t attends to cache rows [0, positions[t]]; split c takes an equal share of them,
-// rounded up to whole ATTENTION_GRANULE rows (so the last splits may get fewer, or none),
-// and walks it ATTENTION_CHUNK rows at a time with a running max and sum. Writes the
-// split's unnormalised output acc [T, NH, splits, Dv] and its (max, sum) [T, NH, splits, 2],
-// (-inf, 0) for a split with no rows; the last split of a (token, head) to count itself in
-// done [T, NH] (which it sets back to 0) combines them into out [T, NH*Dv] (and q, ds:
-// combine_splits). Before the wait, the split's rows the steps before wrote (all but those of
-// this step's tokens, from positions[0]) are fetched into L2.
-extern "C" __global__ void attention(
-        const float* __restrict__ q, const float* __restrict__ k_cache, const float* __restrict__ v_cache,
-        const int* __restrict__ positions, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,
-        float scale, float* __restrict__ acc, float* __restrict__ max_sum, unsigned* __restrict__ done,
-        float* __restrict__ out, int4* __restrict__ out_q, float2* __restrict__ out_ds) {
-    __shared__ float q_shared[MAX_HEAD_DIM];
-    __shared__ float probs[ATTENTION_CHUNK];
-    __shared__ float scratch[1024];
-    int t = blockIdx.x, head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    int kv_head = head / (n_heads / n_kv_heads);
-    long long part = ((long long)t * n_heads + head) * splits + split;
-    int length = load_from_l2(positions + t) + 1;
-    int share = (length + splits - 1) / splits;
-    share = (share + ATTENTION_GRANULE - 1) / ATTENTION_GRANULE * ATTENTION_GRANULE;
-    int begin = split * share, end = min(begin + share, length);
-    int written = min(end, load_from_l2(positions));                  // rows before this step's
-    int lines = head_dim / 32, lines_v = head_dim_v / 32;              // 128-byte lines of a row
-    for (int l = threadIdx.x; l < (written - begin) * (lines + lines_v); l += blockDim.x) {
-        int s = begin + l / (lines + lines_v), line = l % (lines + lines_v);
-        prefetch_l2(line < lines ? k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim + 32 * line
-                                 : v_cache + ((long long)s * n_kv_heads + kv_head) * head_dim_v + 32 * (line - lines));
-    }
+// Second pass: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] / Σ_c e^(m_c - M) l_c over the splits
+// that saw rows (m_c > -inf), and in 8-bit planes into q, ds when q is given (Dv a multiple of 32).
+// Grid (T, NH), blockDim a multiple of 32; each thread reads every split's (max, sum) (no block
+// reduction: its barriers cost more than a few dozen loads that hit in L1).
+extern "C" __global__ void attention_combine(const float* __restrict__ acc, const float* __restrict__ max_sum,
+                                             int splits, int n_heads, int head_dim_v, float* __restrict__ out,
+                                             int4* __restrict__ q, float2* __restrict__ ds) {
     wait_for_previous_grid();
-    if (begin < end) split_attention(q, k_cache, v_cache, t, head, kv_head, begin, end, n_heads, n_kv_heads,
-                                     head_dim, head_dim_v, scale, acc + part * head_dim_v, max_sum + 2 * part,
-                                     q_shared, probs, scratch);
-    else if (threadIdx.x == 0) { max_sum[2 * part] = NEG_INF; max_sum[2 * part + 1] = 0.f; }
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done + t * n_heads + head, 1u) == splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    combine_splits(acc, max_sum, splits, t, head, n_heads, head_dim_v, out, out_q, out_ds);
-    if (threadIdx.x == 0) done[t * n_heads + head] = 0u;
+    int t = blockIdx.x, head = blockIdx.y;
+    const float2* parts = reinterpret_cast<const float2*>(max_sum) + ((long long)t * n_heads + head) * splits;
+    float best = NEG_INF;      // every thread over all splits (at most a wave over the heads: a few dozen)
+#pragma unroll 4
+    for (int c = 0; c < splits; c++) best = fmaxf(best, parts[c].x);
+    float denominator = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < splits; c++)
+        if (parts[c].x > NEG_INF) denominator += expf(parts[c].x - best) * parts[c].y;
+    const float* head_acc = acc + ((long long)t * n_heads + head) * splits * head_dim_v;
+    for (int start = 0; start < head_dim_v; start += blockDim.x) {
+        int d = start + threadIdx.x;
+        if (d - threadIdx.x % UNIT >= head_dim_v) break;      // the whole warp is past the head
+        float sum = 0.f;
+        for (int c = 0; c < splits && d < head_dim_v; c++)
+            if (parts[c].x > NEG_INF) sum += expf(parts[c].x - best) * head_acc[(long long)c * head_dim_v + d];
+        long long at = ((long long)t * n_heads + head) * head_dim_v + d;
+        if (d < head_dim_v) out[at] = sum / denominator;
+        if (q) quantize_unit_of_warp(sum / denominator, at / UNIT, q, ds);
+    }
 }
-
 
 // out[i] = silu(gate[i]) * up[i] over n values.
 extern "C" __global__ void silu_mul(const float* __restrict__ gate, const float* __restrict__ up,

@@ -10,6 +10,7 @@ the small kernels of a decode step.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,7 @@ STAGE_LIMIT = 48 * 1024         # most shared memory per block for staged weight
 class Kernels:
     def __init__(self, cupy):
         self.cupy = cupy
-        source = (KERNEL_DIR / "moerun.cu").read_text()
-        self.module = cupy.RawModule(code=source, options=("-std=c++17", f"-I{KERNEL_DIR}"))
+        self.module = cupy.RawModule(code=kernel_source(), options=("-std=c++17", f"-I{KERNEL_DIR}"))
         self._functions: dict[str, Any] = {}
         self._waves: dict[str, int] = {}
         self._dependent = DependentLauncher.for_device(cupy)
@@ -76,6 +76,17 @@ class Kernels:
     def elementwise(self, name: str, n: int, args: tuple) -> None:
         """Launch a kernel of one thread per element."""
         self.launch(name, ((n + BLOCK - 1) // BLOCK,), (BLOCK,), args)
+
+
+def kernel_source(folder: Path = KERNEL_DIR) -> str:
+    """moerun.cu under a digest of every file of the kernel tree: CuPy keys its cache of compiled
+    modules by the code it is given, not by the files that code includes, so without the digest an
+    upgrade in place would run the kernels its headers had before."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".cu", ".cuh"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"// kernel tree {digest.hexdigest()}\n" + (folder / "moerun.cu").read_text()
 
 
 def row_group(units_per_row: int, units_per_lane: int = 1) -> int:

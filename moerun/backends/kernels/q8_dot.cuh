@@ -183,23 +183,33 @@ __device__ __forceinline__ void quantize_unit_of_warp(float value, long long uni
     if (lane == 0) ds[unit] = make_float2(d, d * (sum_a + sum_b * (1.f / 254.f)));
 }
 
+// N values (a multiple of 4) times `scale` as their two planes (split_planes), each plane's bytes
+// packed four to a word into words_a, words_b [N / 4], and each plane's sum.
+template <int N>
+__device__ __forceinline__ void pack_planes(const float* v, float scale, int* words_a, int* words_b, int& sum_a,
+                                            int& sum_b) {
+    sum_a = sum_b = 0;
+#pragma unroll
+    for (int i = 0; i < N / 4; i++) words_a[i] = words_b[i] = 0;
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        int a, b;
+        split_planes(v[i] * scale, &a, &b);
+        sum_a += a;
+        sum_b += b;
+        words_a[i / 4] |= (a & 0xff) << (8 * (i % 4));
+        words_b[i / 4] |= (b & 0xff) << (8 * (i % 4));
+    }
+}
+
 // One unit of 32 values held by one thread into its two planes (four int4: plane a, plane b)
 // at q; returns its (d, sx).
 __device__ __forceinline__ float2 quantize_unit(const float* v, int4* q) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < UNIT; i++) amax = fmaxf(amax, fabsf(v[i]));
-    float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int words_a[8] = {0}, words_b[8] = {0}, sum_a = 0, sum_b = 0;
-#pragma unroll
-    for (int i = 0; i < UNIT; i++) {
-        int a, b;
-        split_planes(v[i] * inv, &a, &b);
-        sum_a += a;
-        sum_b += b;
-        words_a[i / 4] |= (a & 0xff) << (8 * (i % 4));
-        words_b[i / 4] |= (b & 0xff) << (8 * (i % 4));
-    }
+    int words_a[8], words_b[8], sum_a, sum_b;
+    pack_planes<UNIT>(v, amax > 0.f ? 127.f / amax : 0.f, words_a, words_b, sum_a, sum_b);
     q[0] = make_int4(words_a[0], words_a[1], words_a[2], words_a[3]);
     q[1] = make_int4(words_a[4], words_a[5], words_a[6], words_a[7]);
     q[2] = make_int4(words_b[0], words_b[1], words_b[2], words_b[3]);
@@ -242,17 +252,8 @@ __device__ void normed_planes(const float* __restrict__ x, const float* __restri
             amax = fmaxf(amax, fabsf(v[i]));
         }
         amax = group_max(amax, 4);
-        float scale = amax > 0.f ? 127.f / amax : 0.f;
-        int words_a[2] = {0, 0}, words_b[2] = {0, 0}, sum_a = 0, sum_b = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            int a, b;
-            split_planes(v[i] * scale, &a, &b);
-            sum_a += a;
-            sum_b += b;
-            words_a[i / 4] |= (a & 0xff) << (8 * (i % 4));
-            words_b[i / 4] |= (b & 0xff) << (8 * (i % 4));
-        }
+        int words_a[2], words_b[2], sum_a, sum_b;
+        pack_planes<8>(v, amax > 0.f ? 127.f / amax : 0.f, words_a, words_b, sum_a, sum_b);
         float sums_a = group_sum((float)sum_a, 4), sums_b = group_sum((float)sum_b, 4);
         long long unit = (long long)t * units + first / UNIT;
         if (holds) {

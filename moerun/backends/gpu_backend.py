@@ -344,20 +344,20 @@ class GpuBackend:
         n_tokens, width = x.shape
         ids, weights = cupy.empty((n_tokens, k), cupy.int32), cupy.empty((n_tokens, k), cupy.float32)
         renormalize = i32(spec.rule.renormalize_topk)
-        threads = max(ROUTE_THREADS, -(-width // (ROUTE_VALUES * 32)) * 32)
+        row_threads = max(ROUTE_THREADS, -(-width // (ROUTE_VALUES * 32)) * 32)        # route_normed's blocks
         if (n_tokens > MAX_GEMV_TOKENS or router.kind in INT_KINDS or router.rows > FEW_ROWS or width % UNIT
-                or threads > 1024):
+                or row_threads > 1024):
             h = self.rms_norm(x, norm)
             logits = self.linear(h, router)                                               # [T, E]
-            threads = min(1024, -(-router.rows // 32) * 32)                               # a thread per expert
-            self.kernels.launch("route_top_k", (n_tokens,), (threads,),
+            expert_threads = min(1024, -(-router.rows // 32) * 32)                        # a thread per expert
+            self.kernels.launch("route_top_k", (n_tokens,), (expert_threads,),
                                 (logits, i32(router.rows), i32(k), renormalize, ids, weights))
             return h, ids, weights
         h = cupy.empty_like(x)
         hq, hds = self._planes_for(h)
         logits = cupy.empty((n_tokens, router.rows), cupy.float32)
         stride = stage_stride(router.row_bytes, 1)
-        self.kernels.launch(f"route_normed_{router.kind}", (router.rows,), (threads,),
+        self.kernels.launch(f"route_normed_{router.kind}", (router.rows,), (row_threads,),
                             (x, norm, np.float32(spec.rms_eps), i32(width), i32(n_tokens), router.data,
                              i64(router.row_bytes), i32(stride), logits, i32(router.rows), i32(k), renormalize,
                              h, pointer(hq), pointer(hds), self._route_done, ids, weights), stride)

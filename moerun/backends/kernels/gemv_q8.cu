@@ -8,8 +8,6 @@
 
 #define DOWN_SLOTS 32          // most experts per token the down kernel sums
 
-typedef void (*IntUnitLoader)(const u8*, int, IntUnit&);
-
 // x [n, 32·units] f32 -> q int8 [n, 64·units] (per unit: plane a, plane b), ds [n·units] = (d, sx).
 // One thread per unit.
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, long long n_units, int4* __restrict__ q,
@@ -39,7 +37,7 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
             if (t < n_tokens) {
                 ActUnit a = load_act_unit(x, first + (long long)t * token_units + u);
 #pragma unroll
-                for (int r = 0; r < R; r++) acc[r][t] += unit_dot(w[r], a);
+                for (int r = 0; r < R; r++) acc[r][t] += unit_dot<JoinedPlanes<Load>::value>(w[r], a);
             }
         }
     }

@@ -115,9 +115,9 @@ __device__ __forceinline__ void int_unit_q5_1(const u8* row, int unit, IntUnit& 
 // Q4_K / Q5_K unit = sub-block `unit & 7` of super-block `unit >> 3` (layouts in quant_blocks.cuh).
 __device__ __forceinline__ void k_unit_scales(const u8* block, int sub, IntUnit& w) {
     float scale, min;
-    k_scale_min(block + 4, sub, &scale, &min);
-    w.s0 = w.s1 = load_half(block) * scale;
-    w.m = -load_half(block + 2) * min;
+    k_scale_min(block, sub, &scale, &min);
+    w.s0 = w.s1 = scale;
+    w.m = -min;
 }
 
 __device__ __forceinline__ void int_unit_q4_k(const u8* row, int unit, IntUnit& w) {
@@ -267,8 +267,8 @@ __device__ void normed_planes(const float* __restrict__ x, const float* __restri
     __syncthreads();
 }
 
-__device__ __forceinline__ int dot16(const int* w, int4 x) {
-    return dot4(w[3], x.w, dot4(w[2], x.z, dot4(w[1], x.y, dot4(w[0], x.x, 0))));
+__device__ __forceinline__ int dot16(const int* w, int4 x, int c = 0) {
+    return dot4(w[3], x.w, dot4(w[2], x.z, dot4(w[1], x.y, dot4(w[0], x.x, c))));
 }
 
 // One unit of activations: both planes and (d, sx).
@@ -282,12 +282,30 @@ __device__ __forceinline__ ActUnit load_act_unit(Q8Activations x, long long unit
     return {{q[0], q[1], q[2], q[3]}, x.ds[unit]};
 }
 
-// Σ over the unit of w·x.
+// Σ over the unit of w·x. Joined (s0 == s1 only): the planes join in integers, 254·(q·a) + q·b
+// (below 2^27 in size), converted to float once; else each half's two partial sums are
+// converted. Which is faster depends on the loader's registers (JoinedPlanes).
+template <bool Joined>
 __device__ __forceinline__ float unit_dot(const IntUnit& w, const ActUnit& a) {
+    if (Joined) {
+        int plane_a = dot16(w.q + 4, a.q[1], dot16(w.q, a.q[0])), plane_b = dot16(w.q + 4, a.q[3], dot16(w.q, a.q[2]));
+        return a.ds.x * (1.f / 254.f) * w.s0 * (float)(254 * plane_a + plane_b) + w.m * a.ds.y;
+    }
     float lo = (float)dot16(w.q, a.q[0]) + (float)dot16(w.q, a.q[2]) * (1.f / 254.f);
     float hi = (float)dot16(w.q + 4, a.q[1]) + (float)dot16(w.q + 4, a.q[3]) * (1.f / 254.f);
     return a.ds.x * (w.s0 * lo + w.s1 * hi) + w.m * a.ds.y;
 }
+
+// A loader of one weight unit, and whether unit_dot joins its planes in integers: the K-quants
+// with one scale a unit (Q4_K 12.1 -> 10.2 us for the 30B-A3B gate/up on the H100; Q8_0 and
+// Q6_K 4% and 3% slower so, docs/benchmarks.md).
+typedef void (*IntUnitLoader)(const u8*, int, IntUnit&);
+template <IntUnitLoader Load>
+struct JoinedPlanes { static constexpr bool value = false; };
+template <>
+struct JoinedPlanes<int_unit_q4_k> { static constexpr bool value = true; };
+template <>
+struct JoinedPlanes<int_unit_q5_k> { static constexpr bool value = true; };
 
 // One line per type the integer path reads.
 #define FOR_EACH_INT_TYPE(X) X(q8_0) X(q4_0) X(q4_1) X(q5_0) X(q5_1) X(q4_k) X(q5_k) X(q6_k)

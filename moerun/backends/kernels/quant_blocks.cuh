@@ -138,15 +138,18 @@ __device__ __forceinline__ void dequant_unit_q5_1(const u8* row, int unit, float
     }
 }
 
-// The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block.
-__device__ __forceinline__ void k_scale_min(const u8* scales, int j, float* scale, float* min) {
-    if (j < 4) {
-        *scale = (float)(scales[j] & 63);
-        *min = (float)(scales[j + 4] & 63);
-    } else {
-        *scale = (float)((scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4));
-        *min = (float)((scales[j + 4] >> 4) | ((scales[j] >> 6) << 4));
-    }
+// Sub-block j's (0..7) scale d·scale_j and offset dmin·min_j of a Q4_K/Q5_K super-block, from
+// its first 16 bytes read at once (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins; every
+// super-block starts 16-byte aligned, their sizes being multiples of 16), without branches.
+__device__ __forceinline__ void k_scale_min(const u8* block, int j, float* scale, float* min) {
+    int4 head = *reinterpret_cast<const int4*>(block);
+    int shift = 8 * (j & 3);
+    u32 low = ((u32)head.y >> shift) & 0xFF, mid = ((u32)head.z >> shift) & 0xFF, high = ((u32)head.w >> shift) & 0xFF;
+    bool first = j < 4;
+    u32 scale_bits = first ? low & 63 : (high & 15) | ((low >> 6) << 4);
+    u32 min_bits = first ? mid & 63 : (high >> 4) | ((mid >> 6) << 4);
+    *scale = half_bits_to_float((u16)head.x) * (float)scale_bits;
+    *min = half_bits_to_float((u16)((u32)head.x >> 16)) * (float)min_bits;
 }
 
 // Q4_K: super-blocks of 256 = 8 sub-blocks of 32. f16 d, f16 dmin, 12 bytes of
@@ -155,9 +158,8 @@ __device__ __forceinline__ void k_scale_min(const u8* scales, int j, float* scal
 __device__ __forceinline__ void dequant_unit_q4_k(const u8* row, int unit, float* out) {
     const u8* block = row + (unit >> 3) * 144;
     int sub = unit & 7;
-    float scale, min;
-    k_scale_min(block + 4, sub, &scale, &min);
-    float d = load_half(block) * scale, m = load_half(block + 2) * min;
+    float d, m;
+    k_scale_min(block, sub, &d, &m);
     const uint4* qs = reinterpret_cast<const uint4*>(block + 16 + (sub >> 1) * 32);
     int shift = (sub & 1) * 4;
 #pragma unroll
@@ -177,9 +179,8 @@ __device__ __forceinline__ void dequant_unit_q4_k(const u8* row, int unit, float
 __device__ __forceinline__ void dequant_unit_q5_k(const u8* row, int unit, float* out) {
     const u8* block = row + (unit >> 3) * 176;
     int sub = unit & 7;
-    float scale, min;
-    k_scale_min(block + 4, sub, &scale, &min);
-    float d = load_half(block) * scale, m = load_half(block + 2) * min;
+    float d, m;
+    k_scale_min(block, sub, &d, &m);
     const uint4* high = reinterpret_cast<const uint4*>(block + 16);
     const uint4* qs = reinterpret_cast<const uint4*>(block + 48 + (sub >> 1) * 32);
     int shift = (sub & 1) * 4;

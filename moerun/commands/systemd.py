@@ -1,9 +1,12 @@
 """`moerun systemd --config FILE -o DIR`: systemd units that run a rig config (docs/systemd.md).
 
 One template, `moerun-daemon@.service`, runs every daemon: instance NAME reads its model,
-device, endpoint and CURVE key flags from `moerun-daemon-NAME.env`. `moerun.service` runs the parent's
-workload against those endpoints. All units share /run/moerun and /dev/shm, so the shared
-memory transport works between them.
+device, endpoint, CURVE key flags and CPU flags from `moerun-daemon-NAME.env`. `moerun.service`
+runs the parent's workload against those endpoints. All units share /run/moerun and /dev/shm, so
+the shared memory transport works between them. A CPU daemon on this host runs the threads
+`moerun launch` would give it (this host's CPUs split between the parent and its CPU daemons,
+rig/cores.py; the parent splits them the same way when it starts), on its NUMA node if it has
+one, and with `pin` on its own CPUs (a CPUAffinity drop-in).
 """
 from __future__ import annotations
 
@@ -16,12 +19,14 @@ import click
 from moerun.commands.launch import WORKLOAD_COMMANDS
 from moerun.commands.options import friendly_errors
 from moerun.config import load_config_file
-from moerun.rig.settings import DaemonEntry
-from moerun.rig.spawn import pinned_device
+from moerun.rig.cores import HostShares, format_cpus, share_host
+from moerun.rig.settings import DaemonEntry, RigConfig
+from moerun.rig.spawn import BLAS_THREAD_VARIABLES, pinned_device
 
 DAEMON_TEMPLATE = "moerun-daemon@.service"
 PARENT_UNIT = "moerun.service"
 GPU_GROUPS_DROP_IN = "gpu-groups.conf"
+CPUS_DROP_IN = "cpus.conf"
 SHARED_SERVICE_SETTINGS = """\
 Restart=on-failure
 RestartSec=5
@@ -84,11 +89,17 @@ def render_units(config_path: Path, values: dict, env_dir: str, user: str | None
     drop-in for AMD GPU daemons), and the parent's unit, from values that passed unit_rules."""
     entries: tuple[DaemonEntry, ...] = values.get("daemon_entries", ())
     user_line = f"User={user}\n" if user else ""
+    cpus = share_host(RigConfig(daemons=tuple(entry.spec for entry in entries), daemon_entries=entries,
+                                device=values.get("device", "cpu"), threads=values.get("threads"),
+                                pin=values.get("pin", False)))
     files = {DAEMON_TEMPLATE: _daemon_template(env_dir, user_line)}
-    for entry in entries:
-        files[f"moerun-daemon-{entry.name}.env"] = _daemon_environment(config_path, values["model"], entry)
+    for index, entry in enumerate(entries):
+        threads = cpus.daemons[index].threads if index in cpus.daemons else entry.threads
+        files[f"moerun-daemon-{entry.name}.env"] = _daemon_environment(config_path, values["model"], entry, threads)
         if entry.device.startswith("hip"):
             files[f"moerun-daemon@{entry.name}.service.d/{GPU_GROUPS_DROP_IN}"] = f"[Service]\n{AMD_GPU_GROUPS}"
+        if cpus.pin and index in cpus.daemons:
+            files[f"moerun-daemon@{entry.name}.service.d/{CPUS_DROP_IN}"] = _cpu_affinity(cpus, index)
     files[PARENT_UNIT] = _parent_unit(config_path, values, entries, user_line)
     return files
 
@@ -102,23 +113,35 @@ After=network.target
 [Service]
 Type=exec
 EnvironmentFile={_specifiers(env_dir)}/moerun-daemon-%i.env
-ExecStart={_moerun()} daemon --model ${{MOERUN_MODEL}} --device ${{MOERUN_DEVICE}} --listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS
+ExecStart={_moerun()} daemon --model ${{MOERUN_MODEL}} --device ${{MOERUN_DEVICE}} --listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS $MOERUN_CPU_FLAGS
 {SHARED_SERVICE_SETTINGS}{user_line}
 [Install]
 WantedBy=multi-user.target
 """
 
 
-def _daemon_environment(config_path: Path, model: str, entry: DaemonEntry) -> str:
+def _daemon_environment(config_path: Path, model: str, entry: DaemonEntry, threads: int | None) -> str:
+    """The daemon's variables; a CPU daemon's thread count (its BLAS's too) where one is known:
+    its share of this host, or the count its entry gives for another host."""
     device, pinning = pinned_device(entry.device, environment={})   # units never inherit this shell's pinning
     variables = {"MOERUN_MODEL": model, "MOERUN_DEVICE": device, "MOERUN_LISTEN": entry.listen or entry.endpoint,
                  **pinning}
     if entry.curve_flags:     # split at whitespace where the unit uses it (unit_rules)
         variables["MOERUN_CURVE_FLAGS"] = " ".join(entry.curve_flags)
+    if device == "cpu":
+        thread_flags = () if threads is None else ("--threads", str(threads))
+        if thread_flags or entry.node_flags:
+            variables["MOERUN_CPU_FLAGS"] = " ".join((*thread_flags, *entry.node_flags))
+        variables.update({name: str(threads) for name in BLAS_THREAD_VARIABLES if threads is not None})
     where = f" on {entry.host}" if entry.host else ""
     lines = [f"# moerun daemon {entry.name} ({entry.device}{where}) of {config_path}"]
     lines += [f'{name}="{_env_quote(value)}"' for name, value in variables.items()]
     return "\n".join(lines) + "\n"
+
+
+def _cpu_affinity(cpus: HostShares, index: int) -> str:
+    share = cpus.daemons[index]
+    return f"# {cpus.describe()}\n[Service]\nCPUAffinity={format_cpus(share.cpus)}\n"
 
 
 def _parent_unit(config_path: Path, values: dict, entries: tuple[DaemonEntry, ...], user_line: str) -> str:

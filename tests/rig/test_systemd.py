@@ -1,5 +1,6 @@
 """`moerun systemd`: units that share /run/moerun and /dev/shm, pin each daemon to its device,
-order the parent after its local daemons, and pass `systemd-analyze verify`."""
+give CPU daemons their share of the host's CPUs, order the parent after its local daemons, and
+pass `systemd-analyze verify`."""
 from __future__ import annotations
 
 import shutil
@@ -74,7 +75,7 @@ def test_the_template_runs_the_daemon_from_its_environment_file(units):
     lines = settings(units / "moerun-daemon@.service")
     assert "EnvironmentFile=/etc/moerun/moerun-daemon-%i.env" in lines
     assert f"ExecStart={sys.executable} -m moerun daemon --model ${{MOERUN_MODEL}} --device ${{MOERUN_DEVICE}} " \
-           f"--listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS" in lines
+           f"--listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS $MOERUN_CPU_FLAGS" in lines
 
 
 def test_environment_files_pin_each_daemon_to_its_device(units, tmp_path):
@@ -87,6 +88,60 @@ def test_environment_files_pin_each_daemon_to_its_device(units, tmp_path):
     assert settings(units / "moerun-daemon-far.env") == [
         model, 'MOERUN_DEVICE="cpu"', 'MOERUN_LISTEN="tcp://0.0.0.0:7070"',
         'MOERUN_CURVE_FLAGS="--curve-secret-key /keys/far.key_secret --curve-authorized-keys /keys/parents"']
+
+
+CPU_RIG = """
+model = "m.gguf"
+device = "cuda:0"
+pin = true
+
+[[daemon]]
+name = "given"
+device = "cpu"
+endpoint = "ipc:///run/moerun/given.sock"
+threads = 3
+
+[[daemon]]
+name = "shared"
+device = "cpu"
+endpoint = "ipc:///run/moerun/shared.sock"
+
+[[daemon]]
+name = "far"
+host = "cpu-box-2"
+device = "cpu"
+endpoint = "tcp://cpu-box-2:7070"
+threads = 8
+numa_node = 1
+"""
+
+
+def test_cpu_daemons_get_their_share_of_this_host_and_pinned_cpus(moerun, tmp_path, monkeypatch):
+    monkeypatch.setattr("moerun.rig.cores.usable_cpus", lambda: set(range(16)))
+    config = tmp_path / "rig.toml"
+    config.write_text(CPU_RIG)
+    out = tmp_path / "units"
+    assert moerun("systemd", "--config", config, "-o", out).exit_code == 0
+    blas = ["OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"]
+    # 16 CPUs: the GPU parent 1, "given" the 3 it asks for, "shared" the other 12
+    for name, threads, cpus in (("given", 3, "1-3"), ("shared", 12, "4-15")):
+        lines = settings(out / f"moerun-daemon-{name}.env")
+        assert f'MOERUN_CPU_FLAGS="--threads {threads}"' in lines
+        assert all(f'{variable}="{threads}"' in lines for variable in blas)
+        assert settings(out / f"moerun-daemon@{name}.service.d" / "cpus.conf") == ["[Service]", f"CPUAffinity={cpus}"]
+    far = settings(out / "moerun-daemon-far.env")      # another host: its own count and node, no pinning here
+    assert 'MOERUN_CPU_FLAGS="--threads 8 --numa-node 1"' in far
+    assert not (out / "moerun-daemon@far.service.d").exists()
+
+
+def test_without_pin_cpu_daemons_get_counts_and_no_affinity(moerun, tmp_path, monkeypatch):
+    monkeypatch.setattr("moerun.rig.cores.usable_cpus", lambda: set(range(16)))
+    config = tmp_path / "rig.toml"
+    config.write_text(CPU_RIG.replace("pin = true\n", ""))
+    out = tmp_path / "units"
+    assert moerun("systemd", "--config", config, "-o", out).exit_code == 0
+    assert 'MOERUN_CPU_FLAGS="--threads 12"' in settings(out / "moerun-daemon-shared.env")
+    assert not list(out.glob("*.service.d"))
 
 
 def test_amd_devices_get_the_render_and_video_groups(units):

@@ -6,8 +6,9 @@ routers) stay numpy, on a view of the mapping (routing multiplies them in the ke
 embedding rows are dequantized on use.
 
 The work of a layer around its products (rms_norm, the q/k norms with rope and the cache append,
-a decode step's attention, the router's softmax and top-K) runs in the kernels too, a call or
-two each; a prefill chunk's attention stays with numpy's BLAS.
+attention, the router's softmax and top-K) runs in the kernels too, a call or two each: no
+numpy BLAS runs between the kernels' jobs (its threads spin after a call, on the cores the
+kernels' threads need).
 
 Where the kernels cannot run (no C compiler, a type they do not read) the dense matrices are
 dequantized to float32 at load, and the experts one at a time on first use, straight from the
@@ -52,7 +53,6 @@ from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.models.spec import ModelSpec
 
 PAGE_TOKENS = 256
-DECODE_TOKENS = 8                        # chunks of at most this many tokens attend in the kernels
 NO_EXPERTS = np.zeros(0, np.int64)       # the held ids of a layer this process holds none of
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class NumpyBackend:
     def attention(self, q: np.ndarray, cache: PagedKVCache, layer: int, positions: np.ndarray) -> np.ndarray:
         """q [T, NH, D] over cache rows 0..positions[-1] -> [T, NH*Dv]"""
         keys, values = cache.rows(layer, int(positions[-1]) + 1)
-        if self._kernels is not None and len(q) <= DECODE_TOKENS:
+        if self._kernels is not None:
             return self._kernels.attention(self._attention_shape, q, int(positions[0]), keys, values,
                                            self._kernel_threads)
         return causal_attention(q, keys, values, int(positions[0]))

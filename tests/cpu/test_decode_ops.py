@@ -43,8 +43,8 @@ def test_rms_norm(kernels, rows, n):
 # NH, NKV, D, Dv: plain multi-head, GQA, one kv head, an odd D/2 and Dv unlike D
 HEADS = [(4, 4, 64, 64), (8, 2, 128, 128), (6, 1, 18, 18), (6, 3, 18, 10)]
 # chunks through the cache: a prefill chunk, decode steps across the first page boundary (the
-# cache grows and moves there), a few tokens at once
-CHUNKS = [PAGE_TOKENS - 6, 5, 1, 1, 3, 1, 8]
+# cache grows and moves there), a few tokens at once, a second prefill chunk after them
+CHUNKS = [PAGE_TOKENS - 6, 5, 1, 1, 3, 1, 8, 37]
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "x".join(map(str, h)))

@@ -1,0 +1,137 @@
+"""moerun's CPU backend against llama-cpp-python's CPU build on one small file: prompt
+processing (pp) and generation (tg) tokens/s at the same thread count, in one table.
+
+    python scripts/bench_vs_llama_cpp_python.py                       # 4-layer file, 2 threads
+    python scripts/bench_vs_llama_cpp_python.py -m FILE.gguf --threads 16 -r 5
+
+A script for the CI machine (2 cores), not a test: nothing in the test suite runs it.
+
+llama-cpp-python comes from `--venv` (a virtual environment of its own, so that moerun's does
+not change): where `import llama_cpp` fails there, the venv is made and llama-cpp-python
+`--llama-version` is installed into it from source with a plain CPU build
+(CMAKE_ARGS="-DGGML_NATIVE=ON": ggml built for this CPU, no GPU backend). That compiles
+llama.cpp: about 5 minutes on the 2-core dev machine (0.3.36, gcc 12), once.
+
+Without -m, the file is `scripts/make_bench_model.py --layers 4` (the Qwen3-30B-A3B shape,
+Q4_K_M-like, 1.9 GiB), written to --model-path unless it is there already.
+
+Both sides start from an empty context on random token ids:
+- pp<N>: N prompt tokens in one batch (llama-cpp-python: n_batch = n_ubatch = N; moerun:
+  `moerun bench -p N`, one ubatch), the logits of the last;
+- tg<N>: after a 1-token prompt, N single-token steps (moerun: greedy decode steps;
+  llama-cpp-python: one `eval` of one token each, the next token drawn at random: the
+  sampling it leaves out is one argmax over the vocabulary's logits, tens of microseconds).
+One warm-up run of each test, then -r timed runs; the table shows their mean.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_BUILD = "-DGGML_NATIVE=ON"
+
+
+def llama_side(args: argparse.Namespace) -> None:
+    """Runs in the llama-cpp-python venv: prints {test: [seconds of each timed run]} as JSON."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=args.model, n_ctx=args.prompt + args.gen + 16, n_batch=args.prompt,
+                          n_ubatch=args.prompt, n_threads=args.threads, n_threads_batch=args.threads,
+                          verbose=False)
+    rng = random.Random(0)
+    vocab = llm.n_vocab()
+
+    def prompt_seconds() -> float:
+        llm.reset()
+        ids = [rng.randrange(vocab) for _ in range(args.prompt)]
+        started = time.perf_counter()
+        llm.eval(ids)
+        return time.perf_counter() - started
+
+    def generation_seconds() -> float:
+        llm.reset()
+        llm.eval([rng.randrange(vocab)])
+        started = time.perf_counter()
+        for _ in range(args.gen):
+            llm.eval([rng.randrange(vocab)])
+        return time.perf_counter() - started
+
+    runs = {}
+    for name, run in ((f"pp{args.prompt}", prompt_seconds), (f"tg{args.gen}", generation_seconds)):
+        run()
+        runs[name] = [run() for _ in range(args.repetitions)]
+    print(json.dumps(runs))
+
+
+def llama_python(venv_dir: Path, version: str) -> Path:
+    """The venv's python, llama-cpp-python installed there (built first if it is missing)."""
+    python = venv_dir / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+        return python
+    print(f"building llama-cpp-python {version} (CPU, CMAKE_ARGS={CPU_BUILD}) into {venv_dir}: "
+          f"about 5 minutes on 2 cores", file=sys.stderr)
+    venv.create(venv_dir, with_pip=True)
+    subprocess.run([python, "-m", "pip", "install", "--no-cache-dir", f"llama-cpp-python=={version}"],
+                   env={**os.environ, "CMAKE_ARGS": CPU_BUILD}, check=True)
+    return python
+
+
+def bench_model(path: Path) -> Path:
+    if not path.exists():
+        subprocess.run([sys.executable, ROOT / "scripts" / "make_bench_model.py", "-o", path, "--layers", "4"],
+                       check=True)
+    return path
+
+
+def moerun_side(args: argparse.Namespace) -> dict[str, list[float]]:
+    """{test: [tokens/s of each timed run]} from `moerun bench -o json`."""
+    command = [sys.executable, "-m", "moerun", "bench", "-m", args.model, "--device", "cpu",
+               "--threads", str(args.threads), "-p", str(args.prompt), "-n", str(args.gen),
+               "-r", str(args.repetitions), "-o", "json"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
+    return {test["test"]: test["samples_tokens_per_second"] for test in json.loads(done.stdout)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", help="GGUF file [default: a 4-layer bench model at --model-path]")
+    parser.add_argument("--model-path", default="/tmp/moerun-bench-4-layers.gguf")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("-p", "--prompt", type=int, default=512, help="prompt tokens (pp)")
+    parser.add_argument("-n", "--gen", type=int, default=128, help="generated tokens (tg)")
+    parser.add_argument("-r", "--repetitions", type=int, default=3)
+    parser.add_argument("--venv", default=str(Path.home() / ".cache" / "moerun" / "llama-cpp-python"),
+                        help="llama-cpp-python's virtual environment (made where it lacks llama_cpp)")
+    parser.add_argument("--llama-version", default="0.3.36")
+    parser.add_argument("--llama-side", action="store_true", help=argparse.SUPPRESS)   # run in the venv
+    args = parser.parse_args()
+    if args.llama_side:
+        llama_side(args)
+        return
+    args.model = str(Path(args.model) if args.model else bench_model(Path(args.model_path)))
+    python = llama_python(Path(args.venv), args.llama_version)
+    llama_command = [python, __file__, "--llama-side", "-m", args.model, "--threads", str(args.threads),
+                     "-p", str(args.prompt), "-n", str(args.gen), "-r", str(args.repetitions)]
+    llama_seconds = json.loads(subprocess.run(llama_command, capture_output=True, text=True, check=True).stdout)
+    moerun_rates = moerun_side(args)
+
+    print(f"{Path(args.model).name}, {args.threads} threads, {args.repetitions} timed runs each (mean)\n")
+    print("| test | moerun t/s | llama-cpp-python t/s | moerun / llama |")
+    print("|---|---:|---:|---:|")
+    for test, seconds in llama_seconds.items():
+        tokens = args.prompt if test.startswith("pp") else args.gen
+        llama = sum(tokens / s for s in seconds) / len(seconds)
+        ours = sum(moerun_rates[test]) / len(moerun_rates[test])
+        print(f"| {test} | {ours:.1f} | {llama:.1f} | {ours / llama:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

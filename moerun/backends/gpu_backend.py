@@ -26,8 +26,10 @@ from moerun.backends.gpu_kernels import (
     BLOCK,
     INT_KINDS,
     MAX_GEMV_TOKENS,
+    NULL,
     UNITS_PER_LANE,
     Kernels,
+    pointer,
     stage_stride,
 )
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
@@ -47,7 +49,6 @@ MAX_EXPERTS, MAX_TOP_K = 1024, 32   # most experts and experts per token routing
 NORMED_VALUES = 8              # values of a row each thread converts when q/k/v fold the norm (q8_dot.cuh) ...
 NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
-NULL = np.uint64(0)            # a null pointer argument
 
 
 def i32(value: int) -> np.int32:
@@ -56,10 +57,6 @@ def i32(value: int) -> np.int32:
 
 def i64(value: int) -> np.int64:
     return np.int64(value)
-
-
-def pointer(array: Any | None) -> Any:
-    return NULL if array is None else array
 
 
 def attention_splits(span: int, heads: int, wave: int) -> int:

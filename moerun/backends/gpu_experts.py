@@ -23,6 +23,7 @@ from moerun.backends.gpu_kernels import (
     INT_KINDS,
     MAX_GEMV_TOKENS,
     UNITS_PER_LANE,
+    pointer,
     row_group,
     stage_stride,
 )
@@ -63,15 +64,18 @@ class GpuExperts:
         self.spec = spec
         self.layers = layers
 
-    def compute(self, layer: int, x: Any, ids: Any, weights: Any, out: Any | None = None) -> Any:
-        """x [T, H], ids/weights [T, K] on the device -> [T, H], queued on the stream now;
-        written into `out` when given (a daemon's reply buffer)."""
+    def compute(self, layer: int, x: Any, ids: Any, weights: Any, out: Any | None = None,
+                residual: Any | None = None) -> Any:
+        """x [T, H], ids/weights [T, K] on the device -> [T, H] (plus `residual` [T, H], added by the
+        kernel that writes the output), queued on the stream now; written into `out` when given (a
+        daemon's reply buffer)."""
         experts = self.layers[layer]
         if ids.shape[0] <= MAX_GEMV_TOKENS:
-            return self._few_tokens(experts, x, ids, weights, out)
-        return self._grouped(experts, x, ids, weights, out)
+            return self._few_tokens(experts, x, ids, weights, out, residual)
+        return self._grouped(experts, x, ids, weights, out, residual)
 
-    def _few_tokens(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None) -> Any:
+    def _few_tokens(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None,
+                    residual: Any | None) -> Any:
         """Quantized experts: gate/up with SwiGLU per pair writing the activations in 8-bit planes,
         then down per token over its experts, integer dot products throughout. Float experts
         (F32, F16, BF16): the same two steps in f32."""
@@ -94,7 +98,8 @@ class GpuExperts:
                 f"moe_down_q8_{down.kind}",
                 (-(-hidden * group // 32), n_tokens), (32 * warps,),
                 (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), aq, ads, np.int32(ffn),
-                 ids, weights, np.int32(top_k), out, np.int32(hidden), np.int32(stride), np.int32(group)),
+                 ids, weights, np.int32(top_k), out, pointer(residual), np.int32(hidden), np.int32(stride),
+                 np.int32(group)),
                 stride * warps)
             return out
         act = cupy.empty((n_tokens * top_k, ffn), cupy.float32)                      # [P, F]
@@ -103,10 +108,11 @@ class GpuExperts:
                       x, np.int32(hidden), ids, np.int32(top_k), act, np.int32(ffn)))
         kernels.rows(f"moe_down_{down.kind}", hidden, ffn // UNIT, n_tokens,
                      (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), act, np.int32(ffn),
-                      ids, weights, np.int32(top_k), out, np.int32(hidden)))
+                      ids, weights, np.int32(top_k), out, np.int32(hidden), pointer(residual)))
         return out
 
-    def _grouped(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None) -> Any:
+    def _grouped(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None,
+                 residual: Any | None) -> Any:
         """Pairs laid out expert by expert in tiles on the device (no host round trip), gate/up
         with SwiGLU and then down straight from the stored blocks, tile by tile, then the
         weighted sum back per token."""
@@ -129,7 +135,8 @@ class GpuExperts:
             layout.tile_expert, layout.tile_row, np.int32(hidden), rows_out))
         out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out
         kernels.elementwise("combine_rows", out.size, (rows_out, layout.pair_rows, weights, np.int32(top_k),
-                                                       np.int32(hidden), np.int64(n_tokens), out))
+                                                       np.int32(hidden), np.int64(n_tokens), pointer(residual),
+                                                       out))
         return out
 
 

@@ -24,6 +24,12 @@ UNITS_PER_LANE = 2              # weight units each thread of an integer GEMV re
 ROW_GROUP = 32                  # most threads sharing one output row (a power of two, <= 32)
 PROGRAMMATIC_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 STAGE_LIMIT = 48 * 1024         # most shared memory per block for staged weight rows (no opt-in needed)
+NULL = np.uint64(0)             # a null pointer argument
+
+
+def pointer(array: Any | None) -> Any:
+    """A kernel's pointer argument: the array, or NULL for None."""
+    return NULL if array is None else array
 
 
 class Kernels:

@@ -410,13 +410,15 @@ class CpuExperts:
         return CpuExperts(self.store, None)
 
     def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                out: np.ndarray | None = None) -> np.ndarray:
-        """out[t] = Σ_k weights[t, k] · FFN_{ids[t, k]}(x[t]) over ids >= 0.
+                out: np.ndarray | None = None, residual: np.ndarray | None = None) -> np.ndarray:
+        """out[t] = (residual[t] +) Σ_k weights[t, k] · FFN_{ids[t, k]}(x[t]) over ids >= 0.
         x [T, H], ids/weights [T, K] -> [T, H]"""
         rows, slots = np.nonzero(ids >= 0)
         local = ids[rows, slots]
         experts = local if self.held is None else self.held.get(layer, NO_EXPERTS)[local]
         result = self.store.grouped_ffn(layer, x, rows, experts, weights[rows, slots])
+        if residual is not None:
+            result = residual + result
         if out is None:
             return result
         out[...] = result

@@ -39,9 +39,11 @@ class Experts(Protocol):
     """A model's routed experts on one backend: every expert of each MoE layer, or the ones a
     placement gave this process, numbered 0.. in ascending global id (their local ids)."""
 
-    def compute(self, layer: int, x: Array, ids: Array, weights: Array, out: Array | None = None) -> Array:
-        """out[t] = Σ_k weights[t, k] · FFN_{ids[t, k]}(x[t]) over the k with ids[t, k] >= 0
-        (local ids). x [T, H], ids/weights [T, K] -> [T, H], written into `out` when given."""
+    def compute(self, layer: int, x: Array, ids: Array, weights: Array, out: Array | None = None,
+                residual: Array | None = None) -> Array:
+        """out[t] = (residual[t] +) Σ_k weights[t, k] · FFN_{ids[t, k]}(x[t]) over the k with
+        ids[t, k] >= 0 (local ids). x [T, H], ids/weights [T, K] -> [T, H], written into `out`
+        when given."""
 
 
 class Backend(Protocol):

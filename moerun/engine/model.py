@@ -92,15 +92,13 @@ class MoEModel:
         h, ids, weights = backend.route(x, w.ffn_norm, w.ffn_gate_inp)                # [T, H], [T, K], [T, K]
         if self.routing is not None:
             self.routing.add(i, backend.to_host(ids))
+        if w.ffn_shexp is None:                       # x + routed, the residual added by the experts' last kernel
+            return self.executor.begin(i, h, ids, weights, residual=x).finish()
         pending = self.executor.begin(i, h, ids, weights)     # cold work is on its way to the daemons
-        shared = None
-        if w.ffn_shexp is not None:
-            shared = backend.linear(self._swiglu(h, w.ffn_shexp[:2]), w.ffn_shexp[2])
+        shared = backend.linear(self._swiglu(h, w.ffn_shexp[:2]), w.ffn_shexp[2])
         routed = pending.finish()                                                      # [T, H]
-        if shared is not None:
-            gate = None if w.ffn_gate_inp_shexp is None else backend.linear(h, w.ffn_gate_inp_shexp)
-            routed = backend.add(routed, shared, gate)
-        return backend.add(x, routed)
+        gate = None if w.ffn_gate_inp_shexp is None else backend.linear(h, w.ffn_gate_inp_shexp)
+        return backend.add(x, backend.add(routed, shared, gate))
 
     def _swiglu(self, h: Any, gate_up: tuple[Any, Any]) -> Any:
         gate, up = gate_up

@@ -3,7 +3,8 @@
 The forward pass calls its executor once per MoE layer: `begin(layer, x, ids, weights)`
 starts the layer's routed-expert work and returns a pending result at once (a rig sends the
 daemons their share first), the pass computes the shared expert meanwhile, and
-`pending.finish()` gives the layer's routed output. Two implementations: LocalExecutor
+`pending.finish()` gives the layer's routed output; given a `residual` (a layer without a
+shared expert), the output already holds it (added by the kernel that writes it, all local). Two implementations: LocalExecutor
 (every expert on the parent's backend) and the rig's dispatchers (moerun.rig), which add
 expert daemons.
 
@@ -54,8 +55,9 @@ class Pending(Protocol):
 
 
 class ExpertExecutor(Protocol):
-    def begin(self, layer: int, x: Array, ids: Array, weights: Array) -> Pending:
-        """Start a MoE layer's routed experts: x [T, H], global expert ids and weights [T, K]."""
+    def begin(self, layer: int, x: Array, ids: Array, weights: Array, residual: Array | None = None) -> Pending:
+        """Start a MoE layer's routed experts: x [T, H], global expert ids and weights [T, K];
+        the pending output is residual [T, H] + the routed output when residual is given."""
 
     def graph_key(self) -> tuple | None:
         """What a captured decode step depends on; None: the step must run eagerly."""
@@ -78,8 +80,8 @@ class LocalExecutor:
     def __init__(self, experts: Experts):
         self.experts = experts
 
-    def begin(self, layer: int, x: Array, ids: Array, weights: Array) -> Done:
-        return Done(self.experts.compute(layer, x, ids, weights))
+    def begin(self, layer: int, x: Array, ids: Array, weights: Array, residual: Array | None = None) -> Done:
+        return Done(self.experts.compute(layer, x, ids, weights, residual=residual))
 
     def graph_key(self) -> tuple:
         return ()

@@ -55,13 +55,14 @@ class CpuDispatcher:
     def counts(self) -> RemoteCounts:
         return self.counted
 
-    def begin(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> PendingLayer:
+    def begin(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+              residual: np.ndarray | None = None) -> PendingLayer:
         if self.require_daemons:
             self.rig.check()
         homes = self.homes[layer][ids]                                       # [T, K]
         hot = homes == PARENT
         parent_ids = np.where(hot, self.local_ids[(PARENT, layer)][ids], -1)
-        pending = PendingLayer(self, layer, x, ids, weights, parent_ids)
+        pending = PendingLayer(self, layer, x, ids, weights, parent_ids, residual)
         if not hot.all():
             self.counted.remote_layer_calls += 1
             self.counted.remote_pairs += int((~hot).sum())
@@ -125,12 +126,14 @@ class PendingLayer:
     ids: np.ndarray                # [T, K] global
     weights: np.ndarray            # [T, K]
     parent_ids: np.ndarray         # [T, K] the parent's local ids, -1 where a daemon computes
+    residual: np.ndarray | None    # [T, H] added last
     remote: list[RemoteWork] = field(default_factory=list)
 
     def finish(self) -> np.ndarray:
-        """The routed-expert output [T, H]: the parent's experts here, then each daemon's reply."""
+        """The routed-expert output [T, H]: the parent's experts here, then each daemon's reply,
+        then the residual."""
         dispatcher = self.dispatcher
         out = dispatcher.experts.compute(self.layer, self.x, self.parent_ids, self.weights)
         for work in self.remote:
             dispatcher.gather(work, out, self.layer, self.x, self.ids, self.weights)
-        return out
+        return out if self.residual is None else self.residual + out

@@ -58,14 +58,14 @@ class GpuDispatcher:
             return None
         return tuple((link.index, link.session) for link in self.rig.links)
 
-    def begin(self, layer: int, x: Any, ids: Any, weights: Any) -> "PendingRemote":
+    def begin(self, layer: int, x: Any, ids: Any, weights: Any, residual: Any | None = None) -> "PendingRemote":
         """x [T, H], ids/weights [T, K] on the device: every daemon's request first, then
         the parent's own experts."""
         if self.rig.config.require_daemons:
             self.rig.check()
         backend, cupy = self.backend, self.backend.cupy
         n_tokens = ids.shape[0]
-        pending = PendingRemote(self, layer, x, ids, weights)
+        pending = PendingRemote(self, layer, x, ids, weights, residual)
         for link in self.rig.links:
             channel = self._channel(link)
             if channel is None:
@@ -158,6 +158,7 @@ class PendingRemote:
     x: Any
     ids: Any
     weights: Any
+    residual: Any | None           # [T, H] added last
     calls: list[RemoteCall] = field(default_factory=list)
     hot: Any | None = None         # [T, H] the parent's experts; None when it holds none of this layer
     replies: Any | None = None     # [T, H] replies taken early (their slot was needed again)
@@ -170,9 +171,10 @@ class PendingRemote:
 
     def finish(self) -> Any:
         """The routed-expert output [T, H]: the parent's experts plus every daemon's reply,
-        added into the parent's output in place."""
+        added into the parent's output in place, then the residual."""
+        backend = self.dispatcher.backend
         out = self.hot if self.hot is not None else self.spill()
         self.dispatcher._collect([call for call in self.calls if not call.done], out, self.x, self.ids, self.weights)
         if self.hot is not None and self.replies is not None:
-            out = self.dispatcher.backend.add(out, self.replies)
-        return out
+            out = backend.add(out, self.replies)
+        return out if self.residual is None else backend.add(self.residual, out)

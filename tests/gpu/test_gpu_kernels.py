@@ -139,7 +139,11 @@ def check_experts(types: tuple[T, T], n_tokens: int, hidden: int, ffn: int) -> N
     unresident[:, 0] = False                            # every token keeps one expert: a non-zero result
     ids[unresident] = -1
     weights = rng.random(ids.shape).astype(np.float32)
-    got = experts.compute(0, backend.cupy.asarray(x), backend.cupy.asarray(ids), backend.cupy.asarray(weights)).get()
+    on_device = [backend.cupy.asarray(a) for a in (x, ids, weights)]
+    got = experts.compute(0, *on_device).get()
+    residual = rng.normal(size=(n_tokens, hidden)).astype(np.float32)
+    with_residual = experts.compute(0, *on_device, residual=backend.cupy.asarray(residual)).get()
+    np.testing.assert_array_equal(with_residual, residual + got)      # added by the last kernel: the same bits
 
     def expected(quantized: bool) -> np.ndarray:
         xs = q8_round_trip(x) if quantized else x.astype(np.float64)

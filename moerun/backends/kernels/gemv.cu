@@ -82,16 +82,17 @@
         if (lane == 0 && row < ffn) act[(long long)pair * ffn + row] = silu(gate_sum) * up_sum;            \
     }
 
-// out[t, r] = Σ_k weights[p] · down_e[r, :] · act[p, :] over the
+// out[t, r] = (residual[t, r] +) Σ_k weights[p] · down_e[r, :] · act[p, :] over the
 // token's pairs p = t*top_k + k with ids[p] >= 0, summed in k order (deterministic).
-// down: E experts of expert_bytes, H rows of row_bytes; act [P, F]; out [T, H].
+// down: E experts of expert_bytes, H rows of row_bytes; act [P, F]; out, residual [T, H].
 // Grid: (H rows / groups, T).
 #define DEFINE_MOE_DOWN(TYPE)                                                                              \
     extern "C" __global__ void moe_down_##TYPE(const u8* __restrict__ down, long long expert_bytes,        \
                                                long long row_bytes, const float* __restrict__ act, int ffn, \
                                                const int* __restrict__ ids,                                 \
                                                const float* __restrict__ weights, int top_k,                \
-                                               float* __restrict__ out, int hidden, int group) {            \
+                                               float* __restrict__ out, int hidden,                        \
+                                               const float* __restrict__ residual, int group) {            \
         wait_for_previous_grid();                                                                          \
         __shared__ float stage[STAGE_FLOATS];                                                              \
         int token = blockIdx.y;                                                                            \
@@ -111,7 +112,8 @@
             }                                                                                              \
         }                                                                                                  \
         float total = group_sum(acc, group);                                                               \
-        if (lane == 0 && row < hidden) out[(long long)token * hidden + row] = total;                       \
+        long long at = (long long)token * hidden + row;                                                    \
+        if (lane == 0 && row < hidden) out[at] = residual ? residual[at] + total : total;                  \
     }
 
 FOR_EACH_FLOAT_TYPE(DEFINE_GEMV)

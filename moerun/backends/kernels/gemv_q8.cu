@@ -100,9 +100,9 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
                                                       (long long)pair * (ffn / UNIT) + blockIdx.x, aq, ads); \
     }
 
-// out[t, r] = Σ_k weights[p] · down_e[r, :] · act[p, :] over the token's pairs p = t*top_k + k
-// with ids[p] >= 0, summed in k order (deterministic). down: E experts of expert_bytes, H rows
-// of row_bytes; act [P, F] as q8; out [T, H]. Grid (H / rows per warp, T); one warp per expert
+// out[t, r] = (residual[t, r] +) Σ_k weights[p] · down_e[r, :] · act[p, :] over the token's pairs
+// p = t*top_k + k with ids[p] >= 0, summed in k order (deterministic). down: E experts of
+// expert_bytes, H rows of row_bytes; act [P, F] as q8; out, residual [T, H]. Grid (H / rows per warp, T); one warp per expert
 // slot k (looping when top_k exceeds the warps), 32 / group rows per warp; each warp's rows of
 // its first slot's expert staged (stage_rows, a slot per warp) when `stride` is not 0. The ids
 // were written before the gate/up launch that precedes this one, which waited for them.
@@ -111,7 +111,7 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
             const u8* __restrict__ down, long long expert_bytes, long long row_bytes,                      \
             const int4* __restrict__ aq, const float2* __restrict__ ads, int ffn,                          \
             const int* __restrict__ ids, const float* __restrict__ weights, int top_k,                     \
-            float* __restrict__ out, int hidden, int stride, int group) {                                  \
+            float* __restrict__ out, const float* __restrict__ residual, int hidden, int stride, int group) { \
         __shared__ float partial[DOWN_SLOTS][32];                                                          \
         int rows = 32 / group, token = blockIdx.y;                                                         \
         int warp = threadIdx.x / 32, local_row = (threadIdx.x % 32) / group, lane = threadIdx.x % group;   \
@@ -138,7 +138,8 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
         if (threadIdx.x < rows && row < hidden) {                                                          \
             float sum = 0.f;                                                                               \
             for (int k = 0; k < top_k; k++) sum += partial[k][threadIdx.x];                                \
-            out[(long long)token * hidden + row] = sum;                                                    \
+            long long at = (long long)token * hidden + row;                                                \
+            out[at] = residual ? residual[at] + sum : sum;                                                 \
         }                                                                                                  \
     }
 

@@ -243,10 +243,11 @@ extern "C" __global__ void gather_rows_f16(const float* __restrict__ x, const in
     *reinterpret_cast<uint4*>(out + row * width + column) = pack_halves(v);
 }
 
-// out[t, :] = Σ_k weights[t*K + k] · y[slot[t*K + k], :] over slots >= 0.
+// out[t, :] = (residual[t, :] +) Σ_k weights[t*K + k] · y[slot[t*K + k], :] over slots >= 0.
 extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* __restrict__ slot,
                                         const float* __restrict__ weights, int top_k, int width,
-                                        long long n_tokens, float* __restrict__ out) {
+                                        long long n_tokens, const float* __restrict__ residual,
+                                        float* __restrict__ out) {
     wait_for_previous_grid();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_tokens * width) return;
@@ -257,7 +258,7 @@ extern "C" __global__ void combine_rows(const float* __restrict__ y, const int* 
         int s = slot[t * top_k + k];
         if (s >= 0) sum += weights[t * top_k + k] * y[(long long)s * width + column];
     }
-    out[i] = sum;
+    out[i] = residual ? residual[i] + sum : sum;
 }
 
 // out[t, :] = x[t, :] + sigmoid(gate_logit[t]) * y[t, :], or x + y without a gate.

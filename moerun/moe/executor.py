@@ -4,9 +4,9 @@ The forward pass calls its executor once per MoE layer: `begin(layer, x, ids, we
 starts the layer's routed-expert work and returns a pending result at once (a rig sends the
 daemons their share first), the pass computes the shared expert meanwhile, and
 `pending.finish()` gives the layer's routed output; given a `residual` (a layer without a
-shared expert), the output already holds it (added by the kernel that writes it, all local). Two implementations: LocalExecutor
-(every expert on the parent's backend) and the rig's dispatchers (moerun.rig), which add
-expert daemons.
+shared expert), the output already holds it (added by the kernel that writes it, all local).
+Two implementations: LocalExecutor (every expert on the parent's backend) and the rig's
+dispatchers (moerun.rig), which add expert daemons.
 
 Shape legend: T tokens, H hidden, K experts per token.
 """

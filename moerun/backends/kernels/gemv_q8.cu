@@ -102,10 +102,11 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
 
 // out[t, r] = (residual[t, r] +) Σ_k weights[p] · down_e[r, :] · act[p, :] over the token's pairs
 // p = t*top_k + k with ids[p] >= 0, summed in k order (deterministic). down: E experts of
-// expert_bytes, H rows of row_bytes; act [P, F] as q8; out, residual [T, H]. Grid (H / rows per warp, T); one warp per expert
-// slot k (looping when top_k exceeds the warps), 32 / group rows per warp; each warp's rows of
-// its first slot's expert staged (stage_rows, a slot per warp) when `stride` is not 0. The ids
-// were written before the gate/up launch that precedes this one, which waited for them.
+// expert_bytes, H rows of row_bytes; act [P, F] as q8; out, residual [T, H]. Grid (H / rows per
+// warp, T); one warp per expert slot k (looping when top_k exceeds the warps), 32 / group rows
+// per warp; each warp's rows of its first slot's expert staged (stage_rows, a slot per warp) when
+// `stride` is not 0. The ids were written before the gate/up launch that precedes this one, which
+// waited for them.
 #define DEFINE_MOE_DOWN_Q8(TYPE)                                                                           \
     extern "C" __global__ void moe_down_q8_##TYPE(                                                         \
             const u8* __restrict__ down, long long expert_bytes, long long row_bytes,                      \

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moerun.backends.devices import DEVICE_PATTERN
+from moerun.backends.protocol import KV_DTYPES
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES
 from moerun.ipc.sockets import ENDPOINT
 from moerun.rig.settings import AUTO, MODES, RIG_TRANSPORTS, ConfigError, DaemonEntry
@@ -115,6 +116,7 @@ TOP_LEVEL = {
     "model": Key(text, path=True),
     "device": Key(device),
     "graphs": Key(boolean),
+    "kv_dtype": Key(one_of(*KV_DTYPES)),
     "memory": Key(size),
     "workload": Key(one_of(*WORKLOADS)),
     "placement": Key(text, path=True),

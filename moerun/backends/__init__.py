@@ -12,12 +12,13 @@ from moerun.models.spec import ModelSpec
 __all__ = ["BackendUnavailable", "open_backend"]
 
 
-def open_backend(device: str, spec: ModelSpec, graphs: bool = True, threads: int | None = None):
+def open_backend(device: str, spec: ModelSpec, graphs: bool = True, threads: int | None = None,
+                 kv_dtype: str = "f16"):
     """The backend for `device` (cpu, cuda:N, hip:N); `graphs` False keeps GPU decode eager;
-    `threads`: the CPU kernels' on the CPU."""
+    `threads`: the CPU kernels' on the CPU; `kv_dtype`: a GPU's KV cache elements (f16, f32)."""
     parsed = parse_device(device)
     if parsed.platform == "cpu":
         from moerun.backends.numpy_backend import NumpyBackend
         return NumpyBackend(spec, threads)
     from moerun.backends.gpu_backend import GpuBackend
-    return GpuBackend(parsed, spec, graphs=graphs)
+    return GpuBackend(parsed, spec, graphs=graphs, kv_dtype=kv_dtype)

@@ -6,7 +6,7 @@ to two 8-bit planes (integer dot products, kernels/q8_dot.cuh) and float weights
 Prefill dequantizes each dense matrix to f16 and multiplies on the matrix units with f32
 accumulation and output (f32 matrices, the routers, stay f32); the experts multiply
 straight from their stored blocks (gpu_experts.py, kernels/moe_mm.cu); attention is
-batched TF32 products. Decode steps replay as captured CUDA graphs (with daemons: graph
+batched TF32 products over a KV cache of f16 (by default, as llama.cpp's) or f32. Decode steps replay as captured CUDA graphs (with daemons: graph
 segments between the MoE layers' host actions; not on HIP, or with graphs off).
 Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv head dims,
 E experts, K experts per token, S cache positions.
@@ -35,7 +35,7 @@ from moerun.backends.gpu_kernels import (
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
-from moerun.backends.protocol import ContextFull, Forward
+from moerun.backends.protocol import KV_DTYPES, ContextFull, Forward
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 
@@ -76,7 +76,7 @@ class GpuKVCache:
     captured decode step keeps pointing at the same memory."""
 
     def __init__(self, buffers: tuple[list, list], capacity: int):
-        self.k, self.v = buffers              # per layer: [S, NKV, D], [S, NKV, Dv]
+        self.k, self.v = buffers              # per layer: [S, NKV, D], [S, NKV, Dv] of f16 or f32
         self.capacity = capacity
         self.length = 0
 
@@ -89,7 +89,7 @@ class GpuKVCache:
 
 
 class GpuBackend:
-    def __init__(self, device: Device, spec: ModelSpec, graphs: bool = True):
+    def __init__(self, device: Device, spec: ModelSpec, graphs: bool = True, kv_dtype: str = "f16"):
         cupy = self.cupy = gpu_module(device)
         import cupyx
         self.pinned = cupyx.empty_pinned                # (shape, dtype) -> a page-locked numpy array
@@ -98,6 +98,9 @@ class GpuBackend:
         self.device_index = device.index
         self.kind = device.platform.upper()
         self.spec = spec
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache type {kv_dtype!r}: the GPU backend keeps one of {', '.join(KV_DTYPES)}")
+        self.kv_dtype = kv_dtype
         if spec.hidden > NORM_BLOCK * NORM_VALUES:
             raise ValueError(f"hidden size {spec.hidden}: the GPU backend normalises rows of at most "
                              f"{NORM_BLOCK * NORM_VALUES} values")
@@ -134,7 +137,8 @@ class GpuBackend:
         return self._uploader.matrix(name)
 
     def embedding(self, gguf: GGUFFile, name: str) -> DeviceMatrix:
-        return self._uploader.matrix(name)
+        """In mapped host memory: a step gathers T rows of it (no device memory for the table)."""
+        return self._uploader.host_matrix(name, self.device_index)
 
     def vector(self, values: np.ndarray) -> Any:
         return self.cupy.asarray(np.ascontiguousarray(values, dtype=np.float32))
@@ -174,9 +178,10 @@ class GpuBackend:
         """A fresh sequence; the buffers of the last one of this capacity are reused."""
         if capacity not in self._kv_buffers:
             spec, cupy = self.spec, self.cupy
+            dtype = KV_DTYPES[self.kv_dtype]
             self._kv_buffers[capacity] = (
-                [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_k), cupy.float32) for _ in range(spec.n_layers)],
-                [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_v), cupy.float32) for _ in range(spec.n_layers)])
+                [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_k), dtype) for _ in range(spec.n_layers)],
+                [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_v), dtype) for _ in range(spec.n_layers)])
         return GpuKVCache(self._kv_buffers[capacity], capacity)
 
     # -- the step
@@ -269,7 +274,7 @@ class GpuBackend:
         # slices of a fused qkv [T, N] are copied out when T > 1 (one row is contiguous already).
         q, k, v = (self.cupy.ascontiguousarray(a) for a in (q, k, v))
         self.kernels.launch(
-            "qk_norm_rope_append",
+            f"qk_norm_rope_append_{self.kv_dtype}",
             (n_tokens, spec.n_heads + spec.n_kv_heads), (spec.head_dim_k // 2,),
             (q, k, v, pointer(q_norm), pointer(k_norm), np.float32(spec.rms_eps), positions, self.inv_freq,
              np.float64(1.0 / spec.rope_scale), i32(spec.rule.rope_style == "neox"),
@@ -290,11 +295,12 @@ class GpuBackend:
         spec, cupy = self.spec, self.cupy
         n_tokens = q.shape[0]
         span = cache.capacity if n_tokens == 1 else cache.length + n_tokens
-        splits = attention_splits(span, n_tokens * spec.n_heads, self.kernels.wave("attention_partial"))
+        partial = f"attention_partial_{self.kv_dtype}"
+        splits = attention_splits(span, n_tokens * spec.n_heads, self.kernels.wave(partial))
         acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)    # [T, NH, splits, Dv]
         max_sum = cupy.empty((n_tokens, spec.n_heads, splits, 2), cupy.float32)
         self.kernels.launch(
-            "attention_partial",
+            partial,
             (n_tokens, spec.n_heads, splits), (BLOCK,),
             (q, cache.k[layer], cache.v[layer], positions, i32(spec.n_heads), i32(spec.n_kv_heads),
              i32(spec.head_dim_k), i32(spec.head_dim_v), np.float32(1.0 / math.sqrt(spec.head_dim_k)),
@@ -326,10 +332,10 @@ class GpuBackend:
         return out
 
     def _expand_heads(self, cache: Any, span: int, head_dim: int) -> Any:
-        """Cache rows [S, NKV, D] -> [NH, S, D]."""
+        """Cache rows [S, NKV, D] -> [NH, S, D] f32."""
         spec = self.spec
         out = self.cupy.empty((spec.n_heads, span, head_dim), self.cupy.float32)
-        self.kernels.elementwise("expand_kv_heads", out.size // 4,
+        self.kernels.elementwise(f"expand_kv_heads_{self.kv_dtype}", out.size // 4,
                                  (cache, i32(span), i32(spec.n_kv_heads), i32(spec.n_heads), i32(head_dim), out))
         return out
 

@@ -1,5 +1,7 @@
 """Weights on the GPU in their stored form, uploaded straight from the GGUF mapping
-through pinned staging buffers.
+through pinned staging buffers; or kept in page-locked host memory that the GPU's kernels read
+directly (mapped, one address for both), for a table of which a step reads a few rows: the
+token embedding, as llama.cpp keeps it on the host.
 
 Types the kernels read directly stay as they are; any other type is dequantized
 at load to f16 (said once in the log). Shape legend: N rows, K columns (elements
@@ -64,6 +66,26 @@ class Uploader:
     def matrix(self, name: str, experts: list[int] | None = None) -> DeviceMatrix:
         """The tensor as a DeviceMatrix: 1-D tensors become one row; 3-D ones an expert
         stack, of every expert or of `experts` only, in that order."""
+        stored, kind, rows, cols, n_experts = self._stored(name, experts)
+        return DeviceMatrix(self.bytes(stored.reshape(-1)), kind, rows, cols, n_experts)
+
+    def host_matrix(self, name: str, device_index: int) -> DeviceMatrix:
+        """A 2-D tensor as a DeviceMatrix whose bytes stay in mapped page-locked host memory:
+        the kernels read its rows across the bus, and it takes no device memory."""
+        cupy = self.cupy
+        stored, kind, rows, cols, _ = self._stored(name, None)
+        stored = np.ascontiguousarray(stored.reshape(-1))
+        runtime = cupy.cuda.runtime
+        pinned = cupy.cuda.PinnedMemory(stored.size, runtime.hostAllocMapped | runtime.hostAllocPortable)
+        np.frombuffer(cupy.cuda.PinnedMemoryPointer(pinned, 0), dtype=np.uint8, count=stored.size)[:] = stored
+        memory = cupy.cuda.UnownedMemory(pinned.ptr, stored.size, pinned, device_index)
+        data = cupy.ndarray((stored.size,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+        self.progress(stored.size)
+        return DeviceMatrix(data, kind, rows, cols)
+
+    def _stored(self, name: str, experts: list[int] | None) -> tuple[np.ndarray, str, int, int, int]:
+        """The tensor's bytes in a type the kernels read (uint8 [E', N, row bytes]), that type,
+        N, K and E' (the experts taken)."""
         info = self.gguf.tensor(name)
         shape = (1, *info.shape) if len(info.shape) == 1 else info.shape
         n_experts, rows, cols = (1, *shape) if len(shape) == 2 else shape
@@ -83,8 +105,7 @@ class Uploader:
             stored = self.gguf.raw(name).reshape(n_experts, rows, -1).view(np.uint8)
             if experts is not None:
                 stored = stored[np.asarray(experts)]                           # copies those experts only
-        n_experts = n_experts if experts is None else len(experts)
-        return DeviceMatrix(self.bytes(stored.reshape(-1)), kind, rows, cols, n_experts)
+        return stored, kind, rows, cols, n_experts if experts is None else len(experts)
 
     def bytes(self, source: np.ndarray) -> Any:
         """A device copy of the uint8 array `source`."""

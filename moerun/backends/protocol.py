@@ -17,6 +17,7 @@ from moerun.gguf.reader import GGUFFile
 
 Array = Any          # the backend's array: numpy on the CPU, CuPy on a GPU
 Forward = Callable[[Array, Array], Array]     # (ids [T], positions [T]) -> logits [T or 1, V]
+KV_DTYPES = {"f16": np.float16, "f32": np.float32}   # a GPU's KV cache element types (--kv-dtype); the CPU's is f32
 
 
 class ContextFull(Exception):

@@ -9,6 +9,7 @@ import click
 from click.core import ParameterSource
 
 from moerun.backends import BackendUnavailable
+from moerun.backends.protocol import KV_DTYPES
 from moerun.config import load_config_file
 from moerun.engine.runtime import DEFAULT_UBATCH, RequestError, Runtime
 from moerun.gguf.reader import GGUFError
@@ -102,6 +103,8 @@ def runtime_options(command):
                      help="The parent's device: cpu, cuda:N or hip:N."),
         click.option("--graph/--no-graph", "graphs", default=True, show_default=True,
                      help="Run GPU decode steps as CUDA graphs (--no-graph: eagerly)."),
+        click.option("--kv-dtype", type=click.Choice(tuple(KV_DTYPES)), default=None,
+                     help="A GPU parent's KV cache elements [default: f16; the CPU parent's are f32]."),
         click.option("--ctx", type=click.IntRange(min=1), default=None,
                      help="Context length in tokens [default: the model's, at most 4096]."),
         click.option("--kv-pool", type=click.IntRange(min=1), default=None,
@@ -138,11 +141,11 @@ def runtime_options(command):
     return decorated
 
 
-def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, daemons, hot, placement, transport, mode,
+def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, kv_dtype, daemons, hot, placement, transport, mode,
                  batch_capacity, payload_dtype, daemon_timeout, require_daemons, threads, pin, daemon_entries,
                  client_secret_key) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
-                    require_daemons=require_daemons, device=device, graphs=graphs, daemon_entries=daemon_entries,
+                    require_daemons=require_daemons, device=device, graphs=graphs, kv_dtype=kv_dtype, daemon_entries=daemon_entries,
                     client_secret_key=client_secret_key, threads=threads, pin=pin)
     return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig)

@@ -78,7 +78,8 @@ class Runtime:
             self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
             self.cpus = share_host(rig)         # the parent's CPU threads, and those of this host's CPU daemons
             self.cpus.apply_to_parent()
-            self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs, threads=self.cpus.parent.threads)
+            self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs, threads=self.cpus.parent.threads,
+                                        kv_dtype=rig.kv_cache_dtype)
             if rig.daemons:
                 self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=self.kv_pool or self.ctx,
                                cpus=self.cpus)

@@ -9,6 +9,7 @@ import socket
 from dataclasses import dataclass
 
 from moerun.backends.devices import DEVICE_PATTERN
+from moerun.backends.protocol import KV_DTYPES
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, TRANSPORTS
 from moerun.ipc.sockets import ENDPOINT
 
@@ -73,6 +74,7 @@ class RigConfig:
     require_daemons: bool = False
     device: str = "cpu"                  # the parent's: cpu | cuda:N | hip:N
     graphs: bool = True                  # --no-graph: GPU decode steps run eagerly instead of as CUDA graphs
+    kv_dtype: str | None = None          # --kv-dtype f16 | f32 of a GPU parent's KV cache; None: f16 (the CPU: f32)
     daemon_entries: tuple[DaemonEntry, ...] = ()   # the config file's [[daemon]] tables behind `daemons`, if any
     client_secret_key: str | None = None           # the parent's CURVE secret key file ([auth])
     threads: int | None = None           # the parent's CPU threads [default: its share of this host's CPUs]
@@ -84,6 +86,9 @@ class RigConfig:
                 raise ConfigError(f"--daemon {spec!r}: expected cpu, cuda:N, hip:N, ipc://PATH or tcp://HOST:PORT")
         checks = [
             (bool(DEVICE_PATTERN.match(self.device)), f"--device {self.device!r}: expected cpu, cuda:N or hip:N"),
+            (self.kv_dtype in (None, *KV_DTYPES), f"--kv-dtype must be one of {', '.join(KV_DTYPES)}"),
+            (not (self.kv_dtype == "f16" and self.device == "cpu"),
+             "--kv-dtype f16: the CPU parent keeps its KV cache in f32; give it for a GPU parent (--device cuda:N)"),
             (self.transport in RIG_TRANSPORTS, f"--transport must be one of {', '.join(RIG_TRANSPORTS)}"),
             (self.mode in MODES, f"--mode must be one of {', '.join(MODES)}"),
             (self.payload_dtype in PAYLOAD_DTYPES, f"--payload-dtype must be one of {', '.join(PAYLOAD_DTYPES)}"),
@@ -102,6 +107,11 @@ class RigConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The parent's KV cache elements: --kv-dtype, else f16 on a GPU and f32 on the CPU."""
+        return self.kv_dtype or ("f32" if self.device == "cpu" else "f16")
 
     @property
     def tokens_per_call(self) -> int:

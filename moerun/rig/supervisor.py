@@ -153,7 +153,8 @@ class Rig:
         daemons = tuple(DeviceBudget(link.spec, host_share if link in local_cpu else int(link.client.info["free_bytes"]))
                         for link in self.links)
         request = PlanRequest(sizes=model_sizes(gguf, self.spec), parent=DeviceBudget("parent cpu", host_share, True),
-                              daemons=daemons, context=self.kv_tokens, kv_dtype="f32")
+                              daemons=daemons, context=self.kv_tokens,
+                              kv_dtype=self.config.kv_cache_dtype)
         try:
             result = plan(request)
         except PlanError as err:

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
 T = GGMLQuantizationType
 ROWS, COLS = 96, 512
 Q8_BOUND = 1e-4
+TF32_ATTENTION_BOUND = 3e-3
 HIDDEN, FFN = 768, 256
 
 
@@ -289,34 +290,82 @@ ATTENTION_CASES = {
 }
 
 
+@pytest.fixture(scope="module", params=["f16", "f32"])
+def kv_backend(request):
+    """A backend with its KV cache in each element type."""
+    from moerun.backends import open_backend
+    return open_backend(gpu_device(), small_spec(), kv_dtype=request.param)
+
+
 @pytest.mark.parametrize("capacity, start, n_tokens, splits", ATTENTION_CASES.values(), ids=list(ATTENTION_CASES))
-def test_decode_attention_matches_numpy(backend, monkeypatch, capacity, start, n_tokens, splits):
-    """Split-K attention of tokens at positions start.. over the cache, each split an equal share of
-    its token's own positions, against numpy; the 8-bit planes the combine writes are quantize_q8's
-    of its output."""
+def test_decode_attention_matches_numpy(kv_backend, monkeypatch, capacity, start, n_tokens, splits):
+    """Split-K attention of tokens at positions start.. over the cache (f16 or f32), each split an
+    equal share of its token's own positions, against numpy over the values the cache holds; the
+    8-bit planes the combine writes are quantize_q8's of its output."""
     from moerun.backends import gpu_backend
-    from moerun.backends.numpy_ops import causal_attention
     if splits is not None:
         monkeypatch.setattr(gpu_backend, "attention_splits", lambda span, heads, wave: splits)
+    got, want = attention_and_numpy(kv_backend, capacity, start, n_tokens)
+    assert relative_error(got.get(), want) < 1e-5
+    planes, scales = kv_backend.q8_of(got)
+    want_planes, want_scales = kv_backend.quantize_q8(got)
+    assert kv_backend.cupy.array_equal(planes, want_planes)
+    assert kv_backend.cupy.allclose(scales, want_scales, rtol=1e-6, atol=0)
+
+
+def attention_and_numpy(backend, capacity: int, start: int, n_tokens: int) -> tuple:
+    """The backend's attention of random tokens at positions start.. over a cache of random rows
+    (values its type holds exactly; NaN past the tokens, which must not be read), and numpy's."""
+    from moerun.backends.numpy_ops import causal_attention
     spec, cupy = backend.spec, backend.cupy
     rng = np.random.default_rng()
     cache = backend.new_cache(capacity)
-    k = rng.normal(size=(start + n_tokens, spec.n_kv_heads, spec.head_dim_k)).astype(np.float32)
-    v = rng.normal(size=(start + n_tokens, spec.n_kv_heads, spec.head_dim_v)).astype(np.float32)
+    stored = cache.k[0].dtype
+    k = rng.normal(size=(start + n_tokens, spec.n_kv_heads, spec.head_dim_k)).astype(stored).astype(np.float32)
+    v = rng.normal(size=(start + n_tokens, spec.n_kv_heads, spec.head_dim_v)).astype(stored).astype(np.float32)
     cache.k[0][: len(k)] = cupy.asarray(k)
     cache.v[0][: len(v)] = cupy.asarray(v)
-    cache.k[0][len(k):] = cupy.nan                       # rows past the tokens must not be read
+    cache.k[0][len(k):] = cupy.nan
     cache.v[0][len(v):] = cupy.nan
     cache.length = start
     q = rng.normal(size=(n_tokens, spec.n_heads * spec.head_dim_k)).astype(np.float32)
     positions = cupy.arange(start, start + n_tokens, dtype=cupy.int32)
     want = causal_attention(q.reshape(n_tokens, spec.n_heads, -1), k, v, start).astype(np.float64)
-    got = backend.attention(cupy.asarray(q), cache, 0, positions)
-    assert relative_error(got.get(), want) < 1e-5
-    planes, scales = backend.q8_of(got)
-    want_planes, want_scales = backend.quantize_q8(got)
-    assert cupy.array_equal(planes, want_planes)
-    assert cupy.allclose(scales, want_scales, rtol=1e-6, atol=0)
+    return backend.attention(cupy.asarray(q), cache, 0, positions), want
+
+
+def test_rope_append_writes_the_cache_in_its_type(kv_backend):
+    """Rope and the append of 24 tokens at positions 40..63: the f16 cache holds exactly the f32
+    cache's values rounded to nearest (numpy's rounding), and the rotated queries do not depend on
+    the cache's type."""
+    from moerun.backends import open_backend
+    spec, cupy = kv_backend.spec, kv_backend.cupy
+    exact = open_backend(gpu_device(), spec, kv_dtype="f32")
+    rng = np.random.default_rng()
+    n_tokens, start = 24, 40
+    q, k = (rng.normal(size=(n_tokens, heads * spec.head_dim_k)).astype(np.float32)
+            for heads in (spec.n_heads, spec.n_kv_heads))
+    v = rng.normal(size=(n_tokens, spec.n_kv_heads * spec.head_dim_v)).astype(np.float32)
+    norm = rng.normal(size=spec.head_dim_k).astype(np.float32)
+    caches, rotated = [], []
+    for backend in (kv_backend, exact):
+        cache = backend.new_cache(128)
+        positions = cupy.arange(start, start + n_tokens, dtype=cupy.int32)
+        rotated.append(backend.rope_append(*(cupy.asarray(a) for a in (q, k, v, norm, norm)), cache, 0, positions).get())
+        caches.append((cache.k[0][start:start + n_tokens].get(), cache.v[0][start:start + n_tokens].get()))
+    assert np.array_equal(rotated[0], rotated[1])
+    for stored, full in zip(*caches):
+        assert stored.dtype == kv_backend.new_cache(128).k[0].dtype
+        assert np.array_equal(stored, full.astype(stored.dtype))
+
+
+@pytest.mark.parametrize("start", [0, 40])
+def test_prefill_attention_matches_numpy(kv_backend, start):
+    """A chunk of 24 tokens at positions start.. over the cache (f16 or f32) through the head
+    expansion and the batched TF32 products, against numpy over the values the cache holds: TF32
+    keeps 10 bits of each operand's mantissa (2^-11 relative)."""
+    got, want = attention_and_numpy(kv_backend, 128, start, 24)
+    assert relative_error(got.get(), want) < TF32_ATTENTION_BOUND
 
 
 def test_hopper_launches_kernels_as_dependent_launches(backend):

@@ -14,13 +14,15 @@ import pytest
 
 from moerun.backends.gpu_kernels import INT_KINDS, KERNEL_DIR
 from moerun.backends.gpu_weights import KERNEL_TYPES
+from moerun.backends.protocol import KV_DTYPES
 
 pytestmark = pytest.mark.tools
 PER_TYPE = ("moe_gate_up", "moe_down", "moe_mm_gate_up", "moe_mm_down", "dequant_f16", "gather_rows_f32")
 PER_FLOAT_TYPE = ("gemv", "gemv_few_rows")
 PER_INT_TYPE = ("gemv_q8", "moe_gate_up_q8", "moe_down_q8")
-SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "qk_norm_rope_append", "attention_partial", "attention_combine", "route_top_k", "silu_mul",
-          "gather_rows_f16", "combine_rows", "add_gated", "to_f16", "expand_kv_heads",
+PER_KV_TYPE = ("qk_norm_rope_append", "attention_partial", "expand_kv_heads")
+SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "attention_combine", "route_top_k", "silu_mul",
+          "gather_rows_f16", "combine_rows", "add_gated", "to_f16",
           "causal_softmax", "layout_pairs", "split_parent_ids", "pack_remote",
           "unpack_payload", "add_reply_rows")
 
@@ -50,7 +52,8 @@ def assert_defines_every_kernel(binary: bytes) -> None:
     float_kinds = [kind for kind in KERNEL_TYPES.values() if kind not in INT_KINDS]
     names = ([f"{family}_{kind}" for family in PER_TYPE for kind in KERNEL_TYPES.values()]
              + [f"{family}_{kind}" for family in PER_FLOAT_TYPE for kind in float_kinds]
-             + [f"{family}_{kind}" for family in PER_INT_TYPE for kind in INT_KINDS] + list(SHARED))
+             + [f"{family}_{kind}" for family in PER_INT_TYPE for kind in INT_KINDS]
+             + [f"{family}_{kind}" for family in PER_KV_TYPE for kind in KV_DTYPES] + list(SHARED))
     missing = [name for name in names if name.encode() not in binary]
     assert not missing
 
@@ -88,8 +91,8 @@ def kernel_bodies() -> dict[str, str]:
 # its first kernel, and attention fetches earlier steps' cache rows into L2).
 READ_BEFORE_WAIT = {"layers.cu:rms_norm", "gemv_q8.cu:gemv_q8_##TYPE", "gemv_q8.cu:gemv_q8_three",
                     "gemv_q8.cu:moe_down_q8_##TYPE", "gemv.cu:gemv_few_rows_##TYPE",
-                    "route.cu:route_normed_##TYPE", "layers.cu:qk_norm_rope_append",
-                    "layers.cu:attention_partial"}
+                    "route.cu:route_normed_##TYPE", "attention.cu:qk_norm_rope_append_##KV",
+                    "attention.cu:attention_partial_##KV"}
 
 
 def test_every_kernel_first_waits_for_the_previous_grid():

@@ -130,6 +130,12 @@ def test_run_bad_sampling_flags_are_refused_naming_the_flag(demo_model, moerun, 
     assert f"Invalid value for '{flag}" in result.stderr
 
 
+def test_an_f16_kv_cache_on_the_cpu_parent_is_a_clear_error(demo_model, moerun):
+    result = moerun("run", "-m", demo_model, "--kv-dtype", "f16", "-n", "1")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.startswith("Error: --kv-dtype f16: the CPU parent keeps its KV cache in f32")
+
+
 def test_output_to_a_missing_directory_is_a_clear_error(demo_model, moerun, tmp_path):
     result = moerun("logits", "-m", demo_model, "--ids", "1,2", "-o", tmp_path / "no" / "such" / "dir.npy")
     assert result.exit_code == 1 and result.stderr.startswith("Error: ") and "Traceback" not in result.output
@@ -143,9 +149,11 @@ def test_full_device_is_a_clear_error(demo_model, moerun):
 
 
 def test_write_failure_leaves_no_partial_file(demo_model, tmp_path):
-    """A real failed write (file size limit, as on a full disk) keeps no torn or temp file."""
+    """A real failed write (file size limit, as on a full disk) keeps no torn or temp file. The
+    CPU kernels are built (or found in the cache) before the limit, which a compiler would hit."""
     limit = 1000                                       # bytes; the logits need more
-    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    code = ("import resource, signal, sys; from moerun.backends.cpu.build import library_path; library_path(); "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
             f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
             "from moerun.cli import main; sys.argv[0] = 'moerun'; main()")
     out = tmp_path / "logits.npy"

@@ -313,12 +313,23 @@ def test_rig_config_checks_the_parent_device_and_the_entries():
     assert RigConfig(device="hip:1").device == "hip:1"
 
 
+def test_the_kv_cache_type_is_f16_on_a_gpu_f32_on_the_cpu_and_checked():
+    assert RigConfig(device="cuda:0").kv_cache_dtype == "f16"
+    assert RigConfig(device="cuda:0", kv_dtype="f32").kv_cache_dtype == "f32"
+    assert RigConfig().kv_cache_dtype == RigConfig(kv_dtype="f32").kv_cache_dtype == "f32"
+    with pytest.raises(ConfigError, match="--kv-dtype f16: the CPU parent keeps its KV cache in f32"):
+        RigConfig(kv_dtype="f16")
+    with pytest.raises(ConfigError, match="--kv-dtype must be one of f16, f32"):
+        RigConfig(device="cuda:0", kv_dtype="q8_0")
+
+
 # -- flags override the file --------------------------------------------------------------------
 
 RIG = """
 model = "m.gguf"
 device = "cuda:0"
 graphs = false
+kv_dtype = "f32"
 ctx = 100
 transport = "stream"
 placement = "auto"
@@ -336,7 +347,7 @@ def test_the_file_fills_the_flags_not_given(tmp_path):
     path = write(tmp_path, RIG)
     flags = shown("--config", path)
     assert flags["model"] == str(tmp_path / "m.gguf") and flags["device"] == "cuda:0" and flags["graphs"] is False
-    assert flags["ctx"] == 100 and flags["transport"] == "stream" and flags["placement"] == "auto"
+    assert flags["kv_dtype"] == "f32" and flags["ctx"] == 100 and flags["transport"] == "stream" and flags["placement"] == "auto"
     assert flags["require_daemons"] is True and flags["ubatch"] == 512    # not in the file: the default
     assert flags["daemons"] == ["cpu", "ipc:///tmp/b.sock"] and flags["entries"] == ["a", "b"]
 

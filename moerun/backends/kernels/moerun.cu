@@ -3,6 +3,7 @@
 #include "gemv_q8.cu"
 #include "dequant.cu"
 #include "layers.cu"
+#include "attention.cu"
 #include "moe_prefill.cu"
 #include "moe_mm.cu"
 #include "remote.cu"

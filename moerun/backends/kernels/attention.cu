@@ -1,0 +1,247 @@
+// Attention and the KV cache: rope with the append, decode attention's two passes, prefill's
+// head expansion and causal softmax. The cache's elements are f32 or f16 (--kv-dtype): the
+// kernels that touch it come in one form per type (suffix _f32, _f16), and read and write it
+// as floats. Shape legend: T tokens, S cache positions, NH/NKV query/KV heads, D/Dv head dims.
+#include "q8_dot.cuh"
+#include "staging.cuh"
+
+#define MAX_HEAD_DIM 256
+#define ATTENTION_CHUNK 256     // cache rows a split of decode attention scores at a time
+#define ATTENTION_GRANULE 32    // a split's share of the rows is a multiple of this: one pass of 256 threads
+#define L2_LINE 128             // bytes of one line prefetch_l2 fetches
+
+typedef float kv_f32;
+typedef __half kv_f16;
+#define FOR_EACH_KV_TYPE(X) X(f32) X(f16)
+
+__device__ __forceinline__ void store_kv(float* p, float value) { *p = value; }
+__device__ __forceinline__ void store_kv(__half* p, float value) { *p = __float2half(value); }
+
+// Four consecutive elements (16-byte aligned for f32, 8-byte for f16) as floats.
+__device__ __forceinline__ float4 load_kv4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load_kv4(const __half* p) {
+    uint2 bits = *reinterpret_cast<const uint2*>(p);
+    return make_float4(half_bits_to_float((u16)bits.x), half_bits_to_float((u16)(bits.x >> 16)),
+                       half_bits_to_float((u16)bits.y), half_bits_to_float((u16)(bits.y >> 16)));
+}
+
+// For one token t and one head (grid (T, NH + NKV), D/2 threads): apply the
+// per-head RMS norm when given, rotate by the token's position, then
+// store a query head back in q or a key head (with its value head) into the cache
+// at row positions[t].  neox rotates pairs (i, i + D/2), otherwise (2i, 2i + 1).
+// The angle is computed before the wait: the positions were written before the step's first
+// kernel (read from L2), the norms and frequencies by none.
+#define DEFINE_QK_NORM_ROPE_APPEND(KV)                                                                         \
+    extern "C" __global__ void qk_norm_rope_append_##KV(                                                       \
+            float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                   \
+            const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,                     \
+            const int* __restrict__ positions, const double* __restrict__ inv_freq, double inv_scale, int neox, \
+            kv_##KV* __restrict__ k_cache, kv_##KV* __restrict__ v_cache,                                      \
+            int n_heads, int n_kv_heads, int head_dim, int head_dim_v) {                                       \
+        __shared__ float scratch[MAX_HEAD_DIM / 2];                                                            \
+        int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x, half = head_dim / 2;                           \
+        bool is_query = head < n_heads;                                                                        \
+        int kv_head = head - n_heads, position = load_from_l2(positions + t);                                  \
+        const float* norm = is_query ? q_norm : k_norm;                                                        \
+        int i1 = neox ? i : 2 * i, i2 = neox ? i + half : 2 * i + 1;                                           \
+        float norm1 = norm ? norm[i1] : 1.f, norm2 = norm ? norm[i2] : 1.f;                                    \
+        double angle = (double)position * inv_scale * inv_freq[i];                                             \
+        float c = (float)cos(angle), s = (float)sin(angle);                                                    \
+        wait_for_previous_grid();                                                                              \
+        const float* src = is_query ? q + ((long long)t * n_heads + head) * head_dim                           \
+                                    : k + ((long long)t * n_kv_heads + kv_head) * head_dim;                    \
+        float a = src[i1], b = src[i2];                                                                        \
+        if (norm) {                                                                                            \
+            float inv = 1.0f / sqrtf(block_sum(a * a + b * b, scratch) / head_dim + eps);                      \
+            a = a * inv * norm1;                                                                               \
+            b = b * inv * norm2;                                                                               \
+        }                                                                                                      \
+        float ra = a * c - b * s, rb = b * c + a * s;                                                          \
+        if (is_query) {                                                                                        \
+            float* dst = q + ((long long)t * n_heads + head) * head_dim;                                       \
+            dst[i1] = ra; dst[i2] = rb;                                                                        \
+            return;                                                                                            \
+        }                                                                                                      \
+        long long slot = (long long)position * n_kv_heads + kv_head;                                           \
+        store_kv(k_cache + slot * head_dim + i1, ra);                                                          \
+        store_kv(k_cache + slot * head_dim + i2, rb);                                                          \
+        const float* v_src = v + ((long long)t * n_kv_heads + kv_head) * head_dim_v;                           \
+        for (int j = i; j < head_dim_v; j += blockDim.x)                                                       \
+            store_kv(v_cache + slot * head_dim_v + j, v_src[j]);                                               \
+    }
+
+FOR_EACH_KV_TYPE(DEFINE_QK_NORM_ROPE_APPEND)
+
+// Split-K causal attention of a few tokens, first pass. Grid (T, NH, splits), blockDim <= 256
+// (scratch holds the [strides, Dv] partial sums: 4·blockDim floats; launched with 256).
+// Token t attends to cache rows [0, positions[t]]; split c takes an equal share of them,
+// rounded up to whole ATTENTION_GRANULE rows (so the last splits may get fewer, or none),
+// and walks it ATTENTION_CHUNK rows at a time with a running max and sum. Writes the
+// split's unnormalised output acc [T, NH, splits, Dv] and its (max, sum) [T, NH, splits, 2],
+// (-inf, 0) for a split with no rows. Before the wait, the split's rows the steps before wrote
+// (all but those of this step's tokens, from positions[0]) are fetched into L2.
+#define DEFINE_ATTENTION_PARTIAL(KV)                                                                           \
+    extern "C" __global__ void attention_partial_##KV(                                                         \
+            const float* __restrict__ q, const kv_##KV* __restrict__ k_cache, const kv_##KV* __restrict__ v_cache, \
+            const int* __restrict__ positions, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,      \
+            float scale, float* __restrict__ acc, float* __restrict__ max_sum) {                               \
+        __shared__ float q_shared[MAX_HEAD_DIM];                                                               \
+        __shared__ float probs[ATTENTION_CHUNK];                                                               \
+        __shared__ float scratch[1024];                                                                        \
+        int t = blockIdx.x, head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;                         \
+        int kv_head = head / (n_heads / n_kv_heads);                                                           \
+        long long part = ((long long)t * n_heads + head) * splits + split;                                     \
+        int length = load_from_l2(positions + t) + 1;                                                          \
+        int share = (length + splits - 1) / splits;                                                            \
+        share = (share + ATTENTION_GRANULE - 1) / ATTENTION_GRANULE * ATTENTION_GRANULE;                       \
+        int begin = split * share, end = min(begin + share, length);                                           \
+        int written = min(end, load_from_l2(positions));                  /* rows before this step's */        \
+        const int per_line = L2_LINE / sizeof(kv_##KV);                     /* elements of a line */           \
+        int lines = (head_dim + per_line - 1) / per_line, lines_v = (head_dim_v + per_line - 1) / per_line;    \
+        for (int l = threadIdx.x; l < (written - begin) * (lines + lines_v); l += blockDim.x) {                \
+            int s = begin + l / (lines + lines_v), line = l % (lines + lines_v);                               \
+            prefetch_l2(line < lines ? k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim + per_line * line \
+                                     : v_cache + ((long long)s * n_kv_heads + kv_head) * head_dim_v            \
+                                               + per_line * (line - lines));                                   \
+        }                                                                                                      \
+        wait_for_previous_grid();                                                                              \
+        if (begin >= end) {                                                                                    \
+            if (threadIdx.x == 0) { max_sum[2 * part] = NEG_INF; max_sum[2 * part + 1] = 0.f; }                \
+            return;                                                                                            \
+        }                                                                                                      \
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x)                                               \
+            q_shared[d] = q[((long long)t * n_heads + head) * head_dim + d];                                   \
+        __syncthreads();                                                                                       \
+        /* Scores: each group of 8 threads takes one key at a time, 4 dims per load, so a block of             \
+           256 has 32 keys' loads in flight per pass. Values: thread i takes 4 dims (column i % columns)       \
+           of every strides-th key from i / columns, kept in registers across the chunks; the strides          \
+           partial sums meet in shared memory at the end. Dv % 4 == 0, Dv / 4 <= blockDim. */                  \
+        int lane = threadIdx.x % 8, groups = blockDim.x / 8;                                                   \
+        int columns = head_dim_v / 4, strides = blockDim.x / columns, first = threadIdx.x / columns;           \
+        const kv_##KV* values = v_cache + (long long)kv_head * head_dim_v + 4 * (threadIdx.x % columns);       \
+        long long key_stride = (long long)n_kv_heads * head_dim_v;                                             \
+        float best = NEG_INF, total = 0.f;                                                                     \
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);                                                          \
+        for (int from = begin; from < end; from += ATTENTION_CHUNK) {                                          \
+            int to = min(from + ATTENTION_CHUNK, end);                                                         \
+            /* Every thread runs every pass (the shuffles need the whole warp); groups past the end add nothing. */ \
+            float local_max = NEG_INF;                                                                         \
+            for (int pass = from; pass < to; pass += groups) {                                                 \
+                int s = pass + threadIdx.x / 8;                                                                \
+                float dot = 0.f;                                                                               \
+                if (s < to) {                                                                                  \
+                    const kv_##KV* key = k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim;           \
+                    for (int d = 4 * lane; d < head_dim; d += 32) {                                            \
+                        float4 kv = load_kv4(key + d);                                                         \
+                        dot += q_shared[d] * kv.x + q_shared[d + 1] * kv.y + q_shared[d + 2] * kv.z            \
+                               + q_shared[d + 3] * kv.w;                                                       \
+                    }                                                                                          \
+                }                                                                                              \
+                dot = group_sum(dot, 8) * scale;                                                               \
+                if (s < to) {                                                                                  \
+                    if (lane == 0) probs[s - from] = dot;                                                      \
+                    local_max = fmaxf(local_max, dot);                                                         \
+                }                                                                                              \
+            }                                                                                                  \
+            /* The running max over the chunks so far; what was summed under the old one is rescaled           \
+               (by e^(-inf) = 0 on the first chunk). */                                                        \
+            float chunk_best = fmaxf(best, block_max(local_max, scratch));                                     \
+            float rescale = expf(best - chunk_best);                                                           \
+            best = chunk_best;                                                                                 \
+            float local_sum = 0.f;                                                                             \
+            for (int s = from + threadIdx.x; s < to; s += blockDim.x) {                                        \
+                float p = expf(probs[s - from] - best);                                                        \
+                probs[s - from] = p;                                                                           \
+                local_sum += p;                                                                                \
+            }                                                                                                  \
+            total = total * rescale + block_sum(local_sum, scratch);                                           \
+            sum.x *= rescale; sum.y *= rescale; sum.z *= rescale; sum.w *= rescale;                            \
+            if (first < strides)                                                                               \
+                for (int s = from + first; s < to; s += strides) {                                             \
+                    float p = probs[s - from];                                                                 \
+                    float4 v = load_kv4(values + s * key_stride);                                              \
+                    sum.x += p * v.x; sum.y += p * v.y; sum.z += p * v.z; sum.w += p * v.w;                    \
+                }                                                                                              \
+            __syncthreads();                                             /* probs is rewritten by the next chunk */ \
+        }                                                                                                      \
+        if (first < strides) reinterpret_cast<float4*>(scratch)[threadIdx.x] = sum;   /* [strides, Dv] */      \
+        __syncthreads();                                                                                       \
+        for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {                                           \
+            float value = 0.f;                                                                                 \
+            for (int r = 0; r < strides; r++) value += scratch[r * head_dim_v + d];                            \
+            acc[part * head_dim_v + d] = value;                                                                \
+        }                                                                                                      \
+        if (threadIdx.x == 0) { max_sum[2 * part] = best; max_sum[2 * part + 1] = total; }                     \
+    }
+
+FOR_EACH_KV_TYPE(DEFINE_ATTENTION_PARTIAL)
+
+// Second pass: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] / Σ_c e^(m_c - M) l_c over the splits
+// that saw rows (m_c > -inf), and in 8-bit planes into q, ds when q is given (Dv a multiple of 32).
+// Grid (T, NH), blockDim a multiple of 32; each thread reads every split's (max, sum) (no block
+// reduction: its barriers cost more than a few dozen loads that hit in L1).
+extern "C" __global__ void attention_combine(const float* __restrict__ acc, const float* __restrict__ max_sum,
+                                             int splits, int n_heads, int head_dim_v, float* __restrict__ out,
+                                             int4* __restrict__ q, float2* __restrict__ ds) {
+    wait_for_previous_grid();
+    int t = blockIdx.x, head = blockIdx.y;
+    const float2* parts = reinterpret_cast<const float2*>(max_sum) + ((long long)t * n_heads + head) * splits;
+    float best = NEG_INF;      // every thread over all splits (at most a wave over the heads: a few dozen)
+#pragma unroll 4
+    for (int c = 0; c < splits; c++) best = fmaxf(best, parts[c].x);
+    float denominator = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < splits; c++)
+        if (parts[c].x > NEG_INF) denominator += expf(parts[c].x - best) * parts[c].y;
+    const float* head_acc = acc + ((long long)t * n_heads + head) * splits * head_dim_v;
+    for (int start = 0; start < head_dim_v; start += blockDim.x) {
+        int d = start + threadIdx.x;
+        if (d - threadIdx.x % UNIT >= head_dim_v) break;      // the whole warp is past the head
+        float sum = 0.f;
+        for (int c = 0; c < splits && d < head_dim_v; c++)
+            if (parts[c].x > NEG_INF) sum += expf(parts[c].x - best) * head_acc[(long long)c * head_dim_v + d];
+        long long at = ((long long)t * n_heads + head) * head_dim_v + d;
+        if (d < head_dim_v) out[at] = sum / denominator;
+        if (q) quantize_unit_of_warp(sum / denominator, at / UNIT, q, ds);
+    }
+}
+
+// K or V [S, NKV, D] -> [NH, S, D] in f32, each query head getting its KV head's rows (GQA),
+// for the batched products of prefill attention. One thread per 4 values.
+#define DEFINE_EXPAND_KV_HEADS(KV)                                                                             \
+    extern "C" __global__ void expand_kv_heads_##KV(const kv_##KV* __restrict__ cache, int n_positions,        \
+                                                    int n_kv_heads, int n_heads, int head_dim,                 \
+                                                    float* __restrict__ out) {                                 \
+        wait_for_previous_grid();                                                                              \
+        long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                        \
+        int quads = head_dim / 4;                                                                              \
+        if (i >= (long long)n_heads * n_positions * quads) return;                                             \
+        int quad = (int)(i % quads);                                                                           \
+        long long s = (i / quads) % n_positions;                                                               \
+        int head = (int)(i / ((long long)quads * n_positions));                                                \
+        int kv_head = head / (n_heads / n_kv_heads);                                                           \
+        reinterpret_cast<float4*>(out)[i] = load_kv4(cache + (s * n_kv_heads + kv_head) * head_dim + 4 * quad); \
+    }
+
+FOR_EACH_KV_TYPE(DEFINE_EXPAND_KV_HEADS)
+
+// scores [NH, T, S] in place: row (h, t) scaled, cut after position positions[t], softmaxed.
+extern "C" __global__ void causal_softmax(float* __restrict__ scores, const int* __restrict__ positions,
+                                          int n_tokens, int n_positions, float scale) {
+    wait_for_previous_grid();
+    __shared__ float scratch[1024];
+    int t = blockIdx.x % n_tokens;
+    float* row = scores + (long long)blockIdx.x * n_positions;
+    int last = positions[t];
+    float local_max = NEG_INF;
+    for (int s = threadIdx.x; s <= last; s += blockDim.x) local_max = fmaxf(local_max, row[s] * scale);
+    float best = block_max(local_max, scratch);
+    float local_sum = 0.f;
+    for (int s = threadIdx.x; s < n_positions; s += blockDim.x) {
+        float p = s <= last ? expf(row[s] * scale - best) : 0.f;
+        row[s] = p;
+        local_sum += p;
+    }
+    float inv = 1.0f / block_sum(local_sum, scratch);
+    for (int s = threadIdx.x; s <= last; s += blockDim.x) row[s] *= inv;
+}

@@ -189,13 +189,25 @@ int moe_rope_append(const struct moe_attention* shape, int64_t n_tokens, const f
 
 // ---- attention ----------------------------------------------------------------------------------
 
+#define ATTENTION_BLOCK 16      // tokens of a prefill attention task
+#define BLOCK_TOKENS_LEAST 16   // chunks of at least this many tokens go by blocks
+
+// Floats of one thread's scratch for blocks over `seen` positions, in whole cache lines: ids
+// [R] (int64, first), keys [S, D], values [Dv, S], scores [R, S], outs [R, Dv] for
+// R = ATTENTION_BLOCK · G.
+static int64_t block_scratch(const struct moe_attention* shape, int64_t seen) {
+    int64_t rows = ATTENTION_BLOCK * shape->n_heads / shape->n_kv_heads;
+    int64_t floats = 2 * rows + seen * (shape->head_dim_k + shape->head_dim_v + rows) + rows * shape->head_dim_v;
+    return (floats + 15) / 16 * 16;
+}
+
 struct attention_job {
     const struct moe_attention* shape;
     const float* q;             // [T, NH, D]
     int64_t n_tokens, start;
     const float *keys, *values; // [S, NKV, D], [S, NKV, Dv]
     float* out;                 // [T, NH * Dv]
-    float* scores;              // [threads, G, S]
+    float* scores;              // each thread's scratch: [G, S], or block_scratch floats
 };
 
 // One token's G = NH/NKV query heads that read kv head `kv`, over positions 0..n-1: each key
@@ -250,13 +262,60 @@ VECTORIZED static void attend_task(void* context, int64_t task, int64_t next, in
     attend_group(job, task / nkv, task % nkv, job->scores + thread * group * (job->start + job->n_tokens));
 }
 
+// A prefill chunk: ATTENTION_BLOCK tokens' query heads of one kv head a task, q·kᵀ and p·v as
+// products of float32 panels (the instruction set's `multiply`, as moe_matmul's): the keys the
+// block sees copied [n, D], the values transposed [Dv, n], so that the queries and then the
+// probabilities are the products' tokens. A token's scores past its position are computed
+// (within its block) and weigh nothing. Rows are the block's (token t, query head g), t·G + g.
+// Tasks take the last blocks first: they see the most positions.
+VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t next, int thread) {
+    (void)next;
+    const struct attention_job* job = context;
+    const struct moe_attention* shape = job->shape;
+    int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
+    int64_t group = nh / nkv, kv = task % nkv, blocks = (job->n_tokens + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK;
+    int64_t first = (blocks - 1 - task / nkv) * ATTENTION_BLOCK;
+    int64_t tokens = job->n_tokens - first < ATTENTION_BLOCK ? job->n_tokens - first : ATTENTION_BLOCK;
+    int64_t rows = tokens * group, n = job->start + first + tokens;          // the block's last token's positions
+    int64_t* ids = (int64_t*)(job->scores + thread * block_scratch(shape, job->start + job->n_tokens));
+    float* keys = (float*)(ids + rows);                                      // [n, D]; ids [R]: q rows, then 0..R-1
+    float* values = keys + n * dim;                                          // [Dv, n]
+    float* scores = values + dim_v * n;                                      // [R, n]
+    float* outs = scores + rows * n;                                         // [R, Dv]
+    for (int64_t s = 0; s < n; s++) memcpy(keys + s * dim, job->keys + (s * nkv + kv) * dim, (size_t)dim * sizeof(float));
+    for (int64_t from = 0; from < n; from += LANES)                          // LANES rows at a time stay in L1
+        for (int64_t i = 0; i < dim_v; i++)
+            for (int64_t s = from; s < from + LANES && s < n; s++) values[i * n + s] = job->values[(s * nkv + kv) * dim_v + i];
+    for (int64_t r = 0; r < rows; r++) ids[r] = (first + r / group) * nh + kv * group + r % group;
+    const struct isa_kernels* isa = current_isa();
+    struct panel products = {.w = keys, .rows = n, .x = job->q, .n = dim, .chunk = dim, .out = scores, .stride = n};
+    isa->multiply(&products, ids, rows);
+    for (int64_t r = 0; r < rows; r++) {
+        float* p = scores + r * n;
+        int64_t seen = job->start + first + r / group + 1;                   // this row's token's positions
+        for (int64_t s = 0; s < seen; s++) p[s] *= shape->scale;
+        float top = largest(p, seen);
+        for (int64_t s = 0; s < seen; s++) p[s] = exp_nonpositive(p[s] - top);
+        float total = sum(p, seen);
+        for (int64_t s = 0; s < seen; s++) p[s] /= total;
+        for (int64_t s = seen; s < n; s++) p[s] = 0.f;
+        ids[r] = r;
+    }
+    products = (struct panel){.w = values, .rows = dim_v, .x = scores, .n = n, .chunk = n, .out = outs, .stride = dim_v};
+    isa->multiply(&products, ids, rows);
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(job->out + ((first + r / group) * nh + kv * group + r % group) * dim_v, outs + r * dim_v,
+               (size_t)dim_v * sizeof(float));
+}
+
 int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_tokens, int64_t start,
                   const float* keys, const float* values, float* out, int threads) {
     static float* scores;       // grown as needed, under the kernels' lock
     static size_t scores_size;
     int64_t seen = start + n_tokens, group = shape->n_heads / shape->n_kv_heads;
+    int blocks = n_tokens >= BLOCK_TOKENS_LEAST;
     threads = threads_for(threads, (double)n_tokens * seen * shape->n_heads * (shape->head_dim_k + shape->head_dim_v));
-    size_t wanted = (size_t)threads * group * seen * sizeof(float);
+    size_t wanted = (size_t)threads * (blocks ? block_scratch(shape, seen) : group * seen) * sizeof(float);
     lock_kernels();
     if (wanted > scores_size) {
         free(scores);
@@ -266,7 +325,11 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     int status = scores ? MOE_OK : MOE_NO_MEMORY;
     if (scores) {
         struct attention_job job = {shape, q, n_tokens, start, keys, values, out, scores};
-        pool_run(threads, n_tokens * shape->n_kv_heads, attend_task, &job);
+        if (blocks)
+            pool_run(threads, (n_tokens + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK * shape->n_kv_heads, attend_block_task,
+                     &job);
+        else
+            pool_run(threads, n_tokens * shape->n_kv_heads, attend_task, &job);
     }
     unlock_kernels();
     return status;

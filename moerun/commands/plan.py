@@ -33,7 +33,7 @@ from moerun.units import parse_bytes
 
 
 def plan_config(command):
-    """--config for `plan`: model, device and memory, the daemons' specs and memory, ctx, kv_pool."""
+    """--config for `plan`: model, device and memory, the daemons' specs and memory, ctx, kv_pool, kv_dtype."""
     @functools.wraps(command)
     @friendly_errors
     def with_config_file(*args, config_file, **params):
@@ -45,7 +45,7 @@ def plan_config(command):
 
 def _plan_values(config_file: str) -> dict:
     values = load_config_file(config_file)
-    plan_values = {name: values[name] for name in ("model", "ctx", "kv_pool") if name in values}
+    plan_values = {name: values[name] for name in ("model", "ctx", "kv_pool", "kv_dtype") if name in values}
     if "memory" in values:
         plan_values["parent_device"] = f"{values.get('device', 'cpu')}={values['memory']}"
     entries = values.get("daemon_entries", ())
@@ -69,7 +69,8 @@ def _plan_values(config_file: str) -> dict:
 @click.option("--ctx", type=click.IntRange(min=1), default=None,
               help="Context length to reserve KV for (required here or in --config).")
 @click.option("--kv-pool", type=click.IntRange(min=1), default=None, help="Bounded KV pool in tokens.")
-@click.option("--kv-dtype", type=click.Choice(sorted(KV_BYTES_PER_ELEMENT)), default="f16", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(sorted(KV_BYTES_PER_ELEMENT)), default=None,
+              help="The parent's KV cache elements [default: the parent's own: f16 on a GPU, f32 on the CPU].")
 @click.option("--hotness", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Routing counts from `moerun profile` [default: every expert counts the same].")
 @click.option("--safety", default="512MiB", show_default=True, help="Memory kept free on every device.")
@@ -83,6 +84,7 @@ def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotnes
     require(parent_device, "--device DEVICE=SIZE", "memory")
     require(ctx, "--ctx", "ctx")
     parent_name, parent_bytes = _device_budget(parent_device, "--device")
+    kv_dtype = kv_dtype or ("f32" if parent_name == "cpu" else "f16")
     budgets = [_device_budget(spec, "--daemon") for spec in daemons]
     if cpu_size is not None:
         budgets.append(("cpu", parse_bytes(cpu_size, "--cpu")))

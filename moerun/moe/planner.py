@@ -8,18 +8,18 @@ Shape legend: L layers, E experts, K experts per token, D daemons.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 
+from moerun.backends.protocol import KV_DTYPES
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 from moerun.moe.placement import PARENT, Placement
 
-KV_BYTES_PER_ELEMENT = {"f32": Fraction(4), "f16": Fraction(2), "q8_0": Fraction(34, 32)}
+KV_BYTES_PER_ELEMENT = {name: np.dtype(dtype).itemsize for name, dtype in KV_DTYPES.items()}   # what the backends keep
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.weight")
 UNPLACED = -2
 
@@ -100,7 +100,7 @@ def model_sizes(gguf: GGUFFile, spec: ModelSpec) -> ModelSizes:
         moe_layers=spec.moe_layers,
         expert_bytes=tuple(nbytes // spec.n_experts for nbytes in expert_tensor_bytes),
         non_expert_bytes=non_expert_bytes,
-        kv_bytes_per_token={dtype: math.ceil(kv_elements * per) for dtype, per in KV_BYTES_PER_ELEMENT.items()},
+        kv_bytes_per_token={dtype: kv_elements * size for dtype, size in KV_BYTES_PER_ELEMENT.items()},
     )
 
 

@@ -73,8 +73,16 @@ def test_bad_hotness_files(model, tmp_path, content, phrase):
 def parent_bytes_for(model, experts_per_layer: int, ctx: int) -> int:
     with GGUFFile(model) as gguf:
         sizes = model_sizes(gguf, load_spec(gguf))
-    return (sizes.non_expert_bytes + sizes.kv_bytes_per_token["f16"] * ctx
+    return (sizes.non_expert_bytes + sizes.kv_bytes_per_token["f32"] * ctx      # a CPU parent's cache
             + experts_per_layer * max(sizes.expert_bytes) * sum(sizes.moe_layers))
+
+
+@pytest.mark.parametrize("parent, cache", [("cpu", "f32"), ("cuda:0", "f16")])
+def test_plan_reserves_the_parents_own_kv_cache_type(model, tmp_path, moerun, parent, cache):
+    """The KV cache each backend keeps by default: f32 on the CPU, f16 on a GPU (--kv-dtype)."""
+    result = moerun("plan", "-m", model, "--device", f"{parent}=1GiB", "--ctx", "1024", "-o", tmp_path / "p.json")
+    assert result.exit_code == 0, result.output
+    assert f"KV cache: 1024 tokens at {cache} " in result.stdout
 
 
 def test_plan_writes_a_placement_that_runs(model, hotness, tmp_path, moerun):

@@ -418,12 +418,13 @@ def test_a_bad_device_flag_is_one_error_line(moerun):
 
 def test_plan_reads_devices_memory_and_context_from_the_file(moerun, tmp_path):
     path = write(tmp_path, f'model = "{demo_model_path()}"\ndevice = "cuda:0"\nmemory = "8MiB"\nctx = 64\n'
-                           f'[[daemon]]\nname = "g"\ndevice = "cuda:1"\nmemory = "1GiB"\n')
+                           f'kv_dtype = "f32"\n[[daemon]]\nname = "g"\ndevice = "cuda:1"\nmemory = "1GiB"\n')
     out = tmp_path / "placement.json"
     result = moerun("plan", "--config", path, "--safety", "0", "--workspace", "0", "-o", out)
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["daemons"] == ["cuda:1"]
     assert re.search(r"parent cuda:0\s+8\.0 MiB", result.stdout)
+    assert "KV cache: 64 tokens at f32 " in result.stdout
 
 
 def test_plan_needs_memory_for_every_daemon_of_the_file(moerun, tmp_path):

@@ -47,7 +47,7 @@ def moe_shape(n_layers, n_experts, top_k, hidden, expert_ff, n_heads, n_kv_heads
         moe_layers=(True,) * n_layers,
         expert_bytes=(q4k(3 * expert_ff * hidden),) * n_layers,
         non_expert_bytes=2 * q4k(vocab * hidden) + n_layers * (attention + router),
-        kv_bytes_per_token={"f32": 4 * kv_elements, "f16": 2 * kv_elements, "q8_0": kv_elements * 34 // 32},
+        kv_bytes_per_token={"f32": 4 * kv_elements, "f16": 2 * kv_elements},
     )
 
 
@@ -186,10 +186,10 @@ def test_full_context_that_does_not_fit_falls_back_to_the_pool():
     assert [d.n_experts for d in result.devices] == [expected, QWEN3_40L_EXPERTS - expected]
 
 
-def test_q8_0_kv_reserves_34_bytes_per_32_elements():
-    result = plan(request(context=131072, kv_dtype="q8_0"))
-    assert result.kv_reserved_bytes == 131072 * 40 * 4 * 256 * 34 // 32
-    assert "at q8_0" in explain(result)
+def test_f32_kv_reserves_twice_the_f16_bytes():
+    half, full = (plan(request(context=16384, kv_dtype=dtype)) for dtype in ("f16", "f32"))
+    assert full.kv_reserved_bytes == 2 * half.kv_reserved_bytes == 16384 * 40 * 4 * 256 * 4
+    assert "at f32" in explain(full)
 
 
 # --- placement ---------------------------------------------------------------------------------------
@@ -321,8 +321,7 @@ def test_model_sizes_match_the_files_tensors(tmp_path, arch, ftype, overrides, f
         sizes = model_sizes(file, spec)
     assert sizes.expert_bytes == tuple(nbytes // n_experts for nbytes in by_layer)
     assert sizes.non_expert_bytes == non_expert
-    assert sizes.kv_bytes_per_token == {"f32": 4 * kv_elements, "f16": 2 * kv_elements,
-                                        "q8_0": -(-kv_elements * 34 // 32)}
+    assert sizes.kv_bytes_per_token == {"f32": 4 * kv_elements, "f16": 2 * kv_elements}
     assert (sizes.n_layers, sizes.n_experts, sizes.n_experts_used) == (3, n_experts, config.num_experts_per_tok)
     assert sizes.moe_layers == tuple(layer not in overrides.get("mlp_only_layers", []) for layer in range(3))
     assert (sizes.expert_bytes[0] == 0) == bool(overrides)

@@ -1,4 +1,4 @@
-"""The work of a layer around its products in the kernels (decode.c) against numpy_ops, the
+"""The work of a layer around its products in the kernels (decode.c, attention.c) against numpy_ops, the
 float32 reference: rms_norm, the q/k norms with rope and the cache append, attention over the
 paged cache, routing. Random inputs, odd sizes, strided rows, both rope styles, GQA, positions
 across a page boundary of the cache, ties in the routing."""
@@ -75,6 +75,28 @@ def test_rope_append_and_attention(kernels, monkeypatch, heads, rope_style, qk_n
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for got_rows, want_rows in zip(caches[0].rows(1, caches[0].length), caches[1].rows(1, caches[1].length)):
         np.testing.assert_allclose(got_rows, want_rows, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("n_tokens", [1, 3, 15])
+def test_attention_of_a_few_tokens_at_long_positions(kernels, monkeypatch, threads, n_tokens):
+    """A few tokens after 1500 positions, one kv head: with several threads each token's positions
+    are split in equal shares (4 threads, one token: 5 of 301 positions; three tokens: 3 shares
+    each), whose parts are merged; one thread takes them whole."""
+    spec = dataclasses.replace(small_spec(), n_heads=8, n_kv_heads=1, head_dim_k=64, head_dim_v=48, n_layers=1)
+    rng = np.random.default_rng(n_tokens)
+    backends = [NumpyBackend(spec, threads), reference_backend(spec, monkeypatch)]
+    start = 1500
+    keys = rng.standard_normal((start + n_tokens, 1, 64), dtype=np.float32)
+    values = rng.standard_normal((start + n_tokens, 1, 48), dtype=np.float32)
+    q = rng.standard_normal((n_tokens, 8, 64), dtype=np.float32) * 2
+    outputs = []
+    for backend in backends:
+        cache = backend.new_cache(start + n_tokens)
+        cache.reserve(start + n_tokens)
+        cache.append(0, keys, values)
+        outputs.append(backend.attention(q, cache, 0, np.arange(start, start + n_tokens)))
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

@@ -1,0 +1,225 @@
+// Causal attention over the KV cache for a CPU parent: a prefill chunk by blocks of tokens
+// through the instruction set's float32 products, a few tokens one task per token and kv head,
+// their positions split over the threads where there are several. The same math as
+// moerun/backends/numpy_ops.py's causal_attention, in float32.
+//
+// Shape legend: T tokens, S cached positions, NH/NKV heads, G = NH/NKV, D/Dv head dims.
+#include <stdlib.h>
+
+#include "lanes.h"
+#include "pool.h"
+#include "work.h"
+
+#define ATTENTION_BLOCK 16      // tokens of a prefill attention task
+#define BLOCK_TOKENS_LEAST 16   // chunks of at least this many tokens go by blocks
+
+// Floats of one thread's scratch for blocks over `seen` positions, in whole cache lines: ids
+// [R] (int64, first), keys [S, D], values [Dv, S], scores [R, S], outs [R, Dv] for
+// R = ATTENTION_BLOCK · G.
+static int64_t block_scratch(const struct moe_attention* shape, int64_t seen) {
+    int64_t rows = ATTENTION_BLOCK * shape->n_heads / shape->n_kv_heads;
+    int64_t floats = 2 * rows + seen * (shape->head_dim_k + shape->head_dim_v + rows) + rows * shape->head_dim_v;
+    return (floats + 15) / 16 * 16;
+}
+
+#define SPLIT_POSITIONS 256     // fewest positions a split of a few tokens' attention takes
+
+struct attention_job {
+    const struct moe_attention* shape;
+    const float* q;             // [T, NH, D]
+    int64_t n_tokens, start;
+    const float *keys, *values; // [S, NKV, D], [S, NKV, Dv]
+    float* out;                 // [T, NH * Dv]
+    float* scores;              // each thread's scratch: [G, width], or block_scratch floats
+    int64_t splits, width;      // per token and kv head (a few tokens), and the most positions of one
+    float* parts;               // with splits: per task [G, 2] (max, sum), then [G, Dv] (Σ e^(s - max) · v)
+};
+
+// One token's G = NH/NKV query heads that read kv head `kv`, over positions [from, to): each key
+// and value row is read once for all of them. With `part` NULL (the token's whole range) the
+// softmax's output goes into out [G, Dv]; else each head's largest score and sum of e^(score -
+// largest) into part [G, 2], and the sums of e^(score - largest) · v into out. probs [G, `width`]
+// is this thread's.
+INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv, int64_t from, int64_t to,
+                         float* probs, float* out, float* part) {
+    const struct moe_attention* shape = job->shape;
+    int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
+    int64_t group = nh / nkv, width = job->width, n = to - from;
+    const float* q = job->q + (t * nh + kv * group) * dim;                       // [G, D]
+    const float* keys = job->keys + (from * nkv + kv) * dim;                      // rows nkv * dim apart
+    const float* values = job->values + (from * nkv + kv) * dim_v;                // rows nkv * dim_v apart
+    for (int64_t s = 0; s < n; s++) {
+        const float* key = keys + s * nkv * dim;
+        float four[4];
+        int64_t g = 0;
+        for (; g + 4 <= group; g += 4) {
+            dot4(key, q + g * dim, dim, dim, four);
+            for (int r = 0; r < 4; r++) probs[(g + r) * width + s] = four[r];
+        }
+        for (; g < group; g++) probs[g * width + s] = dot(key, q + g * dim, dim);
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float* p = probs + g * width;
+        for (int64_t s = 0; s < n; s++) p[s] *= shape->scale;
+        float top = largest(p, n);
+        for (int64_t s = 0; s < n; s++) p[s] = exp_nonpositive(p[s] - top);
+        float total = sum(p, n);
+        if (part) {
+            part[2 * g] = top;
+            part[2 * g + 1] = total;
+        } else {
+            for (int64_t s = 0; s < n; s++) p[s] /= total;
+        }
+    }
+    memset(out, 0, (size_t)(group * dim_v) * sizeof(float));
+    int64_t s = 0;
+    for (; s + 4 <= n; s += 4) {
+        const float* v0 = values + s * nkv * dim_v;
+        const float *v1 = v0 + nkv * dim_v, *v2 = v1 + nkv * dim_v, *v3 = v2 + nkv * dim_v;
+        for (int64_t g = 0; g < group; g++) {
+            const float* p = probs + g * width + s;
+            float* o = out + g * dim_v;
+            for (int64_t i = 0; i < dim_v; i++) o[i] += p[0] * v0[i] + p[1] * v1[i] + p[2] * v2[i] + p[3] * v3[i];
+        }
+    }
+    for (; s < n; s++)
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < dim_v; i++) out[g * dim_v + i] += probs[g * width + s] * values[s * nkv * dim_v + i];
+}
+
+// Task (t · NKV + kv) · splits + c: token t's query heads over kv head kv, the c-th equal share
+// of the token's positions (all of them without splits).
+VECTORIZED static void attend_task(void* context, int64_t task, int64_t next, int thread) {
+    (void)next;
+    const struct attention_job* job = context;
+    int64_t nkv = job->shape->n_kv_heads, group = job->shape->n_heads / nkv, dim_v = job->shape->head_dim_v;
+    int64_t pair = task / job->splits, t = pair / nkv, kv = pair % nkv, n = job->start + t + 1;
+    float* probs = job->scores + thread * group * job->width;
+    if (job->splits == 1) {
+        attend_group(job, t, kv, 0, n, probs, job->out + (t * job->shape->n_heads + kv * group) * dim_v, NULL);
+        return;
+    }
+    int64_t share = (n + job->splits - 1) / job->splits, from = task % job->splits * share;
+    int64_t to = from + share < n ? from + share : n;
+    float* part = job->parts + task * group * (dim_v + 2);
+    if (from < to) {
+        attend_group(job, t, kv, from, to, probs, part + 2 * group, part);
+        return;
+    }
+    for (int64_t g = 0; g < group; g++) {        // a share past the token's position: nothing
+        part[2 * g] = -INFINITY;
+        part[2 * g + 1] = 0.f;
+    }
+}
+
+// The splits' parts of each token and query head into out: Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c
+// over the splits that saw positions (M their largest score).
+static void merge_splits(const struct attention_job* job) {
+    const struct moe_attention* shape = job->shape;
+    int64_t nkv = shape->n_kv_heads, group = shape->n_heads / nkv, dim_v = shape->head_dim_v;
+    for (int64_t pair = 0; pair < job->n_tokens * nkv; pair++)
+        for (int64_t g = 0; g < group; g++) {
+            float top = -INFINITY, total = 0.f;
+            for (int64_t c = 0; c < job->splits; c++) {
+                const float* part = job->parts + (pair * job->splits + c) * group * (dim_v + 2);
+                top = part[2 * g] > top ? part[2 * g] : top;
+            }
+            float* out = job->out + (pair * group + g) * dim_v;
+            memset(out, 0, (size_t)dim_v * sizeof(float));
+            for (int64_t c = 0; c < job->splits; c++) {
+                const float* part = job->parts + (pair * job->splits + c) * group * (dim_v + 2);
+                if (part[2 * g + 1] == 0.f) continue;
+                float weight = expf(part[2 * g] - top);
+                total += weight * part[2 * g + 1];
+                for (int64_t i = 0; i < dim_v; i++) out[i] += weight * part[2 * group + g * dim_v + i];
+            }
+            for (int64_t i = 0; i < dim_v; i++) out[i] /= total;
+        }
+}
+
+// A prefill chunk: ATTENTION_BLOCK tokens' query heads of one kv head a task, q·kᵀ and p·v as
+// products of float32 panels (the instruction set's `multiply`, as moe_matmul's): the keys the
+// block sees copied [n, D], the values transposed [Dv, n], so that the queries and then the
+// probabilities are the products' tokens. A token's scores past its position are computed
+// (within its block) and weigh nothing. Rows are the block's (token t, query head g), t·G + g.
+// Tasks take the last blocks first: they see the most positions.
+VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t next, int thread) {
+    (void)next;
+    const struct attention_job* job = context;
+    const struct moe_attention* shape = job->shape;
+    int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
+    int64_t group = nh / nkv, kv = task % nkv, blocks = (job->n_tokens + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK;
+    int64_t first = (blocks - 1 - task / nkv) * ATTENTION_BLOCK;
+    int64_t tokens = job->n_tokens - first < ATTENTION_BLOCK ? job->n_tokens - first : ATTENTION_BLOCK;
+    int64_t rows = tokens * group, n = job->start + first + tokens;          // the block's last token's positions
+    int64_t* ids = (int64_t*)(job->scores + thread * block_scratch(shape, job->start + job->n_tokens));
+    float* keys = (float*)(ids + rows);                                      // [n, D]; ids [R]: q rows, then 0..R-1
+    float* values = keys + n * dim;                                          // [Dv, n]
+    float* scores = values + dim_v * n;                                      // [R, n]
+    float* outs = scores + rows * n;                                         // [R, Dv]
+    for (int64_t s = 0; s < n; s++) memcpy(keys + s * dim, job->keys + (s * nkv + kv) * dim, (size_t)dim * sizeof(float));
+    for (int64_t from = 0; from < n; from += LANES)                          // LANES rows at a time stay in L1
+        for (int64_t i = 0; i < dim_v; i++)
+            for (int64_t s = from; s < from + LANES && s < n; s++) values[i * n + s] = job->values[(s * nkv + kv) * dim_v + i];
+    for (int64_t r = 0; r < rows; r++) ids[r] = (first + r / group) * nh + kv * group + r % group;
+    const struct isa_kernels* isa = current_isa();
+    struct panel products = {.w = keys, .rows = n, .x = job->q, .n = dim, .chunk = dim, .out = scores, .stride = n};
+    isa->multiply(&products, ids, rows);
+    for (int64_t r = 0; r < rows; r++) {
+        float* p = scores + r * n;
+        int64_t seen = job->start + first + r / group + 1;                   // this row's token's positions
+        for (int64_t s = 0; s < seen; s++) p[s] *= shape->scale;
+        float top = largest(p, seen);
+        for (int64_t s = 0; s < seen; s++) p[s] = exp_nonpositive(p[s] - top);
+        float total = sum(p, seen);
+        for (int64_t s = 0; s < seen; s++) p[s] /= total;
+        for (int64_t s = seen; s < n; s++) p[s] = 0.f;
+        ids[r] = r;
+    }
+    products = (struct panel){.w = values, .rows = dim_v, .x = scores, .n = n, .chunk = n, .out = outs, .stride = dim_v};
+    isa->multiply(&products, ids, rows);
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(job->out + ((first + r / group) * nh + kv * group + r % group) * dim_v, outs + r * dim_v,
+               (size_t)dim_v * sizeof(float));
+}
+
+// Splits per token and kv head for a few tokens over `seen` positions: with several threads,
+// enough tasks for about two a thread, each of at least SPLIT_POSITIONS positions.
+static int64_t attention_splits(int64_t pairs, int64_t seen, int threads) {
+    if (threads == 1) return 1;
+    int64_t by_positions = seen / SPLIT_POSITIONS, by_threads = (2 * threads + pairs - 1) / pairs;
+    int64_t splits = by_positions < by_threads ? by_positions : by_threads;
+    return splits > 1 ? splits : 1;
+}
+
+int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_tokens, int64_t start,
+                  const float* keys, const float* values, float* out, int threads) {
+    static float* scores;       // grown as needed, under the kernels' lock
+    static size_t scores_size;
+    int64_t seen = start + n_tokens, group = shape->n_heads / shape->n_kv_heads;
+    int blocks = n_tokens >= BLOCK_TOKENS_LEAST;
+    threads = threads_for(threads, (double)n_tokens * seen * shape->n_heads * (shape->head_dim_k + shape->head_dim_v));
+    int64_t pairs = n_tokens * shape->n_kv_heads, splits = blocks ? 1 : attention_splits(pairs, seen, threads);
+    int64_t width = (seen + splits - 1) / splits, parts = splits > 1 ? pairs * splits * group * (shape->head_dim_v + 2) : 0;
+    size_t wanted = ((size_t)threads * (blocks ? block_scratch(shape, seen) : group * width) + parts) * sizeof(float);
+    lock_kernels();
+    if (wanted > scores_size) {
+        free(scores);
+        scores = malloc(wanted);
+        scores_size = scores ? wanted : 0;
+    }
+    int status = scores ? MOE_OK : MOE_NO_MEMORY;
+    if (scores) {
+        struct attention_job job = {shape, q, n_tokens, start, keys, values, out, scores, splits, width,
+                                    scores + threads * group * width};
+        if (blocks) {
+            pool_run(threads, (n_tokens + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK * shape->n_kv_heads, attend_block_task,
+                     &job);
+        } else {
+            pool_run(threads, pairs * splits, attend_task, &job);
+            if (splits > 1) merge_splits(&job);
+        }
+    }
+    unlock_kernels();
+    return status;
+}

@@ -1,6 +1,7 @@
-"""The work of a layer around its products in the kernels (decode.c, attention.c) against numpy_ops, the
-float32 reference: rms_norm, the q/k norms with rope and the cache append, attention over the
-paged cache, routing. Random inputs, odd sizes, strided rows, both rope styles, GQA, positions
+"""The work of a layer around its products in the kernels (decode.c, attention.c) against
+numpy_ops, the float32 reference: rms_norm, the q/k norms with rope and the cache append,
+attention over the paged cache (by blocks for a chunk, split positions for a few tokens at long
+positions), routing. Random inputs, odd sizes, strided rows, both rope styles, GQA, positions
 across a page boundary of the cache, ties in the routing."""
 from __future__ import annotations
 

@@ -157,10 +157,12 @@ VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t ne
     float* values = keys + n * dim;                                          // [Dv, n]
     float* scores = values + dim_v * n;                                      // [R, n]
     float* outs = scores + rows * n;                                         // [R, Dv]
-    for (int64_t s = 0; s < n; s++) memcpy(keys + s * dim, job->keys + (s * nkv + kv) * dim, (size_t)dim * sizeof(float));
+    for (int64_t s = 0; s < n; s++)
+        memcpy(keys + s * dim, job->keys + (s * nkv + kv) * dim, (size_t)dim * sizeof(float));
     for (int64_t from = 0; from < n; from += LANES)                          // LANES rows at a time stay in L1
         for (int64_t i = 0; i < dim_v; i++)
-            for (int64_t s = from; s < from + LANES && s < n; s++) values[i * n + s] = job->values[(s * nkv + kv) * dim_v + i];
+            for (int64_t s = from; s < from + LANES && s < n; s++)
+                values[i * n + s] = job->values[(s * nkv + kv) * dim_v + i];
     for (int64_t r = 0; r < rows; r++) ids[r] = (first + r / group) * nh + kv * group + r % group;
     const struct isa_kernels* isa = current_isa();
     struct panel products = {.w = keys, .rows = n, .x = job->q, .n = dim, .chunk = dim, .out = scores, .stride = n};
@@ -176,7 +178,8 @@ VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t ne
         for (int64_t s = seen; s < n; s++) p[s] = 0.f;
         ids[r] = r;
     }
-    products = (struct panel){.w = values, .rows = dim_v, .x = scores, .n = n, .chunk = n, .out = outs, .stride = dim_v};
+    products = (struct panel){.w = values, .rows = dim_v, .x = scores, .n = n, .chunk = n, .out = outs,
+                              .stride = dim_v};
     isa->multiply(&products, ids, rows);
     for (int64_t r = 0; r < rows; r++)
         memcpy(job->out + ((first + r / group) * nh + kv * group + r % group) * dim_v, outs + r * dim_v,
@@ -200,7 +203,8 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     int blocks = n_tokens >= BLOCK_TOKENS_LEAST;
     threads = threads_for(threads, (double)n_tokens * seen * shape->n_heads * (shape->head_dim_k + shape->head_dim_v));
     int64_t pairs = n_tokens * shape->n_kv_heads, splits = blocks ? 1 : attention_splits(pairs, seen, threads);
-    int64_t width = (seen + splits - 1) / splits, parts = splits > 1 ? pairs * splits * group * (shape->head_dim_v + 2) : 0;
+    int64_t width = (seen + splits - 1) / splits;
+    int64_t parts = splits > 1 ? pairs * splits * group * (shape->head_dim_v + 2) : 0;     // floats
     size_t wanted = ((size_t)threads * (blocks ? block_scratch(shape, seen) : group * width) + parts) * sizeof(float);
     lock_kernels();
     if (wanted > scores_size) {

@@ -6,8 +6,9 @@ to two 8-bit planes (integer dot products, kernels/q8_dot.cuh) and float weights
 Prefill dequantizes each dense matrix to f16 and multiplies on the matrix units with f32
 accumulation and output (f32 matrices, the routers, stay f32); the experts multiply
 straight from their stored blocks (gpu_experts.py, kernels/moe_mm.cu); attention is
-batched TF32 products over a KV cache of f16 (by default, as llama.cpp's) or f32. Decode steps replay as captured CUDA graphs (with daemons: graph
-segments between the MoE layers' host actions; not on HIP, or with graphs off).
+batched TF32 products over a KV cache of f16 (by default, as llama.cpp's) or f32. Decode
+steps replay as captured CUDA graphs (with daemons: graph segments between the MoE layers'
+host actions; not on HIP, or with graphs off).
 Shape legend: T tokens, H hidden, N output rows, NH/NKV heads, D/Dv head dims,
 E experts, K experts per token, S cache positions.
 """

@@ -146,6 +146,6 @@ def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, kv_dtype, daemons,
                  client_secret_key) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
-                    require_daemons=require_daemons, device=device, graphs=graphs, kv_dtype=kv_dtype, daemon_entries=daemon_entries,
-                    client_secret_key=client_secret_key, threads=threads, pin=pin)
+                    require_daemons=require_daemons, device=device, graphs=graphs, kv_dtype=kv_dtype,
+                    daemon_entries=daemon_entries, client_secret_key=client_secret_key, threads=threads, pin=pin)
     return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig)

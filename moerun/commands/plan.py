@@ -28,7 +28,7 @@ from moerun.moe.planner import (
     model_sizes,
 )
 from moerun.moe.planner import plan as make_plan
-from moerun.rig.settings import ConfigError
+from moerun.rig.settings import ConfigError, default_kv_dtype
 from moerun.units import parse_bytes
 
 
@@ -84,7 +84,7 @@ def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotnes
     require(parent_device, "--device DEVICE=SIZE", "memory")
     require(ctx, "--ctx", "ctx")
     parent_name, parent_bytes = _device_budget(parent_device, "--device")
-    kv_dtype = kv_dtype or ("f32" if parent_name == "cpu" else "f16")
+    kv_dtype = kv_dtype or default_kv_dtype(parent_name)
     budgets = [_device_budget(spec, "--daemon") for spec in daemons]
     if cpu_size is not None:
         budgets.append(("cpu", parse_bytes(cpu_size, "--cpu")))

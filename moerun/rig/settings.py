@@ -61,6 +61,11 @@ class DaemonEntry:
         return self.host in (None, "localhost", socket.gethostname()) or self.host == socket.getfqdn()
 
 
+def default_kv_dtype(device: str) -> str:
+    """The KV cache elements a parent on `device` keeps unless told: f32 on the CPU, f16 on a GPU."""
+    return "f32" if device == "cpu" else "f16"
+
+
 @dataclass(frozen=True)
 class RigConfig:
     daemons: tuple[str, ...] = ()        # cpu | cuda:N | hip:N (spawned) or ipc://… | tcp://… (connected)
@@ -110,8 +115,8 @@ class RigConfig:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """The parent's KV cache elements: --kv-dtype, else f16 on a GPU and f32 on the CPU."""
-        return self.kv_dtype or ("f32" if self.device == "cpu" else "f16")
+        """The parent's KV cache elements: --kv-dtype, else its device's own."""
+        return self.kv_dtype or default_kv_dtype(self.device)
 
     @property
     def tokens_per_call(self) -> int:

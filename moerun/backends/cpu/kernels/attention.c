@@ -24,6 +24,14 @@ static int64_t block_scratch(const struct moe_attention* shape, int64_t seen) {
 
 #define SPLIT_POSITIONS 256     // fewest positions a split of a few tokens' attention takes
 
+// Scores p [n] -> e^(p·scale - largest) in place; returns their sum, and the largest in *top.
+INLINE float exponentiate(float* p, int64_t n, float scale, float* top) {
+    for (int64_t s = 0; s < n; s++) p[s] *= scale;
+    *top = largest(p, n);
+    for (int64_t s = 0; s < n; s++) p[s] = exp_nonpositive(p[s] - *top);
+    return sum(p, n);
+}
+
 struct attention_job {
     const struct moe_attention* shape;
     const float* q;             // [T, NH, D]
@@ -60,10 +68,7 @@ INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv,
     }
     for (int64_t g = 0; g < group; g++) {
         float* p = probs + g * width;
-        for (int64_t s = 0; s < n; s++) p[s] *= shape->scale;
-        float top = largest(p, n);
-        for (int64_t s = 0; s < n; s++) p[s] = exp_nonpositive(p[s] - top);
-        float total = sum(p, n);
+        float top, total = exponentiate(p, n, shape->scale, &top);
         if (part) {
             part[2 * g] = top;
             part[2 * g + 1] = total;
@@ -170,10 +175,7 @@ VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t ne
     for (int64_t r = 0; r < rows; r++) {
         float* p = scores + r * n;
         int64_t seen = job->start + first + r / group + 1;                   // this row's token's positions
-        for (int64_t s = 0; s < seen; s++) p[s] *= shape->scale;
-        float top = largest(p, seen);
-        for (int64_t s = 0; s < seen; s++) p[s] = exp_nonpositive(p[s] - top);
-        float total = sum(p, seen);
+        float top, total = exponentiate(p, seen, shape->scale, &top);
         for (int64_t s = 0; s < seen; s++) p[s] /= total;
         for (int64_t s = seen; s < n; s++) p[s] = 0.f;
         ids[r] = r;

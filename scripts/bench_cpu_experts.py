@@ -5,6 +5,7 @@ per stored type and thread count.
     python scripts/bench_cpu_experts.py                          # every type, 1 and 2 threads
     python scripts/bench_cpu_experts.py --types Q4_K,Q8_0 --threads 4,16
     python scripts/bench_cpu_experts.py --types Q4_K --threads 16 --decode-experts 4,8 --gap-us 400
+    python scripts/bench_cpu_experts.py --types Q4_K/Q6_K --threads 15 --decode-experts 4,8 --no-float
 
 Shapes of Qwen3-30B-A3B (H 2048, F 768, E 128, K 8). Decode: one token through `--decode-experts`
 experts (K; a CPU daemon beside a GPU parent gets about half of them) drawn anew each step (so
@@ -90,7 +91,8 @@ def prefill_seconds(ffn, rng: np.random.Generator) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--types", default=TYPES, help=f"stored types [default: {TYPES}]")
+    parser.add_argument("--types", default=TYPES,
+                        help=f"stored types, GATE_UP/DOWN for two (Q4_K/Q6_K: a Q4_K_M file's) [default: {TYPES}]")
     parser.add_argument("--threads", default="1,2", help="thread counts [default: 1,2]")
     parser.add_argument("--decode-experts", default=str(TOP_K),
                         help=f"experts of a decode step, one or several counts [default: {TOP_K}]")
@@ -105,12 +107,13 @@ def main() -> None:
     decode_experts = [int(k) for k in args.decode_experts.split(",")]
     print(f"instruction set: {kernels.isa}; shapes H {HIDDEN}, F {FFN}, E {EXPERTS}; decode steps "
           f"{args.gap_us:g} us apart")
-    print(f"{'type':5} {'threads':>7} {'experts':>7} {'decode ms':>10} {'GB/s':>6} {'float32':>8} {'x':>5} "
+    print(f"{'type':9} {'threads':>7} {'experts':>7} {'decode ms':>10} {'GB/s':>6} {'float32':>8} {'x':>5} "
           f"{'prefill tok/s':>14} {'float32':>8} {'x':>5}")
     baseline = {} if args.no_float else float_baseline(threads, rng)
     for name in args.types.split(","):
-        ggml_type = T[name]
-        arrays = [stored(ggml_type, rows, cols, rng) for rows, cols in ((FFN, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN))]
+        gate_up_type, down_type = (T[part] for part in (name.split("/") * 2)[:2])
+        arrays = [stored(ggml_type, rows, cols, rng) for ggml_type, rows, cols in
+                  ((gate_up_type, FFN, HIDDEN), (gate_up_type, FFN, HIDDEN), (down_type, HIDDEN, FFN))]
         layer = ExpertMatrices(*(matrix for _, matrix in arrays), EXPERTS)
         expert_bytes = sum(raw[0].nbytes for raw, _ in arrays)
         for count in threads:
@@ -119,7 +122,7 @@ def main() -> None:
             prefill = prefill_seconds(kernel_ffn, rng)
             for k in decode_experts:
                 decode = decode_seconds(kernel_ffn, rng, k, args.gap_us * 1e-6)
-                line = f"{name:5} {count:7d} {k:7d} {decode * 1e3:10.3f} {k * expert_bytes / decode / 1e9:6.1f}"
+                line = f"{name:9} {count:7d} {k:7d} {decode * 1e3:10.3f} {k * expert_bytes / decode / 1e9:6.1f}"
                 if baseline and k == TOP_K:
                     float_decode, float_prefill = baseline[count]
                     line += f" {float_decode * 1e3:8.2f} {float_decode / decode:5.1f}"

@@ -31,6 +31,7 @@ from moerun.backends.cpu.library import (
     CpuKernels,
     ExpertMatrices,
     Matrix,
+    address,
     default_threads,
     float_matrix,
     kernel_error,
@@ -313,9 +314,32 @@ class QuantizedExperts:
         experts = np.ascontiguousarray(experts, np.int64)
         weights = np.ascontiguousarray(weights, np.float32)
         out = np.empty_like(x)
-        status = self.kernels.lib.moe_ffn(ctypes.byref(matrices), x.ctypes.data, len(x), rows.ctypes.data,
-                                          experts.ctypes.data, weights.ctypes.data, len(rows), out.ctypes.data,
-                                          self.threads)
+        status = self.kernels.lib.moe_ffn(ctypes.byref(matrices), address(x), len(x), address(rows),
+                                          address(experts), address(weights), len(rows), address(out), self.threads)
+        if status:
+            raise kernel_error(status)
+        return out
+
+    def padded_ffn(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                   expert_map: np.ndarray | None = None) -> np.ndarray:
+        """out[t] = Σ_k weights[t, k] · FFN_e(x[t]) over ids[t, k] >= 0, e = expert_map[id] (or the
+        id itself without a map), the pairs as a router leaves them.  x [T, H]; ids, weights
+        [T, K] -> [T, H]"""
+        matrices = self.layers[layer]
+        if x.ndim != 2 or x.shape[1] != matrices.down.rows or ids.ndim != 2 or ids.shape != weights.shape \
+                or len(ids) != len(x):
+            raise ValueError(f"layer {layer}'s experts take x [T, {matrices.down.rows}] and ids and weights [T, K], "
+                             f"not {x.shape}, {ids.shape} and {weights.shape}")
+        x = np.ascontiguousarray(x, np.float32)
+        ids = np.ascontiguousarray(ids, np.int64)
+        weights = np.ascontiguousarray(weights, np.float32)
+        out = np.empty_like(x)
+        expert_map = None if expert_map is None else np.ascontiguousarray(expert_map, np.int64)
+        status = self.kernels.lib.moe_ffn_padded(ctypes.byref(matrices), address(x), len(x), address(ids),
+                                                 address(weights), ids.shape[1],
+                                                 None if expert_map is None else address(expert_map),
+                                                 0 if expert_map is None else len(expert_map), address(out),
+                                                 self.threads)
         if status:
             raise kernel_error(status)
         return out
@@ -363,6 +387,14 @@ class DequantizedExperts:
         """out[rows[p]] += weights[p] · FFN_{experts[p]}(x[rows[p]]).  x [T, H]; rows, experts,
         weights [P] -> [T, H]"""
         return grouped_ffn(x, rows, experts, weights, lambda expert: self.get(layer, expert))
+
+    def padded_ffn(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                   expert_map: np.ndarray | None = None) -> np.ndarray:
+        """As QuantizedExperts.padded_ffn: ids, weights [T, K] (< 0: none), through expert_map."""
+        rows, slots = np.nonzero(ids >= 0)
+        local = ids[rows, slots]
+        experts = local if expert_map is None else np.asarray(expert_map)[local]
+        return self.grouped_ffn(layer, x, rows, experts, weights[rows, slots])
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         key = (layer, expert)
@@ -416,10 +448,8 @@ class CpuExperts:
                 out: np.ndarray | None = None, residual: np.ndarray | None = None) -> np.ndarray:
         """out[t] = (residual[t] +) Σ_k weights[t, k] · FFN_{ids[t, k]}(x[t]) over ids >= 0.
         x [T, H], ids/weights [T, K] -> [T, H]"""
-        rows, slots = np.nonzero(ids >= 0)
-        local = ids[rows, slots]
-        experts = local if self.held is None else self.held.get(layer, NO_EXPERTS)[local]
-        result = self.store.grouped_ffn(layer, x, rows, experts, weights[rows, slots])
+        expert_map = None if self.held is None else self.held.get(layer, NO_EXPERTS)
+        result = self.store.padded_ffn(layer, x, ids, weights, expert_map)
         if residual is not None:
             result = residual + result
         if out is None:

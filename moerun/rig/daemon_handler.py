@@ -52,6 +52,7 @@ class ExpertDaemon:
         self.store: ExpertStore | None = None                      # on the CPU
         self.prefetch: threading.Thread | None = None              # reads the assigned experts' pages ahead
         self.gpu = None if device == "cpu" else GpuExpertSet(device, self.gguf, self.spec)
+        self.arena: Arena | None = None                            # the attached parent's, for a CPU daemon
         self.calls = self.tokens = self.pairs = 0
         self.compute_seconds = 0.0
 
@@ -119,14 +120,14 @@ class ExpertDaemon:
         return self.assigned[layer]
 
     def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None]:
-        """A parent's arena: a GPU daemon serves padded requests in place (from its device
-        buffers with transport "device", else from the pinned arena); a CPU one gets them
-        from the server as ragged requests."""
+        """A parent's arena: padded requests are served in place, by a GPU daemon from its device
+        buffers (transport "device") or the pinned arena, by a CPU one from the arena's slots."""
         if self.gpu is None:
             if transport == "device":
                 raise ValueError("the device transport needs a GPU daemon; this one computes on the CPU "
                                  "(use --transport shared)")
-            return {}, None
+            self.arena = arena
+            return {}, self._compute_cpu_slot
         incoming = header.get("incoming", [])
         if transport == "device" and (not isinstance(incoming, list) or len(incoming) != arena.layout.slots
                                       or not all(isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES
@@ -135,6 +136,23 @@ class ExpertDaemon:
                              f"handles of {IPC_HANDLE_BYTES} bytes")
         fields = self.gpu.attach(arena, transport, incoming)
         return fields, self._compute_slot
+
+    def _compute_cpu_slot(self, index: int, layer: int, dtype: str, tokens: int) -> None:
+        """A padded request (ids and weights [T, K], -1: none) in slot `index`, its result
+        written there: the pairs go to the kernels as they are, local ids mapped there."""
+        started = time.perf_counter()
+        experts = self._experts_of(layer)
+        slot, per_token = self.arena.slots[index], self.arena.layout.max_pairs_per_token
+        x, _, ids, weights = slot.request_frames(dtype, tokens, tokens * per_token)
+        try:
+            out = self.store.padded_ffn(layer, x, ids.reshape(tokens, per_token), weights.reshape(tokens, per_token),
+                                        experts)
+        except (ValueError, IndexError) as e:
+            raise ValueError(f"layer {layer}: {e} (this daemon holds {len(experts)} of its experts)") from None
+        slot.write_result(out)
+        self.calls += 1
+        self.tokens += tokens
+        self.compute_seconds += time.perf_counter() - started
 
     def _compute_slot(self, index: int, layer: int, dtype: str, tokens: int) -> None:
         started = time.perf_counter()
@@ -147,6 +165,7 @@ class ExpertDaemon:
     def release(self) -> None:
         self.assigned.clear()
         self.store = None
+        self.arena = None
         if self.gpu is not None:
             self.gpu.release()
 

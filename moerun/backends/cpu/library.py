@@ -1,5 +1,5 @@
 """The compiled CPU kernels through ctypes: the structs of kernels/moe_cpu.h, the functions
-(moe_ffn, the grouped expert FFN, called by numpy_backend.QuantizedExperts; moe_matmul, the
+(moe_ffn and moe_ffn_padded, the grouped expert FFN, called by numpy_backend.QuantizedExperts; moe_matmul, the
 products of a few matrices with one input, called by numpy_backend.StoredMatrix; the work of a
 layer around its products, decode.c, called by numpy_backend.NumpyBackend), the instruction
 set they run with, and the threads they use by default.
@@ -51,10 +51,12 @@ class AttentionShape(ctypes.Structure):
 class CpuKernels:
     def __init__(self, path):
         self.lib = lib = ctypes.CDLL(str(path))
-        # arrays go as their data addresses: x, rows, experts, weights, out (contiguous, of the
-        # dtypes moe_cpu.h names)
+        # arrays go as their data addresses: x, rows, experts, ids, weights, out (contiguous, of
+        # the dtypes moe_cpu.h names)
         lib.moe_ffn.argtypes = [POINTER(ExpertMatrices), c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
                                 c_void_p, c_int]
+        lib.moe_ffn_padded.argtypes = [POINTER(ExpertMatrices), c_void_p, c_int64, c_void_p, c_void_p, c_int64,
+                                       c_void_p, c_int64, c_void_p, c_int]
         lib.moe_matmul.argtypes = [POINTER(Matrix), c_int64, c_void_p, c_int64, c_void_p, c_int]
         lib.moe_rms_norm.argtypes = [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_float, c_void_p]
         lib.moe_rms_norm.restype = None
@@ -93,8 +95,8 @@ class CpuKernels:
         if len(matrices) > MAX_MATRICES:
             raise ValueError(f"at most {MAX_MATRICES} matrices at once, not {len(matrices)}")
         y = np.empty((len(x), sum(m.rows for m in matrices)), np.float32)
-        status = self.lib.moe_matmul((Matrix * len(matrices))(*matrices), len(matrices), x.ctypes.data, len(x),
-                                     y.ctypes.data, threads)
+        status = self.lib.moe_matmul((Matrix * len(matrices))(*matrices), len(matrices), address(x), len(x),
+                                     address(y), threads)
         if status:
             raise kernel_error(status)
         return y

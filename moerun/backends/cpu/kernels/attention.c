@@ -203,7 +203,8 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     static size_t scores_size;
     int64_t seen = start + n_tokens, group = shape->n_heads / shape->n_kv_heads;
     int blocks = n_tokens >= BLOCK_TOKENS_LEAST;
-    threads = threads_for(threads, (double)n_tokens * seen * shape->n_heads * (shape->head_dim_k + shape->head_dim_v));
+    double macs = (double)n_tokens * seen * shape->n_heads * (shape->head_dim_k + shape->head_dim_v);
+    threads = threads_for(threads, macs, 0);
     int64_t pairs = n_tokens * shape->n_kv_heads, splits = blocks ? 1 : attention_splits(pairs, seen, threads);
     int64_t width = (seen + splits - 1) / splits;
     int64_t parts = splits > 1 ? pairs * splits * group * (shape->head_dim_v + 2) : 0;     // floats

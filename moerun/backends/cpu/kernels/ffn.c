@@ -194,19 +194,60 @@ static int run(struct ffn_job* job, const int64_t* rows, const int64_t* experts,
     return MOE_OK;
 }
 
-int moe_ffn(const struct moe_experts* experts, const float* x, int64_t n_tokens, const int64_t* rows,
-            const int64_t* pair_experts, const float* weights, int64_t n_pairs, float* out, int threads) {
+// The pairs of ids and weights [T, K] (an id < 0: no expert; with a map, an index into it):
+// rows, experts and weights [P] in the padded workspace. MOE_BAD_EXPERT for an id past the map.
+static int unpad(const int64_t* ids, const float* weights, int64_t n_tokens, int64_t per_token,
+                 const int64_t* expert_map, int64_t n_map, const int64_t** rows, const int64_t** experts,
+                 const float** pair_weights, int64_t* n_pairs) {
+    int64_t most = n_tokens * per_token;
+    int64_t* memory = workspace(SLOT_PADDED, (size_t)most * (2 * sizeof(int64_t) + sizeof(float)));
+    if (!memory) return MOE_NO_MEMORY;
+    int64_t *row = memory, *expert = memory + most, n = 0;
+    float* weight = (float*)(memory + 2 * most);
+    for (int64_t i = 0; i < most; i++) {
+        int64_t id = ids[i];
+        if (id < 0) continue;
+        if (expert_map && id >= n_map) return MOE_BAD_EXPERT;
+        row[n] = i / per_token;
+        expert[n] = expert_map ? expert_map[id] : id;
+        weight[n++] = weights[i];
+    }
+    *rows = row, *experts = expert, *pair_weights = weight, *n_pairs = n;
+    return MOE_OK;
+}
+
+// The checks of both entry points, then the job under the kernels' lock (`ids` given: the
+// pairs padded, unpadded first).
+static int ffn(const struct moe_experts* experts, const float* x, int64_t n_tokens, const int64_t* rows,
+               const int64_t* pair_experts, const float* weights, int64_t n_pairs, const int64_t* ids,
+               int64_t per_token, const int64_t* expert_map, int64_t n_map, float* out, int threads) {
     int64_t hidden = experts->down.rows, ffn = experts->gate.rows;
     struct ffn_job job = {.experts = experts, .hidden = hidden, .ffn = ffn, .x = x, .n_tokens = n_tokens,
                           .out = out};
     int status = check_matrix(&experts->gate, ffn, hidden, &job.gate_type);
     if (status == MOE_OK) status = check_matrix(&experts->up, ffn, hidden, &job.up_type);
     if (status == MOE_OK) status = check_matrix(&experts->down, hidden, ffn, &job.down_type);
-    if (status == MOE_OK) status = check_pairs(rows, pair_experts, n_pairs, n_tokens, experts->n_experts);
-    if (status != MOE_OK || n_tokens == 0) return status;
+    if (status != MOE_OK) return status;
     lock_kernels();
-    job.isa = current_isa();
-    status = run(&job, rows, pair_experts, weights, n_pairs, threads_for(threads, 3.0 * n_pairs * hidden * ffn));
+    if (ids) status = unpad(ids, weights, n_tokens, per_token, expert_map, n_map, &rows, &pair_experts, &weights,
+                            &n_pairs);
+    if (status == MOE_OK) status = check_pairs(rows, pair_experts, n_pairs, n_tokens, experts->n_experts);
+    if (status == MOE_OK && n_tokens > 0) {
+        job.isa = current_isa();
+        status = run(&job, rows, pair_experts, weights, n_pairs,
+                     threads_for(threads, 3.0 * n_pairs * hidden * ffn, 0));
+    }
     unlock_kernels();
     return status;
+}
+
+int moe_ffn(const struct moe_experts* experts, const float* x, int64_t n_tokens, const int64_t* rows,
+            const int64_t* pair_experts, const float* weights, int64_t n_pairs, float* out, int threads) {
+    return ffn(experts, x, n_tokens, rows, pair_experts, weights, n_pairs, NULL, 0, NULL, 0, out, threads);
+}
+
+int moe_ffn_padded(const struct moe_experts* experts, const float* x, int64_t n_tokens, const int64_t* ids,
+                   const float* weights, int64_t per_token, const int64_t* expert_map, int64_t n_map, float* out,
+                   int threads) {
+    return ffn(experts, x, n_tokens, NULL, NULL, weights, 0, ids, per_token, expert_map, n_map, out, threads);
 }

@@ -1,9 +1,13 @@
 // moe_matmul: y [T, ΣN] = x [T, n] · [W_0; W_1; ...]ᵀ for matrices W_i [N_i, n] as stored
 // (expert 0 of each struct moe_matrix), their products side by side in y: q, k and v in one
-// job. A task is a panel of rows of one matrix times every token: ROWS_PER_TASK rows through
-// the fused tile for a few tokens, panel_rows() rows dequantized once for more (work.h).
+// job. A task is a panel of rows of one matrix times every token: for a few tokens through the
+// fused tile, ROWS_PER_TASK rows or fewer where that would leave a thread under TASKS_PER_THREAD
+// tasks (a router of 128 rows on 16 threads: tasks of 4 rows, not 4 tasks of 32); for more,
+// panel_rows() rows dequantized once (work.h).
 #include "pool.h"
 #include "work.h"
+
+#define TASKS_PER_THREAD 2
 
 struct matmul_job {
     const struct isa_kernels* isa;
@@ -28,6 +32,14 @@ static int task_rows(const struct matmul_job* job, int64_t task, int64_t* first_
     return i;
 }
 
+// Rows of a task at a few tokens: ROWS_PER_TASK, halved down to TILE_ROWS while `rows` would
+// give fewer than TASKS_PER_THREAD tasks a thread.
+static int64_t fused_task_rows(int64_t rows, int threads) {
+    int64_t per_task = ROWS_PER_TASK;
+    while (per_task > TILE_ROWS && rows / per_task < TASKS_PER_THREAD * threads) per_task /= 2;
+    return per_task;
+}
+
 static void matmul_task(void* context, int64_t task, int64_t next_task, int thread) {
     const struct matmul_job* job = context;
     struct scratch* s = &job->scratch[thread];
@@ -45,17 +57,20 @@ int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const floa
     if (n_matrices < 1 || n_matrices > MOE_MAX_MATRICES) return MOE_BAD_SHAPE;
     struct matmul_job job = {.matrices = matrices, .x = x, .n_tokens = n_tokens, .y = y};
     int64_t cols = matrices[0].cols;
+    double weight_bytes = 0;
     for (int i = 0; i < n_matrices; i++) {
         int status = check_matrix(&matrices[i], matrices[i].rows, cols, &job.types[i]);
         if (status != MOE_OK) return status;
         job.first_column[i] = job.width;
         job.width += matrices[i].rows;
+        weight_bytes += (double)matrices[i].rows * matrices[i].row_bytes;
     }
     if (n_tokens == 0) return MOE_OK;
-    threads = threads_for(threads, (double)n_tokens * job.width * cols);
+    threads = threads_for(threads, (double)n_tokens * job.width * cols, weight_bytes);
     lock_kernels();
     job.isa = current_isa();
-    job.task_rows = n_tokens <= job.isa->fused_tokens ? ROWS_PER_TASK : panel_rows(cols, job.width, threads);
+    job.task_rows = n_tokens <= job.isa->fused_tokens ? fused_task_rows(job.width, threads)
+                                                      : panel_rows(cols, job.width, threads);
     for (int i = 0; i < n_matrices; i++)
         job.first_task[i + 1] = job.first_task[i] + (matrices[i].rows + job.task_rows - 1) / job.task_rows;
     int64_t* tokens = workspace(SLOT_PAIRS, (size_t)n_tokens * sizeof(int64_t));

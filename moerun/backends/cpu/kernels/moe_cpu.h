@@ -36,6 +36,12 @@ struct moe_experts {
 #define MOE_MAX_MATRICES 8
 MOE_API int moe_ffn(const struct moe_experts* experts, const float* x, int64_t n_tokens, const int64_t* rows,
                     const int64_t* pair_experts, const float* weights, int64_t n_pairs, float* out, int threads);
+// moe_ffn_padded: the same with the pairs as a router leaves them, ids and weights [T, K]
+// (`per_token` K; an id < 0 stands for no expert): each id the expert itself, or with
+// expert_map [n_map], an index into it (a daemon's local ids, a parent's own experts).
+MOE_API int moe_ffn_padded(const struct moe_experts* experts, const float* x, int64_t n_tokens, const int64_t* ids,
+                           const float* weights, int64_t per_token, const int64_t* expert_map, int64_t n_map,
+                           float* out, int threads);
 MOE_API int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const float* x, int64_t n_tokens,
                        float* y, int threads);
 

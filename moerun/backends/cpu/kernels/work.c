@@ -10,8 +10,9 @@
 
 static pthread_mutex_t kernels_lock = PTHREAD_MUTEX_INITIALIZER;
 
-int threads_for(int threads, double macs) {
-    double useful = macs / MACS_PER_THREAD;
+int threads_for(int threads, double macs, double weight_bytes) {
+    double by_macs = macs / MACS_PER_THREAD, by_bytes = weight_bytes / BYTES_PER_THREAD;
+    double useful = by_macs > by_bytes ? by_macs : by_bytes;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     return useful < 1 ? 1 : useful < threads ? (int)useful : threads < 1 ? 1 : threads;
 }

@@ -6,10 +6,13 @@
 
 #define ROWS_PER_TASK 32        // weight rows one task computes at a few tokens (a multiple of TILE_ROWS)
 
-// At most `threads`, and fewer for small work (about MACS_PER_THREAD multiply-adds each at
-// least): waking a thread costs more than a few microseconds of multiply-adds.
+// At most `threads`, and fewer for small work (about MACS_PER_THREAD multiply-adds or
+// BYTES_PER_THREAD weight bytes read each at least, whichever gives more): waking a thread
+// costs more than a few microseconds of work. (A float32 router at one token is 256K
+// multiply-adds but 1 MiB to read: by multiply-adds alone it took 2 of 16 threads.)
 #define MACS_PER_THREAD (1 << 17)
-int threads_for(int threads, double macs);
+#define BYTES_PER_THREAD (1 << 15)
+int threads_for(int threads, double macs, double weight_bytes);
 
 // Both calls hold this while they run: one job at a time in the pool and the buffers.
 void lock_kernels(void);
@@ -75,5 +78,5 @@ static inline struct scratch* thread_scratch(int threads, int sets, int64_t n, i
 }
 
 // A workspace buffer that keeps its memory between calls, grown as needed (64-byte aligned).
-enum workspace_slot { SLOT_H, SLOT_PAIRS, SLOT_GROUPS, SLOT_SCRATCH, N_SLOTS };
+enum workspace_slot { SLOT_H, SLOT_PAIRS, SLOT_GROUPS, SLOT_SCRATCH, SLOT_PADDED, N_SLOTS };
 void* workspace(int slot, size_t bytes);

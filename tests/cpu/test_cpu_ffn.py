@@ -2,7 +2,8 @@
 weights dequantized to float32: decode (one token, K experts), small batches with tokens that
 have no pair here, prefill batches, gate and up fused in one tensor, and sizes that leave
 partial tiles and tasks. Results do not depend on the thread count or on batching (fused
-tiles or not); bad pairs are refused."""
+tiles or not); pairs padded as a router leaves them equal their ragged form; bad pairs are
+refused."""
 from __future__ import annotations
 
 import numpy as np
@@ -129,3 +130,38 @@ def test_bad_pairs_are_refused(kernels):
         experts.grouped_ffn(0, x, np.array([2]), np.array([0]), one)
     with pytest.raises(ValueError, match="rows of 64 values"):
         experts.grouped_ffn(0, np.ones((2, 63), np.float32), np.array([0]), np.array([0]), one)
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_padded_pairs_equal_their_ragged_form(kernels, with_map):
+    """ids [T, K] with -1 slots (and, with a map, local ids standing for the map's experts):
+    bit for bit the ragged call over the same pairs, whatever the thread count."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(9, 256)).astype(np.float32)
+    held = rng.permutation(N_EXPERTS)[:7]                        # local id i is expert held[i]
+    ids = np.full((9, 5), -1, np.int64)
+    for row in ids[1:]:                                          # token 0 has no expert here
+        chosen = rng.permutation(len(held) if with_map else N_EXPERTS)[:rng.integers(1, 5)]
+        row[rng.permutation(5)[:len(chosen)]] = chosen
+    weights = rng.random((9, 5)).astype(np.float32)
+    rows, slots = np.nonzero(ids >= 0)
+    experts_of_pairs = held[ids[rows, slots]] if with_map else ids[rows, slots]
+    for threads in (1, 3):
+        experts, _ = experts_of((T.Q4_K, T.Q6_K), 256, 256, False, kernels, threads=threads)
+        want = experts.grouped_ffn(0, x, rows, experts_of_pairs, weights[rows, slots])
+        got = experts.padded_ffn(0, x, ids, weights, held if with_map else None)
+        np.testing.assert_array_equal(got, want)
+        assert np.all(got[0] == 0)
+
+
+def test_bad_padded_ids_are_refused(kernels):
+    experts, _ = experts_of((T.Q8_0, T.Q8_0), 64, 32, False, kernels, threads=2)
+    x, weights = np.ones((2, 64), np.float32), np.ones((2, 3), np.float32)
+    ids = np.array([[0, -1, -1], [-1, 2, -1]])
+    with pytest.raises(ValueError, match="expert id out of range"):          # past the map
+        experts.padded_ffn(0, x, ids, weights, np.array([4, 5]))
+    with pytest.raises(ValueError, match="expert id out of range"):          # a map entry past the layer
+        experts.padded_ffn(0, x, ids, weights, np.array([4, 5, N_EXPERTS]))
+    with pytest.raises(ValueError, match=r"ids and weights \[T, K\]"):
+        experts.padded_ffn(0, x, ids[:, :2], weights)
+    np.testing.assert_array_equal(experts.padded_ffn(0, x, np.full((2, 3), -1), weights), np.zeros((2, 64)))

@@ -22,9 +22,11 @@ from tests.support.hf_models import ARCHS, tiny_model
 from tests.support.to_gguf import write_gguf
 
 T = gguf.GGMLQuantizationType
-# max |kernels - reference| / max |reference logit|; the project's requirement is 1e-4. Measured up
-# to 1.01e-5 (qwen2moe) with the decode step's norms, rope, attention and routing in C too.
-BOUND = 2e-5
+# max |kernels - reference| / max |reference logit|; the project's requirement is 1e-4. Measured
+# 4.2e-6 (olmoe) to 2.3e-5 (qwen2moe) with every op of a step in C: float32 in other orders of
+# summation (attention's through the products' tiles moved qwen3moe 1.1e-5 -> 7.3e-6, mixtral
+# 6.9e-6 -> 1.0e-5, qwen2moe 1.9e-5 -> 2.3e-5).
+BOUND = 4e-5
 PROMPT = np.random.default_rng(11).integers(0, 320, 20).tolist()
 EXPERT_WIDTHS = {"qwen3moe": dict(moe_intermediate_size=256), "qwen2moe": dict(moe_intermediate_size=256),
                  "olmoe": dict(intermediate_size=256), "mixtral": dict(intermediate_size=256)}

@@ -23,6 +23,14 @@ static int64_t block_scratch(const struct moe_attention* shape, int64_t seen) {
 }
 
 #define SPLIT_POSITIONS 256     // fewest positions a split of a few tokens' attention takes
+#define KEY_CHUNK 256           // keys a few tokens' q·kᵀ copies into a panel at a time
+
+// Floats of one thread's scratch for a few tokens over shares of `width` positions, in whole
+// cache lines: heads [G] (int64, first), probabilities [G, width], a panel of keys [KEY_CHUNK, D].
+static int64_t few_scratch(const struct moe_attention* shape, int64_t width) {
+    int64_t group = shape->n_heads / shape->n_kv_heads;
+    return (2 * group + group * width + KEY_CHUNK * shape->head_dim_k + 15) / 16 * 16;
+}
 
 // Scores p [n] -> e^(p·scale - largest) in place; returns their sum, and the largest in *top.
 INLINE float exponentiate(float* p, int64_t n, float scale, float* top) {
@@ -38,7 +46,7 @@ struct attention_job {
     int64_t n_tokens, start;
     const float *keys, *values; // [S, NKV, D], [S, NKV, Dv]
     float* out;                 // [T, NH * Dv]
-    float* scores;              // each thread's scratch: [G, width], or block_scratch floats
+    float* scores;              // each thread's scratch: few_scratch or block_scratch floats
     int64_t splits, width;      // per token and kv head (a few tokens), and the most positions of one
     float* parts;               // with splits: per task [G, 2] (max, sum), then [G, Dv] (Σ e^(s - max) · v)
 };
@@ -46,28 +54,33 @@ struct attention_job {
 // One token's G = NH/NKV query heads that read kv head `kv`, over positions [from, to): each key
 // and value row is read once for all of them. With `part` NULL (the token's whole range) the
 // softmax's output goes into out [G, Dv]; else each head's largest score and sum of e^(score -
-// largest) into part [G, 2], and the sums of e^(score - largest) · v into out. probs [G, `width`]
-// is this thread's.
+// largest) into part [G, 2], and the sums of e^(score - largest) · v into out. `scratch` is this
+// thread's few_scratch. q·kᵀ is the instruction set's float32 `multiply` over the keys copied
+// KEY_CHUNK at a time into a panel [KEY_CHUNK, D], the query heads its tokens (as a prefill
+// block's); p·v adds 4 value rows at a time into each head's output.
 INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv, int64_t from, int64_t to,
-                         float* probs, float* out, float* part) {
+                         float* scratch, float* out, float* part) {
     const struct moe_attention* shape = job->shape;
     int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
-    int64_t group = nh / nkv, width = job->width, n = to - from;
+    int64_t group = nh / nkv, n = to - from;
+    int64_t* heads = (int64_t*)scratch;                                           // 0 .. G-1
+    float* probs = scratch + 2 * group;                                           // [G, n]
+    float* panel = probs + group * job->width;                                    // [KEY_CHUNK, D]
     const float* q = job->q + (t * nh + kv * group) * dim;                       // [G, D]
     const float* keys = job->keys + (from * nkv + kv) * dim;                      // rows nkv * dim apart
     const float* values = job->values + (from * nkv + kv) * dim_v;                // rows nkv * dim_v apart
-    for (int64_t s = 0; s < n; s++) {
-        const float* key = keys + s * nkv * dim;
-        float four[4];
-        int64_t g = 0;
-        for (; g + 4 <= group; g += 4) {
-            dot4(key, q + g * dim, dim, dim, four);
-            for (int r = 0; r < 4; r++) probs[(g + r) * width + s] = four[r];
-        }
-        for (; g < group; g++) probs[g * width + s] = dot(key, q + g * dim, dim);
+    const struct isa_kernels* isa = current_isa();
+    for (int64_t g = 0; g < group; g++) heads[g] = g;
+    for (int64_t first = 0; first < n; first += KEY_CHUNK) {
+        int64_t rows = n - first < KEY_CHUNK ? n - first : KEY_CHUNK;
+        for (int64_t s = 0; s < rows; s++)
+            memcpy(panel + s * dim, keys + (first + s) * nkv * dim, (size_t)dim * sizeof(float));
+        struct panel products = {.w = panel, .rows = rows, .x = q, .n = dim, .chunk = dim, .out = probs + first,
+                                 .stride = n};
+        isa->multiply(&products, heads, group);
     }
     for (int64_t g = 0; g < group; g++) {
-        float* p = probs + g * width;
+        float* p = probs + g * n;
         float top, total = exponentiate(p, n, shape->scale, &top);
         if (part) {
             part[2 * g] = top;
@@ -82,14 +95,14 @@ INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv,
         const float* v0 = values + s * nkv * dim_v;
         const float *v1 = v0 + nkv * dim_v, *v2 = v1 + nkv * dim_v, *v3 = v2 + nkv * dim_v;
         for (int64_t g = 0; g < group; g++) {
-            const float* p = probs + g * width + s;
+            const float* p = probs + g * n + s;
             float* o = out + g * dim_v;
             for (int64_t i = 0; i < dim_v; i++) o[i] += p[0] * v0[i] + p[1] * v1[i] + p[2] * v2[i] + p[3] * v3[i];
         }
     }
     for (; s < n; s++)
         for (int64_t g = 0; g < group; g++)
-            for (int64_t i = 0; i < dim_v; i++) out[g * dim_v + i] += probs[g * width + s] * values[s * nkv * dim_v + i];
+            for (int64_t i = 0; i < dim_v; i++) out[g * dim_v + i] += probs[g * n + s] * values[s * nkv * dim_v + i];
 }
 
 // Task (t · NKV + kv) · splits + c: token t's query heads over kv head kv, the c-th equal share
@@ -99,16 +112,16 @@ VECTORIZED static void attend_task(void* context, int64_t task, int64_t next, in
     const struct attention_job* job = context;
     int64_t nkv = job->shape->n_kv_heads, group = job->shape->n_heads / nkv, dim_v = job->shape->head_dim_v;
     int64_t pair = task / job->splits, t = pair / nkv, kv = pair % nkv, n = job->start + t + 1;
-    float* probs = job->scores + thread * group * job->width;
+    float* scratch = job->scores + thread * few_scratch(job->shape, job->width);
     if (job->splits == 1) {
-        attend_group(job, t, kv, 0, n, probs, job->out + (t * job->shape->n_heads + kv * group) * dim_v, NULL);
+        attend_group(job, t, kv, 0, n, scratch, job->out + (t * job->shape->n_heads + kv * group) * dim_v, NULL);
         return;
     }
     int64_t share = (n + job->splits - 1) / job->splits, from = task % job->splits * share;
     int64_t to = from + share < n ? from + share : n;
     float* part = job->parts + task * group * (dim_v + 2);
     if (from < to) {
-        attend_group(job, t, kv, from, to, probs, part + 2 * group, part);
+        attend_group(job, t, kv, from, to, scratch, part + 2 * group, part);
         return;
     }
     for (int64_t g = 0; g < group; g++) {        // a share past the token's position: nothing
@@ -208,7 +221,8 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     int64_t pairs = n_tokens * shape->n_kv_heads, splits = blocks ? 1 : attention_splits(pairs, seen, threads);
     int64_t width = (seen + splits - 1) / splits;
     int64_t parts = splits > 1 ? pairs * splits * group * (shape->head_dim_v + 2) : 0;     // floats
-    size_t wanted = ((size_t)threads * (blocks ? block_scratch(shape, seen) : group * width) + parts) * sizeof(float);
+    int64_t per_thread = blocks ? block_scratch(shape, seen) : few_scratch(shape, width);
+    size_t wanted = ((size_t)threads * per_thread + parts) * sizeof(float);
     lock_kernels();
     if (wanted > scores_size) {
         free(scores);
@@ -218,7 +232,7 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     int status = scores ? MOE_OK : MOE_NO_MEMORY;
     if (scores) {
         struct attention_job job = {shape, q, n_tokens, start, keys, values, out, scores, splits, width,
-                                    scores + threads * group * width};
+                                    scores + threads * per_thread};
         if (blocks) {
             pool_run(threads, (n_tokens + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK * shape->n_kv_heads, attend_block_task,
                      &job);

@@ -49,24 +49,6 @@ INLINE float dot(const float* a, const float* b, int64_t n) {
     return fold(&sums) + rest;
 }
 
-// q [n] · each of 4 rows of b, `stride` apart, into out[4]: four independent sums at once.
-INLINE void dot4(const float* q, const float* b, int64_t stride, int64_t n, float* out) {
-    vf sums[4] = {{0}}, x, y;
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        load(&x, q + i);
-        for (int r = 0; r < 4; r++) {
-            load(&y, b + r * stride + i);
-            sums[r] += x * y;
-        }
-    }
-    for (int r = 0; r < 4; r++) {
-        float rest = 0;
-        for (int64_t j = i; j < n; j++) rest += q[j] * b[r * stride + j];
-        out[r] = fold(&sums[r]) + rest;
-    }
-}
-
 // The largest of x [n] (-inf for none), and their sum.
 INLINE float largest(const float* x, int64_t n) {
     vf tops, v;

@@ -1,0 +1,60 @@
+"""Decode attention on the CPU kernels at long positions: one token's 32 query heads over 4 kv
+heads of 128 (the Qwen3-30B-A3B shape), the median of repeated calls, against numpy.
+
+    python scripts/bench_cpu_attention.py --threads 1,2 --positions 1,100,512,4096
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from moerun.backends.cpu.library import AttentionShape, load_kernels
+
+HEADS, KV_HEADS, DIM = 32, 4, 128
+
+
+def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
+    """softmax(q·kᵀ·scale)·v per kv head's query heads: [NH, Dv]"""
+    group = HEADS // KV_HEADS
+    out = np.empty((HEADS, DIM), np.float32)
+    for kv in range(KV_HEADS):
+        scores = q[kv * group:(kv + 1) * group] @ keys[:, kv].T * scale
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[kv * group:(kv + 1) * group] = (p / p.sum(axis=1, keepdims=True)) @ values[:, kv]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="1,2", help="thread counts [default: 1,2]")
+    parser.add_argument("--positions", default="1,100,512,4096", help="positions seen [default: 1,100,512,4096]")
+    parser.add_argument("--calls", type=int, default=50, help="timed calls each [default: 50]")
+    args = parser.parse_args()
+    kernels = load_kernels()
+    if kernels is None:
+        raise SystemExit("the CPU kernels are not available here (see the notice above)")
+    shape = AttentionShape(HEADS, KV_HEADS, DIM, DIM, 1, 1e-6, DIM ** -0.5)
+    rng = np.random.default_rng(0)
+    print(f"instruction set: {kernels.isa}; {HEADS}/{KV_HEADS} heads of {DIM}")
+    print(f"{'threads':>7} {'positions':>9} {'ms':>8} {'GMAC/s/thr':>10} {'rel err':>8}")
+    for seen in (int(s) for s in args.positions.split(",")):
+        keys, values = (rng.standard_normal((seen, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((1, HEADS, DIM)).astype(np.float32)
+        want = reference(q[0], keys, values, shape.scale)
+        for threads in (int(t) for t in args.threads.split(",")):
+            got = kernels.attention(shape, q, seen - 1, keys, values, threads).reshape(HEADS, DIM)
+            error = np.abs(got - want).max() / np.abs(want).max()
+            times = []
+            for _ in range(args.calls):
+                started = time.perf_counter()
+                kernels.attention(shape, q, seen - 1, keys, values, threads)
+                times.append(time.perf_counter() - started)
+            seconds = float(np.median(times))
+            rate = HEADS * seen * 2 * DIM / seconds / 1e9 / threads
+            print(f"{threads:7d} {seen:9d} {seconds * 1e3:8.3f} {rate:10.2f} {error:8.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -35,22 +35,26 @@ def groups(x: np.ndarray, size: int, encode: Callable[[np.ndarray], np.ndarray])
     return out
 
 
-def planes(levels: int, second: int, size: int) -> Encoding:
-    """a = rint(x / d) with d = max|x| / levels, then (second > 0) b = rint((x / d - a) · second):
-    x ≈ d · (a + b / second). levels 127: int8 (llama.cpp: no second plane; the GPU: 254); 32767: int16."""
+def planes(levels: int, second: int, size: int, third: int = 0) -> Encoding:
+    """a = rint(x / d) with d = max|x| / levels, then (second > 0) b = rint((x / d - a) · second)
+    and (third > 0) c = rint(((x / d - a) · second - b) · third): x ≈ d · (a + (b + c / third) /
+    second). levels 127: int8 (llama.cpp: no second plane; the GPU: 254); 32767: int16."""
     def encode(run: np.ndarray) -> np.ndarray:
         amax = np.abs(run).max(axis=1, keepdims=True)
         inverse = np.where(amax > 0, np.float32(levels) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
         scaled = run * inverse
         a = np.rint(scaled)
-        b = np.rint((scaled - a) * second) / second if second else 0
-        return (a + b) * (amax / np.float32(levels))
+        rest = (scaled - a) * second
+        b = np.rint(rest) if second else 0
+        c = np.rint((rest - b) * third) / third if third else 0
+        return (a + ((b + c) / second if second else 0)) * (amax / np.float32(levels))
     return lambda x: groups(x, size, encode)
 
 
 ENCODINGS: dict[str, Encoding] = {
     "int8/32 (llama.cpp)": planes(127, 0, 32),
     "2 x int8/32 (GPU)": planes(127, 254, 32),
+    "3 x int8/32": planes(127, 254, 32, 254),
     "int16/32": planes(32767, 0, 32),
     "int16/256": planes(32767, 0, 256),
     "int16+int8/256": planes(32767, 254, 256),

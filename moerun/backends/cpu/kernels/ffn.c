@@ -42,15 +42,6 @@ struct ffn_job {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// Rows a task computes out of `rows`, for `units` tasks per row range: ROWS_PER_TASK, halved
-// (down to FEWEST_TASK_ROWS) while that leaves fewer than TASKS_PER_THREAD tasks a thread.
-static int64_t task_rows(int64_t rows, int64_t units, int threads) {
-    int64_t per_task = ROWS_PER_TASK;
-    while (per_task > FEWEST_TASK_ROWS && units * ((rows + per_task - 1) / per_task) < TASKS_PER_THREAD * threads)
-        per_task /= 2;
-    return per_task;
-}
-
 // The first rows of m that task `task` reads (NULL for -1): a gate/up task's of its expert
 // (m gate or up), a down task's of the first expert (m down).
 static const uint8_t* first_rows(const struct ffn_job* job, const struct moe_matrix* m, int64_t task) {
@@ -186,9 +177,9 @@ static int run(struct ffn_job* job, const int64_t* rows, const int64_t* experts,
     job->scratch = thread_scratch(threads, 3, widest, 2, most_pairs);
     job->h = workspace(SLOT_H, (size_t)(n_pairs * job->ffn) * sizeof(float));
     if (!job->scratch || !job->h) return MOE_NO_MEMORY;
-    job->ffn_rows = task_rows(job->ffn, job->n_groups, threads);
+    job->ffn_rows = split_rows(job->ffn, job->n_groups, threads, TASKS_PER_THREAD, FEWEST_TASK_ROWS);
     job->ffn_blocks = (job->ffn + job->ffn_rows - 1) / job->ffn_rows;
-    job->down_rows = task_rows(job->hidden, 1, threads);
+    job->down_rows = split_rows(job->hidden, 1, threads, TASKS_PER_THREAD, FEWEST_TASK_ROWS);
     job->gate_up_tasks = job->n_groups * job->ffn_blocks;
     pool_run(threads, job->gate_up_tasks + (job->hidden + job->down_rows - 1) / job->down_rows, ffn_task, job);
     return MOE_OK;

@@ -49,7 +49,7 @@ INLINE float dot(const float* a, const float* b, int64_t n) {
     return fold(&sums) + rest;
 }
 
-// The largest of x [n] (-inf for none), and their sum.
+// The largest of x [n] (-inf for none).
 INLINE float largest(const float* x, int64_t n) {
     vf tops, v;
     float top = -INFINITY, lanes[LANES];
@@ -79,7 +79,8 @@ INLINE float sum(const float* x, int64_t n) {
 }
 
 // e^x for x <= 0, within a few ulp (e^-87 below -87): x = n·ln2 + r with |r| <= ln2/2, e^r by
-// its Taylor series to r^6, 2^n put into the exponent. Branch-free, so that its loops vectorize.
+// its Taylor series to r^6, 2^n put into the exponent. Branch-free: its loops vectorize in the
+// AVX-512 build; in the AVX2 one GCC keeps the float compare, and the loops, scalar.
 INLINE float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float round = 0x1.8p23f;                  // adding it rounds to an integer

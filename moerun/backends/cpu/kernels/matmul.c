@@ -32,14 +32,6 @@ static int task_rows(const struct matmul_job* job, int64_t task, int64_t* first_
     return i;
 }
 
-// Rows of a task at a few tokens: ROWS_PER_TASK, halved down to TILE_ROWS while `rows` would
-// give fewer than TASKS_PER_THREAD tasks a thread.
-static int64_t fused_task_rows(int64_t rows, int threads) {
-    int64_t per_task = ROWS_PER_TASK;
-    while (per_task > TILE_ROWS && rows / per_task < TASKS_PER_THREAD * threads) per_task /= 2;
-    return per_task;
-}
-
 static void matmul_task(void* context, int64_t task, int64_t next_task, int thread) {
     const struct matmul_job* job = context;
     struct scratch* s = &job->scratch[thread];
@@ -69,7 +61,7 @@ int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const floa
     threads = threads_for(threads, (double)n_tokens * job.width * cols, weight_bytes);
     lock_kernels();
     job.isa = current_isa();
-    job.task_rows = n_tokens <= job.isa->fused_tokens ? fused_task_rows(job.width, threads)
+    job.task_rows = n_tokens <= job.isa->fused_tokens ? split_rows(job.width, 1, threads, TASKS_PER_THREAD, TILE_ROWS)
                                                       : panel_rows(cols, job.width, threads);
     for (int i = 0; i < n_matrices; i++)
         job.first_task[i + 1] = job.first_task[i] + (matrices[i].rows + job.task_rows - 1) / job.task_rows;

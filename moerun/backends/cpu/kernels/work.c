@@ -17,6 +17,13 @@ int threads_for(int threads, double macs, double weight_bytes) {
     return useful < 1 ? 1 : useful < threads ? (int)useful : threads < 1 ? 1 : threads;
 }
 
+int64_t split_rows(int64_t rows, int64_t units, int threads, int per_thread, int64_t fewest) {
+    int64_t per_task = ROWS_PER_TASK;
+    while (per_task > fewest && units * ((rows + per_task - 1) / per_task) < (int64_t)per_thread * threads)
+        per_task /= 2;
+    return per_task;
+}
+
 void lock_kernels(void) { pthread_mutex_lock(&kernels_lock); }
 void unlock_kernels(void) { pthread_mutex_unlock(&kernels_lock); }
 

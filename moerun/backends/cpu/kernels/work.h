@@ -6,6 +6,11 @@
 
 #define ROWS_PER_TASK 32        // weight rows one task computes at a few tokens (a multiple of TILE_ROWS)
 
+// Rows a task computes out of `rows`, each row range split for `units` tasks' owners (experts):
+// ROWS_PER_TASK, halved down to `fewest` while that leaves fewer than `per_thread` tasks a
+// thread, so that a call with little work still keeps every thread busy.
+int64_t split_rows(int64_t rows, int64_t units, int threads, int per_thread, int64_t fewest);
+
 // At most `threads`, and fewer for small work (about MACS_PER_THREAD multiply-adds or
 // BYTES_PER_THREAD weight bytes read each at least, whichever gives more): waking a thread
 // costs more than a few microseconds of work. (A float32 router at one token is 256K

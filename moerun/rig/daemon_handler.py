@@ -107,11 +107,15 @@ class ExpertDaemon:
         else:
             rows = np.zeros(len(local_ids), np.int64) if len(counts) == 1 else np.repeat(np.arange(len(counts)), counts)
             out = self.store.grouped_ffn(layer, x, rows, global_ids, weights)
-        self.calls += 1
-        self.tokens += len(counts)
-        self.pairs += len(local_ids)
-        self.compute_seconds += time.perf_counter() - started
+        self._count(len(counts), started, pairs=len(local_ids))
         return out
+
+    def _count(self, tokens: int, started: float, pairs: int = 0) -> None:
+        """One call served, of `tokens` tokens (and `pairs` pairs where counted), since `started`."""
+        self.calls += 1
+        self.tokens += tokens
+        self.pairs += pairs
+        self.compute_seconds += time.perf_counter() - started
 
     def _experts_of(self, layer: int) -> np.ndarray:
         """The global ids of `layer`'s experts here (index = local id); KeyError if none."""
@@ -150,17 +154,13 @@ class ExpertDaemon:
         except (ValueError, IndexError) as e:
             raise ValueError(f"layer {layer}: {e} (this daemon holds {len(experts)} of its experts)") from None
         slot.write_result(out)
-        self.calls += 1
-        self.tokens += tokens
-        self.compute_seconds += time.perf_counter() - started
+        self._count(tokens, started)
 
     def _compute_slot(self, index: int, layer: int, dtype: str, tokens: int) -> None:
         started = time.perf_counter()
         self._experts_of(layer)
         self.gpu.compute_slot(index, layer, dtype, tokens)
-        self.calls += 1
-        self.tokens += tokens
-        self.compute_seconds += time.perf_counter() - started
+        self._count(tokens, started)
 
     def release(self) -> None:
         self.assigned.clear()

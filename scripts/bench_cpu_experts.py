@@ -5,12 +5,14 @@ per stored type and thread count.
     python scripts/bench_cpu_experts.py                          # every type, 1 and 2 threads
     python scripts/bench_cpu_experts.py --types Q4_K,Q8_0 --threads 4,16
     python scripts/bench_cpu_experts.py --types Q4_K --threads 16 --decode-experts 4,8 --gap-us 400
-    python scripts/bench_cpu_experts.py --types Q4_K/Q6_K --threads 15 --decode-experts 4,8 --no-float
+    python scripts/bench_cpu_experts.py --types Q4_K/Q6_K --threads 15 --decode-experts 4,8 --no-float --layers 4
 
 Shapes of Qwen3-30B-A3B (H 2048, F 768, E 128, K 8). Decode: one token through `--decode-experts`
 experts (K; a CPU daemon beside a GPU parent gets about half of them) drawn anew each step (so
 their weights come from memory, as a decode step's do), the median step and the weight bytes it
-read per second. `--gap-us` waits (spinning, as a daemon's serving thread does) between steps,
+read per second. A CPU with a large L3 (300 MiB on some servers) keeps much of one layer's
+experts (392 MiB for Q4_K/Q6_K): `--layers N` makes N layers of experts and takes them in turn,
+as a decode step does, so that a layer's weights come from memory. `--gap-us` waits (spinning, as a daemon's serving thread does) between steps,
 as a daemon does between a decode step's layers. Prefill: 512 tokens routed uniformly (about 32
 per expert), the best of 3 runs. Weights are random bytes with valid scales: speed does not
 depend on the values.
@@ -18,6 +20,7 @@ depend on the values.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -98,6 +101,7 @@ def main() -> None:
                         help=f"experts of a decode step, one or several counts [default: {TOP_K}]")
     parser.add_argument("--gap-us", type=float, default=0.0, help="idle time between decode steps [default: 0]")
     parser.add_argument("--no-float", action="store_true", help="skip the float32 numpy path")
+    parser.add_argument("--layers", type=int, default=1, help="layers of experts, taken in turn [default: 1]")
     args = parser.parse_args()
     kernels = load_kernels()
     if kernels is None:
@@ -105,20 +109,24 @@ def main() -> None:
     rng = np.random.default_rng(0)
     threads = [int(t) for t in args.threads.split(",")]
     decode_experts = [int(k) for k in args.decode_experts.split(",")]
-    print(f"instruction set: {kernels.isa}; shapes H {HIDDEN}, F {FFN}, E {EXPERTS}; decode steps "
-          f"{args.gap_us:g} us apart")
+    print(f"instruction set: {kernels.isa}; shapes H {HIDDEN}, F {FFN}, E {EXPERTS}, {args.layers} layer(s); "
+          f"decode steps {args.gap_us:g} us apart")
     print(f"{'type':9} {'threads':>7} {'experts':>7} {'decode ms':>10} {'GB/s':>6} {'float32':>8} {'x':>5} "
           f"{'prefill tok/s':>14} {'float32':>8} {'x':>5}")
     baseline = {} if args.no_float else float_baseline(threads, rng)
     for name in args.types.split(","):
         gate_up_type, down_type = (T[part] for part in (name.split("/") * 2)[:2])
-        arrays = [stored(ggml_type, rows, cols, rng) for ggml_type, rows, cols in
-                  ((gate_up_type, FFN, HIDDEN), (gate_up_type, FFN, HIDDEN), (down_type, HIDDEN, FFN))]
-        layer = ExpertMatrices(*(matrix for _, matrix in arrays), EXPERTS)
-        expert_bytes = sum(raw[0].nbytes for raw, _ in arrays)
+        layers, keep = {}, []
+        for index in range(args.layers):
+            arrays = [stored(ggml_type, rows, cols, rng) for ggml_type, rows, cols in
+                      ((gate_up_type, FFN, HIDDEN), (gate_up_type, FFN, HIDDEN), (down_type, HIDDEN, FFN))]
+            layers[index] = ExpertMatrices(*(matrix for _, matrix in arrays), EXPERTS)
+            keep += [raw for raw, _ in arrays]
+        expert_bytes = sum(raw[0].nbytes for raw in keep[:3])
         for count in threads:
-            experts = QuantizedExperts(kernels, {0: layer}, count, [raw for raw, _ in arrays])
-            kernel_ffn = lambda *pairs: experts.grouped_ffn(0, *pairs)          # noqa: E731
+            experts = QuantizedExperts(kernels, layers, count, keep)
+            calls = itertools.count()
+            kernel_ffn = lambda *pairs: experts.grouped_ffn(next(calls) % args.layers, *pairs)     # noqa: E731
             prefill = prefill_seconds(kernel_ffn, rng)
             for k in decode_experts:
                 decode = decode_seconds(kernel_ffn, rng, k, args.gap_us * 1e-6)

@@ -91,6 +91,10 @@ class GpuKVCache:
 
 class GpuBackend:
     def __init__(self, device: Device, spec: ModelSpec, graphs: bool = True, kv_dtype: str = "f16"):
+        if spec.delta_net is not None or spec.rule.gated_attention:
+            raise ValueError(f"{spec.rule.gguf_arch}: the GPU backend has no kernels for its gated DeltaNet and "
+                             f"gated attention layers yet; run it with --device cpu (its experts can still go to "
+                             f"daemons on GPUs)")
         cupy = self.cupy = gpu_module(device)
         import cupyx
         self.pinned = cupyx.empty_pinned                # (shape, dtype) -> a page-locked numpy array

@@ -41,12 +41,16 @@ from moerun.backends.numpy_ops import (
     ExpertWeights,
     apply_rope,
     causal_attention,
+    causal_conv,
+    gated_delta_rule,
     grouped_ffn,
+    l2_norm,
     rms_norm,
     rope_tables,
     route,
     sigmoid,
     silu,
+    softplus,
 )
 from moerun.backends.protocol import ContextFull, Forward
 from moerun.gguf.quants import RowTable, T, row_nbytes
@@ -162,7 +166,7 @@ class NumpyBackend:
         spec = self.spec
         n_tokens = q.shape[0]
         cos, sin = self._rope_tables(positions)
-        if self._kernels is not None:
+        if self._kernels is not None and not spec.rope_dims:         # the kernels rotate whole heads
             return self._kernels.rope_append(self._attention_shape, q, k, v, q_norm, k_norm, cos, sin,
                                              *cache.next_rows(layer, n_tokens))
         q = q.reshape(n_tokens, spec.n_heads, spec.head_dim_k)
@@ -178,7 +182,7 @@ class NumpyBackend:
         key = positions.tobytes()
         if self._rope is None or key != self._rope[0]:
             spec = self.spec
-            self._rope = (key, *rope_tables(positions, spec.head_dim_k, spec.rope_base, spec.rope_scale))
+            self._rope = (key, *rope_tables(positions, spec.rotary_dims, spec.rope_base, spec.rope_scale))
         return self._rope[1:]
 
     def attention(self, q: np.ndarray, cache: PagedKVCache, layer: int, positions: np.ndarray) -> np.ndarray:
@@ -210,21 +214,56 @@ class NumpyBackend:
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return silu(gate) * up
 
+    def query_gate(self, q_gate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """q_gate [T, NH*2D], each head's query then its gate -> q, gate [T, NH*D]"""
+        heads = q_gate.reshape(len(q_gate), self.spec.n_heads, 2, self.spec.head_dim_k)
+        return heads[:, :, 0].reshape(len(q_gate), -1), heads[:, :, 1].reshape(len(q_gate), -1)
+
+    def sigmoid_gate(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        """x · sigmoid(gate), both [T, N]"""
+        return x * sigmoid(gate)
+
+    def delta_net(self, channels: np.ndarray, z: np.ndarray, beta: np.ndarray, alpha: np.ndarray,
+                  weights: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], cache: PagedKVCache,
+                  layer: int) -> np.ndarray:
+        """A gated DeltaNet layer's mixing from its projections, the layer's states in `cache`
+        advanced: channels [T, C] (q, k, v before the convolution), z [T, HV*DV], beta and
+        alpha [T, HV]; weights: conv [C, W], a and dt [HV], norm [DV] -> [T, HV*DV] (each head's
+        output RMS-normed, times silu(z))."""
+        conv_weight, a, dt, norm = weights
+        shape, eps, n_tokens = self.spec.delta_net, self.spec.rms_eps, len(channels)
+        key_width = shape.key_heads * shape.key_dim
+        mixed, cache.conv[layer] = causal_conv(channels, conv_weight, cache.conv[layer])
+        q = l2_norm(mixed[:, :key_width].reshape(n_tokens, shape.key_heads, shape.key_dim), eps)
+        k = l2_norm(mixed[:, key_width:2 * key_width].reshape(n_tokens, shape.key_heads, shape.key_dim), eps)
+        v = mixed[:, 2 * key_width:].reshape(n_tokens, shape.value_heads, shape.value_dim)
+        decay = softplus(alpha + dt) * a                       # [T, HV], <= 0
+        out = gated_delta_rule(q, k, v, decay, sigmoid(beta), cache.ssm[layer])        # [T, HV, DV]
+        gate = z.reshape(n_tokens, shape.value_heads, shape.value_dim)
+        return (rms_norm(out, norm, eps) * silu(gate)).reshape(n_tokens, -1)
+
     def add(self, x: np.ndarray, y: np.ndarray, gate_logit: np.ndarray | None = None) -> np.ndarray:
         """x + y, or x + sigmoid(gate_logit [T, 1]) · y"""
         return x + (y if gate_logit is None else y * sigmoid(gate_logit))
 
 
 class PagedKVCache:
-    """Keys and values of one sequence, grown in pages as the sequence grows."""
+    """Keys and values of one sequence, grown in pages as the sequence grows; a DeltaNet
+    layer's states instead of its keys and values: conv [W-1, C], the last inputs of its
+    convolution, and ssm [HV, DK, DV], the recurrent state of each value head."""
 
     def __init__(self, spec: ModelSpec, capacity: int):
         self.capacity = capacity
         self.length = 0
+        recurrent = [spec.is_recurrent(i) for i in range(spec.n_layers)]
         shape_k = (0, spec.n_kv_heads, spec.head_dim_k)
         shape_v = (0, spec.n_kv_heads, spec.head_dim_v)
-        self._k = [np.empty(shape_k, np.float32) for _ in range(spec.n_layers)]
-        self._v = [np.empty(shape_v, np.float32) for _ in range(spec.n_layers)]
+        self._k = [np.empty((0, 0, 0) if r else shape_k, np.float32) for r in recurrent]
+        self._v = [np.empty((0, 0, 0) if r else shape_v, np.float32) for r in recurrent]
+        shape = spec.delta_net
+        layers = [i for i, r in enumerate(recurrent) if r]
+        self.conv = {i: np.zeros((shape.conv_kernel - 1, shape.channels), np.float32) for i in layers}
+        self.ssm = {i: np.zeros((shape.value_heads, shape.key_dim, shape.value_dim), np.float32) for i in layers}
 
     def reserve(self, n_tokens: int) -> None:
         """Make room for n_tokens more positions, or raise ContextFull."""

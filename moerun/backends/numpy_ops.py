@@ -1,9 +1,9 @@
-"""Reference numpy kernels, float32 throughout: norms, rope, attention, top-K routing and
-the grouped expert FFN.
+"""Reference numpy kernels, float32 throughout: norms, rope, attention, top-K routing, the
+grouped expert FFN, and the gated DeltaNet of hybrid models.
 
 Shape legend: T tokens in the chunk, S cached positions, H hidden size,
 NH query heads, NKV key/value heads, D head dim, F FFN width, E experts, K experts per token,
-P routed pairs.
+P routed pairs; DeltaNet: C convolved channels, W conv kernel, HK/HV key/value heads, DK/DV their dims.
 """
 from __future__ import annotations
 
@@ -50,8 +50,11 @@ def rope_tables(positions: np.ndarray, dim: int, base: float, scale: float) -> t
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
-    """x [T, heads, D]; cos/sin [T, D/2]. "neox" rotates the two halves of D,
-    "norm" rotates adjacent pairs (2i, 2i+1)."""
+    """x [T, heads, D]; cos/sin [T, R/2] for the first R dims of each head (the rest pass as
+    they are). "neox" rotates the two halves of R, "norm" rotates adjacent pairs (2i, 2i+1)."""
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return np.concatenate([apply_rope(x[..., :rotated], cos, sin, style), x[..., rotated:]], axis=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     if style == "neox":
         half = x.shape[-1] // 2
@@ -106,4 +109,43 @@ def grouped_ffn(x: np.ndarray, rows: np.ndarray, experts: np.ndarray, weights: n
         pick = experts == e
         token_rows = rows[pick]
         out[token_rows] += swiglu_ffn(x[token_rows], *expert(int(e))) * weights[pick][:, None]
+    return out
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), x itself past 20 (as torch and ggml)."""
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(np.float32)
+
+
+def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., N] / sqrt(Σ x² + eps)"""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps))
+
+
+def causal_conv(u: np.ndarray, weight: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depthwise causal convolution then silu: u [T, C] after the W-1 earlier inputs in state
+    [W-1, C]; weight [C, W] (its last column meets the current input) -> ([T, C], the new state)."""
+    width = weight.shape[1]
+    window = np.concatenate([state, u])                                      # [W-1+T, C]
+    out = np.zeros_like(u)
+    for i in range(width):
+        out += window[i:i + len(u)] * weight[:, i]
+    return silu(out), window[len(window) - (width - 1):].copy()
+
+
+def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
+                     state: np.ndarray) -> np.ndarray:
+    """The gated delta rule, one token at a time: per value head h (reading key head h % HK),
+    S ← e^decay · S; S ← S + k (beta · (v - Sᵀk))ᵀ; o = Sᵀq / sqrt(DK). q, k [T, HK, DK] (unit
+    norm), v [T, HV, DV], decay and beta [T, HV]; state [HV, DK, DV], updated in place -> o [T, HV, DV]."""
+    n_value_heads, key_dim = state.shape[0], state.shape[1]
+    key_head = np.arange(n_value_heads) % q.shape[1]
+    scale = np.float32(1.0 / np.sqrt(key_dim))
+    out = np.empty_like(v)
+    for t in range(len(v)):
+        qt, kt = q[t, key_head], k[t, key_head]                               # [HV, DK]
+        state *= np.exp(decay[t])[:, None, None]
+        delta = beta[t][:, None] * (v[t] - np.einsum("hk,hkv->hv", kt, state))  # [HV, DV]
+        state += kt[:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hk,hkv->hv", qt, state) * scale
     return out

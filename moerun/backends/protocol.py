@@ -102,5 +102,16 @@ class Backend(Protocol):
 
     def silu_mul(self, gate: Array, up: Array) -> Array: ...
 
+    def query_gate(self, q_gate: Array) -> tuple[Array, Array]:
+        """Gated attention's q projection [T, NH*2D] (each head's query, then its gate) -> q, gate [T, NH*D]"""
+
+    def sigmoid_gate(self, x: Array, gate: Array) -> Array: ...      # x · sigmoid(gate)
+
+    def delta_net(self, channels: Array, z: Array, beta: Array, alpha: Array, weights: tuple[Array, ...],
+                  cache: KVCache, layer: int) -> Array:
+        """A gated DeltaNet layer from its projections (channels [T, C] = q, k, v before the
+        causal conv; z [T, HV*DV]; beta, alpha [T, HV]) and weights (conv [C, W], a, dt [HV],
+        norm [DV]), advancing the layer's conv and recurrent states in `cache` -> [T, HV*DV]"""
+
     def add(self, x: Array, y: Array, gate_logit: Array | None = None) -> Array:
         """x + y, or x + sigmoid(gate_logit [T, 1]) · y"""

@@ -54,7 +54,10 @@ class MoEModel:
         backend, weights = self.backend, self.weights
         x = backend.embed(weights.token_embd, ids)                                     # [T, H]
         for i, layer in enumerate(weights.layers):
-            x = self._attention(i, layer, x, cache, positions)
+            if layer.delta_net is not None:
+                x = self._delta_net(i, layer, x, cache)
+            else:
+                x = self._attention(i, layer, x, cache, positions)
             x = self._ffn(i, layer, x)
         if not all_logits:
             x = x[-1:]
@@ -63,13 +66,28 @@ class MoEModel:
     def _attention(self, i: int, w: LayerWeights, x: Any, cache: KVCache, positions: Any) -> Any:
         backend, spec = self.backend, self.spec
         q, k, v = self._qkv(w, x)
+        gate = None
+        if spec.rule.gated_attention:
+            q, gate = backend.query_gate(q)                                            # [T, NH*D] each
         q_norm, k_norm = w.attn_q_norm, w.attn_k_norm
         if q_norm is not None and q_norm.shape[0] != spec.head_dim_k:   # olmoe: over the whole projection
             q, k = backend.rms_norm(q, q_norm), backend.rms_norm(k, k_norm)
             q_norm = k_norm = None
         q = backend.rope_append(q, k, v, q_norm, k_norm, cache, i, positions)           # [T, NH, D]
         attended = backend.attention(q, cache, i, positions)                           # [T, NH*Dv]
+        if gate is not None:
+            attended = backend.sigmoid_gate(attended, gate)
         return backend.linear(attended, w.attn_output, residual=x)                     # [T, H]
+
+    def _delta_net(self, i: int, w: LayerWeights, x: Any, cache: KVCache) -> Any:
+        """A gated DeltaNet (linear attention) layer: its four projections of rms_norm(x), the
+        recurrence over the layer's states, the output projection plus the residual."""
+        d = w.delta_net
+        channels, z, beta, alpha = self.backend.linears(x, (d.attn_qkv, d.attn_gate, d.ssm_beta, d.ssm_alpha),
+                                                        (None,) * 4, w.attn_norm)
+        mixed = self.backend.delta_net(channels, z, beta, alpha, (d.ssm_conv1d, d.ssm_a, d.ssm_dt, d.ssm_norm),
+                                       cache, i)                                      # [T, HV*DV]
+        return self.backend.linear(mixed, d.ssm_out, residual=x)                       # [T, H]
 
     def _qkv(self, w: LayerWeights, x: Any) -> tuple[Any, Any, Any]:
         """q [T, NH*D], k [T, NKV*D], v [T, NKV*Dv] of rms_norm(x, attn_norm): three linears, or

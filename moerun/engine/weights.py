@@ -20,15 +20,32 @@ FFNWeights = tuple[Matrix, Matrix, Matrix]  # gate [F, H], up [F, H], down [H, F
 
 
 @dataclass
+class DeltaNetWeights:
+    """A gated DeltaNet layer (qwen35moe) in place of attention: HK/HV key/value heads of DK/DV,
+    C = 2·HK·DK + HV·DV convolved channels (q, k, v), conv kernel W."""
+    attn_qkv: Matrix                      # [C, H] the channels before the convolution
+    attn_gate: Matrix                     # [HV*DV, H] z, the output gate
+    ssm_beta: Matrix                      # [HV, H] the update's strength, through a sigmoid
+    ssm_alpha: Matrix                     # [HV, H] the decay's rate, through softplus(· + ssm_dt)
+    ssm_a: Vector                         # [HV] -exp(A_log): the decay's scale
+    ssm_dt: Vector                        # [HV]
+    ssm_conv1d: Vector                    # [C, W] float32
+    ssm_norm: Vector                      # [DV] the gated RMSNorm of each head's output
+    ssm_out: Matrix                       # [H, HV*DV]
+
+
+@dataclass
 class LayerWeights:
     """The attention projections come either as attn_q/k/v, or fused as attn_qkv (llama.cpp's
-    converter with --fuse-qkv): the q, k and v rows stacked in that order; the others None."""
+    converter with --fuse-qkv): the q, k and v rows stacked in that order; the others None.
+    A gated-attention model's attn_q holds each head's query rows, then its gate's. A DeltaNet
+    layer has `delta_net` and no attention projections."""
     attn_norm: Vector                     # [H]
-    attn_q: Matrix | None                 # [NH*D, H]
+    attn_q: Matrix | None                 # [NH*D, H] ([NH*2D, H] with the gates)
     attn_k: Matrix | None                 # [NKV*D, H]
     attn_v: Matrix | None                 # [NKV*Dv, H]
     attn_qkv: Matrix | None               # [NH*D + NKV*D + NKV*Dv, H]
-    attn_output: Matrix                   # [H, NH*Dv]
+    attn_output: Matrix | None            # [H, NH*Dv]
     attn_q_bias: Vector | None            # [NH*D]      (qwen2moe)
     attn_k_bias: Vector | None
     attn_v_bias: Vector | None
@@ -40,6 +57,7 @@ class LayerWeights:
     ffn_dense: FFNWeights | None          # dense FFN layers
     ffn_shexp: FFNWeights | None          # shared expert (qwen2moe)
     ffn_gate_inp_shexp: Matrix | None     # [1, H] shared-expert gate
+    delta_net: DeltaNetWeights | None = None
 
 
 @dataclass
@@ -82,24 +100,43 @@ def load_layer(gguf: GGUFFile, spec: ModelSpec, i: int, backend: Backend) -> Lay
                 matrix(f"ffn_down{suffix}.weight"))
 
     is_moe = spec.moe_layers[i]
-    fused_qkv = gguf.has_tensor(f"blk.{i}.attn_qkv.weight")
+    recurrent = spec.is_recurrent(i)
+    fused_qkv = not recurrent and gguf.has_tensor(f"blk.{i}.attn_qkv.weight")
     has_shared_gate = gguf.has_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight")
+    attention = not recurrent and not fused_qkv
+    ffn_norm = "ffn_norm.weight" if gguf.has_tensor(f"blk.{i}.ffn_norm.weight") else "post_attention_norm.weight"
     return LayerWeights(
         attn_norm=vector("attn_norm.weight"),
-        attn_q=None if fused_qkv else matrix("attn_q.weight"),
-        attn_k=None if fused_qkv else matrix("attn_k.weight"),
-        attn_v=None if fused_qkv else matrix("attn_v.weight"),
+        attn_q=matrix("attn_q.weight") if attention else None,
+        attn_k=matrix("attn_k.weight") if attention else None,
+        attn_v=matrix("attn_v.weight") if attention else None,
         attn_qkv=matrix("attn_qkv.weight") if fused_qkv else None,
-        attn_output=matrix("attn_output.weight"),
+        attn_output=None if recurrent else matrix("attn_output.weight"),
         attn_q_bias=vector("attn_q.bias"),
         attn_k_bias=vector("attn_k.bias"),
         attn_v_bias=vector("attn_v.bias"),
-        attn_qkv_bias=vector("attn_qkv.bias"),
+        attn_qkv_bias=None if recurrent else vector("attn_qkv.bias"),
         attn_q_norm=vector("attn_q_norm.weight"),
         attn_k_norm=vector("attn_k_norm.weight"),
-        ffn_norm=vector("ffn_norm.weight"),
+        ffn_norm=vector(ffn_norm),
         ffn_gate_inp=matrix("ffn_gate_inp.weight") if is_moe else None,
         ffn_dense=None if is_moe else ffn(""),
         ffn_shexp=ffn("_shexp") if is_moe and gguf.has_tensor(f"blk.{i}.ffn_down_shexp.weight") else None,
         ffn_gate_inp_shexp=matrix("ffn_gate_inp_shexp.weight") if has_shared_gate else None,
+        delta_net=load_delta_net(gguf, spec, i, backend) if recurrent else None,
     )
+
+
+def load_delta_net(gguf: GGUFFile, spec: ModelSpec, i: int, backend: Backend) -> DeltaNetWeights:
+    def matrix(name: str) -> Matrix:
+        return backend.matrix(gguf, f"blk.{i}.{name}")
+
+    def vector(name: str) -> Vector:
+        return backend.vector(gguf.dequantize(f"blk.{i}.{name}"))
+
+    shape = spec.delta_net
+    conv = gguf.dequantize(f"blk.{i}.ssm_conv1d.weight").reshape(shape.channels, shape.conv_kernel)
+    return DeltaNetWeights(attn_qkv=matrix("attn_qkv.weight"), attn_gate=matrix("attn_gate.weight"),
+                           ssm_beta=matrix("ssm_beta.weight"), ssm_alpha=matrix("ssm_alpha.weight"),
+                           ssm_a=vector("ssm_a"), ssm_dt=vector("ssm_dt.bias"), ssm_conv1d=backend.vector(conv),
+                           ssm_norm=vector("ssm_norm.weight"), ssm_out=matrix("ssm_out.weight"))

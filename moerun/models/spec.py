@@ -12,11 +12,28 @@ from dataclasses import dataclass
 class ArchRule:
     """What distinguishes one architecture family in the forward pass."""
 
-    family: str              # qwen3moe | qwen2moe | olmoe | mixtral
+    family: str              # qwen3moe | qwen2moe | olmoe | mixtral | qwen35moe
     gguf_arch: str           # general.architecture value
     rope_style: str          # "neox" (rotate halves) or "norm" (rotate adjacent pairs)
     renormalize_topk: bool   # rescale the top-K router weights to sum to 1
     gated_shared_expert: bool = False  # shared expert scaled by sigmoid(ffn_gate_inp_shexp · x)
+    gated_attention: bool = False      # attn_q gives each head's query and an output gate (sigmoid)
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """The gated DeltaNet (linear attention) layers of a hybrid model: HK key heads of DK,
+    HV value heads of DV (HV a multiple of HK; value head g reads key head g % HK), a causal
+    depthwise convolution of `conv_kernel` over the q, k and v channels (C = 2·HK·DK + HV·DV)."""
+    key_heads: int           # HK
+    value_heads: int         # HV
+    key_dim: int             # DK
+    value_dim: int           # DV
+    conv_kernel: int
+
+    @property
+    def channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,21 @@ class ModelSpec:
     dense_ff: int            # width of dense FFN layers (0 = none)
     moe_layers: tuple[bool, ...]  # per layer: True = routed experts, False = dense FFN
     fused_gate_up: bool      # experts stored as ffn_gate_up_exps (E, 2F, H), gate first
+    rope_dims: int = 0       # the leading dims of a head that rope rotates (0: all of head_dim_k)
+    recurrent_layers: tuple[bool, ...] = ()   # per layer: True = gated DeltaNet instead of attention
+    delta_net: DeltaNetShape | None = None
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.rope_dims or self.head_dim_k
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache."""
+        return self.n_layers - sum(self.recurrent_layers)
 
     @property
     def family(self) -> str:

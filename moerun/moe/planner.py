@@ -90,9 +90,7 @@ def model_sizes(gguf: GGUFFile, spec: ModelSpec) -> ModelSizes:
             expert_tensor_bytes[int(match[1])] += info.nbytes
         else:
             non_expert_bytes += info.nbytes
-    attention_layers = sum(gguf.has_tensor(f"blk.{i}.attn_k.weight") or gguf.has_tensor(f"blk.{i}.attn_qkv.weight")
-                           for i in range(spec.n_layers))
-    kv_elements = attention_layers * spec.n_kv_heads * (spec.head_dim_k + spec.head_dim_v)
+    kv_elements = spec.attention_layers * spec.n_kv_heads * (spec.head_dim_k + spec.head_dim_v)
     return ModelSizes(
         n_layers=spec.n_layers,
         n_experts=spec.n_experts,

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import torch
 
-from .to_gguf import gguf_names, rope_permute_heads
+from .to_gguf import QWEN35_NAMES, arch_of, gguf_names, qwen35_transform, rope_permute_heads
 
 
 def read_dequantized(gguf_path) -> dict[str, np.ndarray]:
@@ -35,11 +35,15 @@ def hf_state_dict(model, gguf_path) -> dict[str, torch.Tensor]:
     tensors = read_dequantized(gguf_path)
     fused_gate_up = any(name.endswith("ffn_gate_up_exps.weight") for name in tensors)
     state: dict[str, torch.Tensor] = {}
+    hybrid = arch_of(model) == "qwen35moe"
     for hf_name, param in model.state_dict().items():
-        parts = [tensors[name] for name in gguf_names(hf_name, fused_gate_up=fused_gate_up)]
+        names = gguf_names(hf_name, fused_gate_up=fused_gate_up, names=QWEN35_NAMES if hybrid else None)
+        parts = [tensors[name] for name in names]
         weight = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]  # 2 x (E, F, H) -> (E, 2F, H)
         if (n_heads := rope_permute_heads(model, hf_name)) is not None:
             weight = unpermute_rope_rows(weight, n_heads)
+        if hybrid:
+            weight = qwen35_transform(model.config, hf_name, weight, inverse=True)
         state[hf_name] = torch.from_numpy(np.ascontiguousarray(weight)).reshape(param.shape)
     return state
 

@@ -17,6 +17,7 @@ import torch
 import transformers
 
 ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "mixtral")
+HYBRID_ARCHS = ("qwen35moe",)     # CPU backend only so far
 
 WEIGHT_STD = 0.15
 ROUTER_STD = 0.3          # sharper than WEIGHT_STD: routing must be far from uniform
@@ -67,11 +68,27 @@ _PER_ARCH = {
         num_experts_per_tok=2,
         intermediate_size=64,         # mixtral's expert width
     )),
+    "qwen35moe": (transformers.Qwen3_5MoeTextConfig, dict(
+        num_hidden_layers=4,
+        full_attention_interval=4,    # layers 0-2 gated DeltaNet, 3 gated attention
+        head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},   # rope over 8 of 32 dims
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,     # two value heads a key head: the converter reorders them
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    )),
 }
 
 
 def tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
-    """The tiny config of `arch` (one of ARCHS), with `overrides` applied last."""
+    """The tiny config of `arch` (one of ARCHS or HYBRID_ARCHS), with `overrides` applied last."""
     config_class, arch_kwargs = _PER_ARCH[arch]
     return config_class(**{**_COMMON, **arch_kwargs, **overrides})
 

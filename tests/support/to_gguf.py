@@ -1,7 +1,8 @@
 """Write a tiny Hugging Face MoE model to GGUF as llama.cpp's convert_hf_to_gguf.py does.
 
-Tensor names, metadata keys, the llama Q/K row permutation and the rule for
-which tensors stay F32 all follow the converter. Q4_0 is not a converter
+Tensor names, metadata keys, the llama Q/K row permutation, qwen35moe's transforms (norms
++1, -exp(A_log), value heads from grouped to tiled order) and the rule for which tensors stay
+F32 all follow the converter. Q4_0 is not a converter
 output type (llama-quantize makes it); it is written "pure" here: every tensor
 that Q8_0 would quantize becomes Q4_0.
 """
@@ -17,9 +18,11 @@ from moerun.gguf.writing import write_metadata
 
 FTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 
-GGUF_ARCH = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
+GGUF_ARCH = {"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
+             "qwen35moe": "qwen35moe"}
 
-_ARCH_OF_MODEL_TYPE = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "mixtral"}
+_ARCH_OF_MODEL_TYPE = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "mixtral",
+                       "qwen3_5_moe_text": "qwen35moe"}
 
 _FILE_TYPE = {
     "F32": gguf.LlamaFileType.ALL_F32,
@@ -58,13 +61,24 @@ _BLOCK_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # qwen35moe: gated DeltaNet layers, and the FFN norm's name
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
 }
+QWEN35_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight"}
 _GATE_UP = "mlp.experts.gate_up_proj"  # (E, 2F, H), gate rows first
 _GATE_UP_SPLIT = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 _GATE_UP_FUSED = ("ffn_gate_up_exps.weight",)
 
-# Kept F32 whatever the file type, besides 1-D tensors and norms.
-_F32_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+# Kept F32 whatever the file type, besides 1-D tensors, norms and names not ending in .weight.
+_F32_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
 def arch_of(model) -> str:
@@ -72,14 +86,16 @@ def arch_of(model) -> str:
     return _ARCH_OF_MODEL_TYPE[model.config.model_type]
 
 
-def gguf_names(hf_name: str, *, fused_gate_up: bool = False) -> tuple[str, ...]:
-    """GGUF tensor name(s) holding one HF parameter; gate_up_proj maps to two unless fused."""
+def gguf_names(hf_name: str, *, fused_gate_up: bool = False, names: dict[str, str] | None = None) -> tuple[str, ...]:
+    """GGUF tensor name(s) holding one HF parameter; gate_up_proj maps to two unless fused;
+    `names`: an architecture's own names, before the common ones."""
+    names = names or {}
     if hf_name in _GLOBAL_NAMES:
         return (_GLOBAL_NAMES[hf_name],)
     _, _, layer, suffix = hf_name.split(".", 3)  # model.layers.{i}.{suffix}
     if suffix == _GATE_UP:
         return tuple(f"blk.{layer}.{name}" for name in (_GATE_UP_FUSED if fused_gate_up else _GATE_UP_SPLIT))
-    return (f"blk.{layer}.{_BLOCK_NAMES[suffix]}",)
+    return (f"blk.{layer}.{names.get(suffix) or _BLOCK_NAMES[suffix]}",)
 
 
 def rope_permute_heads(model, hf_name: str) -> int | None:
@@ -103,19 +119,58 @@ def permute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
 def gguf_tensors(model, *, fused_gate_up: bool = False) -> dict[str, np.ndarray]:
     """Every GGUF tensor of `model` as float32 in GGUF numpy order, before quantization."""
     tensors: dict[str, np.ndarray] = {}
+    hybrid = arch_of(model) == "qwen35moe"
     for hf_name, param in model.state_dict().items():
         weight = param.detach().to(torch.float32).numpy()
         if (n_heads := rope_permute_heads(model, hf_name)) is not None:
             weight = permute_rope_rows(weight, n_heads)
-        names = gguf_names(hf_name, fused_gate_up=fused_gate_up)
+        if hybrid:
+            weight = qwen35_transform(model.config, hf_name, weight)
+        names = gguf_names(hf_name, fused_gate_up=fused_gate_up, names=QWEN35_NAMES if hybrid else None)
         parts = np.split(weight, len(names), axis=1) if len(names) > 1 else [weight]  # (E, 2F, H) -> 2 x (E, F, H)
         tensors.update((name, np.ascontiguousarray(part)) for name, part in zip(names, parts))
     return tensors
 
 
+def qwen35_transform(config, hf_name: str, weight: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """What llama.cpp's converter does to a qwen35moe tensor (or, `inverse`, undoes): HF's
+    RMSNorm weights are stored with the +1 HF adds at run time (not the DeltaNet's gated norm),
+    A_log as -exp(A_log), the conv weight [C, 1, W] as [C, W], and every axis over value heads
+    reordered from HF's grouped order (value head c·r + j with key head c) to the tiled order
+    j·HK + c."""
+    if hf_name.endswith("norm.weight") and "linear_attn" not in hf_name:
+        return weight - 1 if inverse else weight + 1
+    if "linear_attn" not in hf_name:
+        return weight
+    key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    key_width, value_dim = key_heads * config.linear_key_head_dim, config.linear_value_head_dim
+
+    def reorder(part: np.ndarray, axis: int, head_dim: int) -> np.ndarray:
+        groups = (value_heads // key_heads, key_heads) if inverse else (key_heads, value_heads // key_heads)
+        shape = part.shape
+        split = part.reshape(*shape[:axis], *groups, head_dim, *shape[axis + 1:])
+        return np.swapaxes(split, axis, axis + 1).reshape(shape)
+
+    if hf_name.endswith("conv1d.weight"):
+        weight = weight.reshape(weight.shape[0], weight.shape[-1])
+    if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return np.concatenate([weight[:2 * key_width], reorder(weight[2 * key_width:], 0, value_dim)])
+    if hf_name.endswith("in_proj_z.weight"):
+        return reorder(weight, 0, value_dim)
+    if hf_name.endswith(("in_proj_b.weight", "in_proj_a.weight", "dt_bias")):
+        return reorder(weight, 0, 1)
+    if hf_name.endswith("A_log"):
+        return reorder(np.log(-weight), 0, 1) if inverse else -np.exp(reorder(weight, 0, 1))
+    if hf_name.endswith("out_proj.weight"):
+        return reorder(weight, 1, value_dim)
+    return weight
+
+
 def storage_type(gguf_name: str, ndim: int, ftype: str) -> gguf.GGMLQuantizationType:
-    """The converter's choice: 1-D, norms and routers stay F32, everything else gets `ftype`."""
-    if ndim <= 1 or gguf_name.endswith("_norm.weight") or gguf_name.endswith(_F32_MATRICES):
+    """The converter's choice: 1-D, norms, routers, the DeltaNet's conv and names not ending in
+    .weight stay F32, everything else gets `ftype`."""
+    if (ndim <= 1 or gguf_name.endswith("_norm.weight") or gguf_name.endswith(_F32_MATRICES)
+            or not gguf_name.endswith(".weight")):
         return gguf.GGMLQuantizationType.F32
     return gguf.GGMLQuantizationType[ftype]
 
@@ -155,7 +210,8 @@ def _write_hparams(writer: gguf.GGUFWriter, model, arch: str, ftype: str) -> Non
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if hparams.get("intermediate_size") is not None:
+        writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
@@ -165,17 +221,34 @@ def _write_hparams(writer: gguf.GGUFWriter, model, arch: str, ftype: str) -> Non
     if hparams.get("head_dim") is not None:
         writer.add_key_length(hparams["head_dim"])
         writer.add_value_length(hparams["head_dim"])
-    if arch in ("qwen2moe", "qwen3moe"):
+    if arch in ("qwen2moe", "qwen3moe", "qwen35moe"):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if hparams.get("shared_expert_intermediate_size") is not None:
             writer.add_expert_shared_feed_forward_length(hparams["shared_expert_intermediate_size"])
     if dense := sorted(hparams.get("mlp_only_layers") or []):
         writer.add_leading_dense_block_count(len(dense) if dense == list(range(len(dense))) else 0)
+    if arch == "qwen35moe":
+        _write_qwen35_hparams(writer, config)
     if arch == "mixtral":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(hparams.get("head_dim") or config.hidden_size // config.num_attention_heads)
     writer.add_file_type(_FILE_TYPE[ftype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_qwen35_hparams(writer: gguf.GGUFWriter, config) -> None:
+    """The rope's rotated dims and sections, the DeltaNet's shape and the layer pattern."""
+    rope = config.rope_parameters
+    writer.add_rope_dimension_count(int(config.head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_dimension_sections([*rope["mrope_section"], 0, 0, 0][:4])
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_full_attention_interval(config.to_dict().get("full_attention_interval", 4))
+    writer.add_array("qwen35moe.attention.recurrent_layers",
+                     [kind == "linear_attention" for kind in config.layer_types])
 
 
 def byte_level_vocab(vocab_size: int) -> dict:

@@ -103,9 +103,9 @@ def test_large_and_masked_logits_stay_finite():
     np.testing.assert_allclose(weights, reference(logits, 2, renormalize=False)[1], rtol=1e-6)
 
 
-# llama.cpp's rule per architecture (design brief, section 6): qwen3moe and Mixtral renormalise
-# the kept weights, qwen2moe and olmoe keep the raw probabilities.
-RENORMALISES = {"qwen3moe": True, "mixtral": True, "qwen2moe": False, "olmoe": False}
+# llama.cpp's rule per architecture (design brief, section 6): qwen3moe, Mixtral and qwen35moe
+# renormalise the kept weights, qwen2moe and olmoe keep the raw probabilities.
+RENORMALISES = {"qwen3moe": True, "mixtral": True, "qwen2moe": False, "olmoe": False, "qwen35moe": True}
 
 
 @pytest.mark.parametrize("gguf_arch", sorted(RULES))

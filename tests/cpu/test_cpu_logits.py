@@ -1,6 +1,6 @@
 """Whole models on the CPU kernels against the float32 reference engine (the same files with
-every matrix dequantized to float32 and multiplied by numpy): every architecture, every
-expert type (each model's three layers mix them, gate/up of one type and down of another),
+every matrix dequantized to float32 and multiplied by numpy): every architecture (qwen35moe's
+DeltaNet projections too), every expert type (each model's three layers mix them, gate/up of one type and down of another),
 gate and up fused in one tensor (mixtral here), the dense matrices (attention, shared expert,
 LM head) in other types the kernels read; prefill in chunks and decode steps."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.writers.bench_model import BLOCK_FILLERS, random_blocks
 from tests.support.gguf_edit import rewrite_gguf
-from tests.support.hf_models import ARCHS, tiny_model
+from tests.support.hf_models import ARCHS, HYBRID_ARCHS, tiny_model
 from tests.support.to_gguf import write_gguf
 
 T = gguf.GGMLQuantizationType
@@ -29,15 +29,18 @@ T = gguf.GGMLQuantizationType
 BOUND = 4e-5
 PROMPT = np.random.default_rng(11).integers(0, 320, 20).tolist()
 EXPERT_WIDTHS = {"qwen3moe": dict(moe_intermediate_size=256), "qwen2moe": dict(moe_intermediate_size=256),
-                 "olmoe": dict(intermediate_size=256), "mixtral": dict(intermediate_size=256)}
+                 "olmoe": dict(intermediate_size=256), "mixtral": dict(intermediate_size=256),
+                 "qwen35moe": dict(moe_intermediate_size=256)}
 LAYER_TYPES = {   # (gate/up, down) of layers 0, 1, 2: every type the kernels read appears
     "qwen3moe": [(T.Q4_K, T.Q6_K), (T.Q5_K, T.Q8_0), (T.Q4_0, T.Q5_1)],
     "qwen2moe": [(T.Q5_0, T.Q4_1), (T.BF16, T.F16), (T.Q6_K, T.Q4_K)],
     "olmoe": [(T.Q8_0, T.Q5_K), (T.F16, T.Q4_0), (T.Q4_1, T.BF16)],
     "mixtral": [(T.Q5_1, T.Q5_0), (T.F32, T.Q6_K), (T.Q4_K, T.Q8_0)],
+    "qwen35moe": [(T.Q4_K, T.Q6_K), (T.Q5_0, T.Q8_0), (T.Q6_K, T.Q4_K), (T.Q8_0, T.Q5_K)],   # 4 layers
 }
 DENSE_TYPES = {       # 2-D matrices but the routers: rows of a multiple of 256 values, the others
-    "qwen3moe": (T.Q4_K, T.Q8_0), "qwen2moe": (T.Q6_K, T.Q5_1), "olmoe": (T.Q5_K, T.F16), "mixtral": (T.Q4_0, T.BF16)}
+    "qwen3moe": (T.Q4_K, T.Q8_0), "qwen2moe": (T.Q6_K, T.Q5_1), "olmoe": (T.Q5_K, T.F16), "mixtral": (T.Q4_0, T.BF16),
+    "qwen35moe": (T.Q4_K, T.Q8_0)}
 EXPERT_STD = 0.15     # the tiny models' weight std (random blocks get it too)
 
 
@@ -51,7 +54,7 @@ def stored_as(values: np.ndarray, ggml_type: T, rng: np.random.Generator) -> np.
     return blocks.reshape(*values.shape[:-1], values.shape[-1] // block_size * type_size)
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=ARCHS + HYBRID_ARCHS)
 def mixed_model(request, tmp_path_factory):
     arch = request.param
     folder = tmp_path_factory.mktemp(arch)
@@ -64,7 +67,7 @@ def mixed_model(request, tmp_path_factory):
         if "_exps." in tensor.name:
             layer = int(tensor.name.split(".")[1])
             ggml_type = LAYER_TYPES[arch][layer]["down" in tensor.name]
-        elif len(tensor.data.shape) == 2 and "ffn_gate_inp" not in tensor.name:
+        elif len(tensor.data.shape) == 2 and "ffn_gate_inp" not in tensor.name and "ssm_conv1d" not in tensor.name:
             ggml_type = DENSE_TYPES[arch][tensor.data.shape[1] % 256 != 0]
         else:
             continue
@@ -81,7 +84,7 @@ def run(path, reference: bool, monkeypatch):
             weights = runtime.model.weights
             assert isinstance(weights.experts.store, DequantizedExperts if reference else QuantizedExperts)
             assert isinstance(weights.output, np.ndarray if reference else StoredMatrix)
-            assert isinstance(weights.layers[0].attn_output, np.ndarray if reference else StoredMatrix)
+            assert isinstance(weights.layers[-1].attn_output, np.ndarray if reference else StoredMatrix)
             logits = runtime.logits(PROMPT)
             tokens = list(runtime.generate(PROMPT[:5], 6, SamplingParams(temperature=0.0)))
     return logits, tokens

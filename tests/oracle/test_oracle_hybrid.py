@@ -22,7 +22,7 @@ from tests.support.to_gguf import FTYPES, write_gguf
 
 @pytest.fixture(scope="module")
 def hf_model():
-    return tiny_model("qwen35moe", seed=0)   # seed 1 routes one token of layer 0 on a near tie (1.7e-6)
+    return tiny_model("qwen35moe", seed=1)
 
 
 @pytest.mark.parametrize("ftype", FTYPES)

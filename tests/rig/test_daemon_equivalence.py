@@ -12,7 +12,7 @@ from moerun.engine.runtime import RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.rig.settings import RigConfig
 from tests.support.daemon_fixtures import running_daemons, shm_segments
-from tests.support.hf_models import ARCHS, tiny_model
+from tests.support.hf_models import ARCHS, HYBRID_ARCHS, tiny_model
 from tests.support.to_gguf import write_gguf
 
 PROMPT = np.random.default_rng(7).integers(0, 320, 21).tolist()
@@ -20,7 +20,7 @@ BOUNDS = {"f32": 1e-5, "f16": 2e-3, "bf16": 2e-2}    # max |daemons - local| / m
 UBATCH = 8                                           # several prefill chunks, and 2 stream slices per chunk
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=ARCHS + HYBRID_ARCHS)
 def rig_model(request, tmp_path_factory):
     """(model path, local logits, local greedy tokens, three daemon endpoints)."""
     folder = tmp_path_factory.mktemp(request.param)

@@ -98,16 +98,17 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> transformers.PreTrained
     config = tiny_config(arch, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(seed)
+    offset_norms = config.model_type == "qwen3_5_moe_text"      # its RMSNorms scale by 1 + weight
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_random_like(name, param, generator))
+            param.copy_(_random_like(name, param, generator, offset_norms and "linear_attn" not in name))
     return model
 
 
-def _random_like(name: str, param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _random_like(name: str, param: torch.Tensor, generator: torch.Generator, offset_norm: bool = False) -> torch.Tensor:
     noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
     if param.ndim == 1 and name.endswith("norm.weight"):
-        return 1.0 + NORM_JITTER * noise
+        return (0.0 if offset_norm else 1.0) + NORM_JITTER * noise
     if param.ndim == 1:
         return NORM_JITTER * noise
     if name.endswith("mlp.gate.weight"):

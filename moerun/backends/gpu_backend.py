@@ -36,7 +36,7 @@ from moerun.backends.gpu_kernels import (
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
-from moerun.backends.protocol import KV_DTYPES, ContextFull, Forward
+from moerun.backends.protocol import KV_DTYPES, CacheState, ContextFull, Forward
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 
@@ -76,10 +76,11 @@ class GpuKVCache:
     """Keys and values of one sequence in buffers sized for the whole capacity, so a
     captured decode step keeps pointing at the same memory."""
 
-    def __init__(self, buffers: tuple[list, list], capacity: int):
+    def __init__(self, buffers: tuple[list, list], capacity: int, stream):
         self.k, self.v = buffers              # per layer: [S, NKV, D], [S, NKV, Dv] of f16 or f32
         self.capacity = capacity
         self.length = 0
+        self.stream = stream                  # the backend's: what writes the buffers
 
     def reserve(self, n_tokens: int) -> None:
         if self.length + n_tokens > self.capacity:
@@ -87,6 +88,21 @@ class GpuKVCache:
 
     def advance(self, n_tokens: int) -> None:
         self.length += n_tokens
+
+    def snapshot(self) -> CacheState:
+        self.stream.synchronize()
+        end = self.length
+        return CacheState(end, keys={i: k[:end].get(stream=self.stream) for i, k in enumerate(self.k)},
+                          values={i: v[:end].get(stream=self.stream) for i, v in enumerate(self.v)})
+
+    def restore(self, state: CacheState) -> None:
+        """Hold `state` (of a cache of this model and element type) from position 0."""
+        self.reserve(state.length)
+        for layer, keys in state.keys.items():
+            self.k[layer][:state.length].set(keys, stream=self.stream)
+            self.v[layer][:state.length].set(state.values[layer], stream=self.stream)
+        self.stream.synchronize()
+        self.length = state.length
 
 
 class GpuBackend:
@@ -187,7 +203,12 @@ class GpuBackend:
             self._kv_buffers[capacity] = (
                 [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_k), dtype) for _ in range(spec.n_layers)],
                 [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_v), dtype) for _ in range(spec.n_layers)])
-        return GpuKVCache(self._kv_buffers[capacity], capacity)
+        return GpuKVCache(self._kv_buffers[capacity], capacity, self.stream)
+
+    def restore_cache(self, state: CacheState, capacity: int) -> GpuKVCache:
+        cache = self.new_cache(capacity)
+        cache.restore(state)
+        return cache
 
     # -- the step
     def run_step(self, forward: Forward, ids: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:

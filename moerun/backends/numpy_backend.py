@@ -52,7 +52,7 @@ from moerun.backends.numpy_ops import (
     silu,
     softplus,
 )
-from moerun.backends.protocol import ContextFull, Forward
+from moerun.backends.protocol import CacheState, ContextFull, Forward
 from moerun.gguf.quants import RowTable, T, row_nbytes
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.models.spec import ModelSpec
@@ -120,6 +120,16 @@ class NumpyBackend:
     # -- sequences and steps
     def new_cache(self, capacity: int) -> PagedKVCache:
         return PagedKVCache(self.spec, capacity)
+
+    def restore_cache(self, state: CacheState, capacity: int) -> PagedKVCache:
+        cache = PagedKVCache(self.spec, capacity)
+        cache.reserve(state.length)
+        for layer, keys in state.keys.items():
+            cache.append(layer, keys, state.values[layer])
+        cache.conv = {layer: conv.copy() for layer, conv in state.conv.items()}
+        cache.ssm = {layer: ssm.copy() for layer, ssm in state.ssm.items()}
+        cache.advance(state.length)
+        return cache
 
     def run_step(self, forward: Forward, ids: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
         return forward(ids, start + np.arange(len(ids)))
@@ -295,6 +305,13 @@ class PagedKVCache:
 
     def advance(self, n_tokens: int) -> None:
         self.length += n_tokens
+
+    def snapshot(self) -> CacheState:
+        attention = [layer for layer, keys in enumerate(self._k) if keys.shape[1:] != (0, 0)]
+        return CacheState(self.length, keys={i: self._k[i][:self.length].copy() for i in attention},
+                          values={i: self._v[i][:self.length].copy() for i in attention},
+                          conv={i: a.copy() for i, a in self.conv.items()},
+                          ssm={i: a.copy() for i, a in self.ssm.items()})
 
 
 def _grown(array: np.ndarray, size: int) -> np.ndarray:

@@ -9,6 +9,7 @@ E experts, K experts per token.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,6 +35,25 @@ class KVCache(Protocol):
     def reserve(self, n_tokens: int) -> None: ...   # room for n more, or ContextFull
 
     def advance(self, n_tokens: int) -> None: ...   # n more positions written
+
+    def snapshot(self) -> CacheState: ...           # what resuming at `length` needs, on the host
+
+
+@dataclass
+class CacheState:
+    """A cache's contents at one position, as host arrays: each attention layer's keys and
+    values [S, NKV, D] and [S, NKV, Dv] (S = length; the cache's element type), each DeltaNet
+    layer's conv [W-1, C] and recurrent [HV, DK, DV] states. A backend's restore_cache makes a
+    cache of it again."""
+    length: int
+    keys: dict[int, np.ndarray] = field(default_factory=dict)
+    values: dict[int, np.ndarray] = field(default_factory=dict)
+    conv: dict[int, np.ndarray] = field(default_factory=dict)
+    ssm: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for part in (self.keys, self.values, self.conv, self.ssm) for a in part.values())
 
 
 class Experts(Protocol):
@@ -67,6 +87,8 @@ class Backend(Protocol):
 
     # -- sequences and steps
     def new_cache(self, capacity: int) -> KVCache: ...
+
+    def restore_cache(self, state: CacheState, capacity: int) -> KVCache: ...   # a cache holding `state`
 
     def run_step(self, forward: Forward, ids: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
         """forward() for host ids [T] at positions start.. on this backend's arrays; the logits

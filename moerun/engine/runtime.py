@@ -1,7 +1,8 @@
 """Runtime: one loaded model and the loops that drive it — chunked prefill, decode, logits for
 every position — with their timing. It opens the backend, starts the rig when daemons are
 asked for (they load their experts first, all at once), loads the parent's weights (only
-its own experts), builds the expert executor and hands it to the model.
+its own experts), builds the expert executor and hands it to the model. With a prefix cache,
+generation resumes from the longest snapshot of its prompt and takes new ones (engine/prefix_cache.py).
 
 Shape legend: T prompt tokens, V vocab.
 """
@@ -17,6 +18,7 @@ import numpy as np
 from moerun.backends import open_backend
 from moerun.backends.protocol import KVCache
 from moerun.engine.model import MoEModel
+from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.engine.weights import load_weights
 from moerun.gguf.reader import GGUFError, GGUFFile
@@ -46,6 +48,7 @@ class RunStats:
     decode_steps: int = 0        # single-token forward passes after the prompt
     decode_seconds: float = 0.0
     finish: str = ""             # why generation ended: stop (a stop token), length (max tokens), context (full)
+    restored_tokens: int = 0     # prompt positions taken from a prefix snapshot, not prefilled
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -63,8 +66,9 @@ class RunStats:
 class Runtime:
     def __init__(self, path: str | Path, *, ctx: int | None = None, kv_pool: int | None = None,
                  ubatch: int = DEFAULT_UBATCH, expert_cache_bytes: int = DEFAULT_EXPERT_CACHE_BYTES,
-                 rig: RigConfig = RigConfig(), count_routing: bool = False):
-        """count_routing: count how often each expert is routed to (routing_counts())."""
+                 rig: RigConfig = RigConfig(), count_routing: bool = False, prefix_cache: PrefixCache | None = None):
+        """count_routing: count how often each expert is routed to (routing_counts());
+        prefix_cache: where generate() resumes from and keeps snapshots."""
         if ubatch < 1:
             raise RequestError(f"--ubatch must be at least 1 (got {ubatch})")
         self.gguf = GGUFFile(path)
@@ -72,6 +76,7 @@ class Runtime:
         self.cpus: HostShares | None = None
         self._tokenizer: Tokenizer | None = None
         self.ubatch = ubatch
+        self.prefix_cache = prefix_cache
         try:
             self.spec = load_spec(self.gguf)
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
@@ -135,9 +140,10 @@ class Runtime:
     def logits(self, ids: Sequence[int], stats: RunStats | None = None) -> np.ndarray:
         """Float32 logits [T, V] for every position of a fresh sequence, prefilled
         in chunks of `ubatch` tokens exactly as generation does."""
-        cache = self._new_cache(ids)
+        self._check_prompt(ids)
+        cache = self.backend.new_cache(self.kv_pool or self.ctx)
         started = time.perf_counter()
-        chunks = [self.model.forward(chunk, cache, all_logits=True) for chunk in self._chunks(ids)]
+        chunks = [self.model.forward(chunk, cache, all_logits=True) for chunk in self._chunks(ids, 0)]
         if stats is not None:
             stats.prompt_tokens, stats.prefill_seconds = len(ids), time.perf_counter() - started
         return np.concatenate(chunks, axis=0).astype(np.float32)
@@ -149,33 +155,60 @@ class Runtime:
         which of the three ended it. Time spent by the caller between tokens is not counted
         in `stats`."""
         stats = stats if stats is not None else RunStats()
-        cache = self._new_cache(prompt)
         sampler = Sampler(sampling)
         history = list(prompt)
 
         started = time.perf_counter()
-        for chunk in self._chunks(prompt):
-            logits = self.model.forward(chunk, cache, all_logits=False)
+        cache, logits = self._prefill(prompt, stats)
         stats.prompt_tokens = len(prompt)
         stats.prefill_seconds = time.perf_counter() - started
 
         stats.finish = "length"
+        logits = yield from self._sample(cache, logits, sampler, history, max_new_tokens, stop_ids, stats)
+        self._snapshot(history[:cache.length], cache, logits)      # the end of an answer: a chat's next turn
+
+    def _sample(self, cache: KVCache, logits: np.ndarray, sampler: Sampler, history: list[int], max_new_tokens: int,
+                stop_ids: frozenset[int], stats: RunStats) -> Iterator[int]:
+        """generate()'s tokens after the prompt; returns the last logits computed."""
         for _ in range(max_new_tokens):
             token = sampler(logits[-1], history)
             if token in stop_ids:
                 stats.finish = "stop"
-                return
+                return logits
             stats.generated_tokens += 1
             yield token
             history.append(token)
             if stats.generated_tokens == max_new_tokens:
-                return
+                return logits
             if cache.length >= self.ctx:
                 stats.finish = "context"
-                return
+                return logits
             if cache.length >= cache.capacity:
                 raise RequestError(self._pool_full(cache.length + 1))
             logits = self._decode(token, cache, stats)
+        return logits
+
+    def _prefill(self, prompt: Sequence[int], stats: RunStats) -> tuple[KVCache, np.ndarray]:
+        """The prompt's cache and the logits [1, V] after it: from the longest snapshot of its
+        prefix where there is one, the rest in chunks, snapshots taken every `interval`
+        positions and at its end."""
+        self._check_prompt(prompt)
+        capacity = self.kv_pool or self.ctx
+        snapshot = self.prefix_cache.longest(prompt) if self.prefix_cache is not None else None
+        if snapshot is None:
+            cache, logits = self.backend.new_cache(capacity), None
+        else:
+            cache, logits = self.backend.restore_cache(snapshot.state, capacity), snapshot.logits[None]
+            stats.restored_tokens = len(snapshot.tokens)
+        for chunk in self._chunks(prompt, cache.length):
+            logits = self.model.forward(chunk, cache, all_logits=False)
+            if self.prefix_cache is not None and (self.prefix_cache.due(cache.length) or cache.length == len(prompt)):
+                self._snapshot(prompt[:cache.length], cache, logits)
+        return cache, logits
+
+    def _snapshot(self, tokens: Sequence[int], cache: KVCache, logits: np.ndarray) -> None:
+        if self.prefix_cache is not None and len(tokens) == cache.length:
+            self.prefix_cache.add(tokens, cache.snapshot(), self.backend.to_host(logits)[-1])
 
     def _decode(self, token: int, cache: KVCache, stats: RunStats) -> np.ndarray:
         """One decode step: the token's forward pass, timed -> logits [1, V]."""
@@ -185,7 +218,7 @@ class Runtime:
         stats.decode_steps += 1
         return logits
 
-    def _new_cache(self, ids: Sequence[int]) -> KVCache:
+    def _check_prompt(self, ids: Sequence[int]) -> None:
         if len(ids) == 0:
             raise RequestError("the prompt is empty: give at least one token")
         if len(ids) > self.ctx:
@@ -195,13 +228,18 @@ class Runtime:
         bad = [i for i in ids if not 0 <= i < self.spec.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab - 1})")
-        return self.backend.new_cache(self.kv_pool or self.ctx)
 
     def _pool_full(self, needed: int) -> str:
         return (f"the sequence needs {needed} KV positions but the KV pool holds {self.kv_pool} "
                 f"(--kv-pool); raise --kv-pool, or drop it to reserve the whole --ctx {self.ctx}")
 
-    def _chunks(self, ids: Sequence[int]) -> Iterator[np.ndarray]:
+    def _chunks(self, ids: Sequence[int], start: int) -> Iterator[np.ndarray]:
+        """ids[start:] in chunks of at most `ubatch`, cut at the prefix cache's snapshot interval."""
         array = np.asarray(ids, dtype=np.int64)
-        for start in range(0, len(array), self.ubatch):
-            yield array[start:start + self.ubatch]
+        interval = self.prefix_cache.interval if self.prefix_cache is not None else 0
+        while start < len(array):
+            end = min(len(array), start + self.ubatch)
+            if interval:
+                end = min(end, (start // interval + 1) * interval)
+            yield array[start:end]
+            start = end

@@ -1,0 +1,102 @@
+"""Prefix snapshots: a request that resumes from a snapshot of its prompt's prefix gives the
+logits and greedy tokens of a full prefill (a hybrid model, whose recurrent states a snapshot
+must carry, and an attention-only one), and the cache keeps what it should."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moerun.engine.prefix_cache import PrefixCache
+from moerun.engine.runtime import RunStats, Runtime
+from moerun.engine.sampler import SamplingParams
+from tests.support.hf_models import tiny_model
+from tests.support.to_gguf import write_gguf
+
+RNG = np.random.default_rng(21)
+SYSTEM = RNG.integers(0, 320, 23).tolist()          # a prefix many requests share
+QUESTION, FOLLOW_UP = RNG.integers(0, 320, 9).tolist(), RNG.integers(0, 320, 6).tolist()
+GREEDY = SamplingParams(temperature=0.0)
+BOUND = 1e-5             # max |resumed - full| / max |full| of the logits after a prompt
+
+
+@pytest.fixture(scope="module", params=["qwen35moe", "qwen3moe"])
+def model_path(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return write_gguf(tiny_model(request.param, seed=2), folder / "model.gguf", "F32")
+
+
+def answer(runtime: Runtime, prompt: list[int], n: int = 8) -> tuple[list[int], RunStats]:
+    stats = RunStats()
+    return list(runtime.generate(prompt, n, GREEDY, stats=stats)), stats
+
+
+def prompt_logits(path, prompt: list[int]) -> np.ndarray:
+    """The logits after a full prefill of `prompt`, through a fresh runtime's snapshot of it."""
+    cache = PrefixCache(slots=1, interval=0)
+    with Runtime(path, ubatch=5, prefix_cache=cache) as runtime:
+        answer(runtime, prompt, 0)
+    return cache.longest(prompt).logits
+
+
+def test_a_shared_prefix_resumes_with_the_full_prefill_results(model_path):
+    cache = PrefixCache(slots=4, interval=8)
+    first, second = SYSTEM + QUESTION, SYSTEM + FOLLOW_UP
+    with Runtime(model_path, ubatch=5, prefix_cache=cache) as runtime:
+        answer(runtime, first)
+        tokens, stats = answer(runtime, second)
+    assert stats.restored_tokens == 16              # the interval's last snapshot inside SYSTEM (23 tokens)
+    with Runtime(model_path, ubatch=5) as fresh:
+        assert tokens == answer(fresh, second)[0]
+    resumed, full = cache.longest(second).logits, prompt_logits(model_path, second)
+    assert np.max(np.abs(resumed - full)) / np.max(np.abs(full)) <= BOUND
+
+
+def test_the_next_chat_turn_resumes_after_the_answer(model_path):
+    cache = PrefixCache(slots=4, interval=0)
+    with Runtime(model_path, ubatch=5, prefix_cache=cache) as runtime:
+        reply, _ = answer(runtime, SYSTEM + QUESTION)
+        turn = SYSTEM + QUESTION + reply + FOLLOW_UP
+        tokens, stats = answer(runtime, turn)
+    assert stats.restored_tokens == len(SYSTEM + QUESTION + reply) - 1     # the last token was never run
+    with Runtime(model_path, ubatch=5) as fresh:
+        assert tokens == answer(fresh, turn)[0]
+
+
+def test_a_repeated_prompt_prefills_nothing(model_path):
+    cache = PrefixCache(slots=2, interval=0)
+    with Runtime(model_path, prefix_cache=cache) as runtime:
+        first, _ = answer(runtime, SYSTEM, 0)
+        tokens, stats = answer(runtime, SYSTEM)
+        again, stats_again = answer(runtime, SYSTEM)
+    assert stats.restored_tokens == len(SYSTEM) and tokens == again and stats_again.restored_tokens == len(SYSTEM)
+    assert cache.stats.hits == 2 and cache.stats.restored_tokens == 2 * len(SYSTEM)
+
+
+def test_least_recently_used_snapshots_go_first(model_path):
+    cache = PrefixCache(slots=2, interval=0)
+    prompts = [SYSTEM[:10], QUESTION, FOLLOW_UP]
+    with Runtime(model_path, prefix_cache=cache) as runtime:
+        for prompt in prompts:
+            answer(runtime, prompt, 0)
+    assert len(cache) == 2 and cache.stats.evictions == 1
+    assert cache.longest(SYSTEM[:10]) is None
+    assert cache.longest(QUESTION) is not None and cache.longest(FOLLOW_UP + [1]) is not None
+    assert cache.nbytes > 0
+
+
+def test_a_failed_step_takes_no_snapshot(model_path, monkeypatch):
+    cache = PrefixCache(slots=4, interval=0)
+    with Runtime(model_path, prefix_cache=cache) as runtime:
+        answer(runtime, SYSTEM, 0)
+        taken = cache.stats.snapshots
+        monkeypatch.setattr(runtime.model, "forward", lambda *args, **kwargs: (_ for _ in ()).throw(OSError("boom")))
+        with pytest.raises(OSError):
+            answer(runtime, SYSTEM + QUESTION)
+    assert cache.stats.snapshots == taken
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="at least one slot"):
+        PrefixCache(slots=0, interval=0)
+    with pytest.raises(ValueError, match="interval"):
+        PrefixCache(slots=1, interval=-1)

@@ -159,6 +159,8 @@ TABLES = {
         "max_tokens": Key(integer(1)),
         "max_queue": Key(integer(1)),
         "max_body": Key(size),
+        "prefix_cache_slots": Key(integer(0)),
+        "snapshot_interval": Key(integer(0)),
     },
 }
 DAEMON = {

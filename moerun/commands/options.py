@@ -11,6 +11,7 @@ from click.core import ParameterSource
 from moerun.backends import BackendUnavailable
 from moerun.backends.protocol import KV_DTYPES
 from moerun.config import load_config_file
+from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.runtime import DEFAULT_UBATCH, RequestError, Runtime
 from moerun.gguf.reader import GGUFError
 from moerun.gguf.tokenizer import TokenizerError
@@ -143,9 +144,9 @@ def runtime_options(command):
 
 def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, kv_dtype, daemons, hot, placement, transport, mode,
                  batch_capacity, payload_dtype, daemon_timeout, require_daemons, threads, pin, daemon_entries,
-                 client_secret_key) -> Runtime:
+                 client_secret_key, prefix_cache: PrefixCache | None = None) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
                     require_daemons=require_daemons, device=device, graphs=graphs, kv_dtype=kv_dtype,
                     daemon_entries=daemon_entries, client_secret_key=client_secret_key, threads=threads, pin=pin)
-    return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig)
+    return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig, prefix_cache=prefix_cache)

@@ -20,6 +20,7 @@ from moerun.commands.options import (
     open_runtime,
     runtime_options,
 )
+from moerun.engine.prefix_cache import PrefixCache
 from moerun.units import parse_bytes
 
 SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long before they are cut
@@ -40,14 +41,21 @@ SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long be
               help="Requests that may wait behind the one generating; more are refused with 429.")
 @click.option("--max-body", default="4MiB", show_default=True, metavar="SIZE",
               help="Largest request body, e.g. 4MiB or 500KB; larger ones are refused with 413 unread.")
+@click.option("--prefix-cache-slots", type=click.IntRange(min=0), default=4, show_default=True,
+              help="Prefix snapshots kept in RAM: a request resumes from the longest one its prompt begins "
+                   "with and prefills only the rest (0: none).")
+@click.option("--snapshot-interval", type=click.IntRange(min=0), default=2048, show_default=True,
+              help="Also snapshot a long prompt every this many tokens, besides its end and each answer's "
+                   "(0: only those).")
 @runtime_options
 @friendly_errors
 def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, max_queue, max_body,
-          **runtime_flags):
+          prefix_cache_slots, snapshot_interval, **runtime_flags):
     """Serve the OpenAI chat and completions API over HTTP, with /health and /metrics.
 
-    Requests queue in arrival order and are served one at a time. Without -m, serves the
-    built-in demo model with two CPU expert daemons."""
+    Requests queue in arrival order and are served one at a time, each resuming from the longest
+    prefix snapshot of its prompt. Without -m, serves the built-in demo model with two CPU expert
+    daemons."""
     try:
         import uvicorn
 
@@ -67,7 +75,8 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     def stop_serving() -> None:
         server.should_exit = True
 
-    worker = Worker(partial(open_runtime, model, **runtime_flags),
+    prefix_cache = PrefixCache(prefix_cache_slots, snapshot_interval) if prefix_cache_slots else None
+    worker = Worker(partial(open_runtime, model, prefix_cache=prefix_cache, **runtime_flags),
                     Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue),
                     on_load_failure=stop_serving)
     app = create_app(worker, served_model_name or Path(model).name.removesuffix(".gguf"), max_body_bytes)

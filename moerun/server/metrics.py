@@ -14,6 +14,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.runtime import Runtime
 
 OUTCOMES = ("stop", "length", "cancelled", "failed", "rejected")
@@ -29,7 +30,8 @@ class ServerMetrics:
                                 ["outcome"], registry=registry)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        self.prompt_tokens = Counter("moerun_prompt_tokens", "Prompt tokens prefilled", registry=registry)
+        self.prompt_tokens = Counter("moerun_prompt_tokens", "Prompt tokens (those resumed from a prefix snapshot "
+                                     "included)", registry=registry)
         self.generation_tokens = Counter("moerun_generation_tokens", "Tokens generated", registry=registry)
         self.prompt_tokens_per_second = Gauge("moerun_prompt_tokens_per_second",
                                               "Prefill throughput of the last request", registry=registry)
@@ -93,8 +95,26 @@ class RuntimeCollector:
                 family.add_metric(names, value(link))
         yield from (family for family, _ in families)
 
+        yield from prefix_cache_series(self.runtime.prefix_cache)
         moe = self.runtime.moe_stats()
         yield CounterMetricFamily("moerun_moe_routed_pairs", "(token, expert) pairs routed", value=moe.routed_pairs)
         yield CounterMetricFamily("moerun_moe_remote_pairs", "Routed pairs sent to a daemon", value=moe.remote_pairs)
         yield CounterMetricFamily("moerun_moe_fallback_pairs", "Routed pairs the parent computed after a daemon failed",
                                   value=moe.fallback_pairs)
+
+
+def prefix_cache_series(cache: PrefixCache | None):
+    """The prefix snapshots' counters (none without a prefix cache)."""
+    if cache is None:
+        return
+    stats = cache.stats
+    yield CounterMetricFamily("moerun_prefix_cache_lookups", "Prompts looked up among the prefix snapshots",
+                              value=stats.lookups)
+    yield CounterMetricFamily("moerun_prefix_cache_hits", "Prompts that resumed from a prefix snapshot",
+                              value=stats.hits)
+    yield CounterMetricFamily("moerun_prefix_cache_restored_tokens", "Prompt tokens taken from snapshots, not prefilled",
+                              value=stats.restored_tokens)
+    yield CounterMetricFamily("moerun_prefix_cache_snapshots", "Snapshots taken", value=stats.snapshots)
+    yield CounterMetricFamily("moerun_prefix_cache_evictions", "Snapshots dropped for newer ones", value=stats.evictions)
+    yield GaugeMetricFamily("moerun_prefix_cache_entries", "Snapshots held now", value=len(cache))
+    yield GaugeMetricFamily("moerun_prefix_cache_bytes", "Bytes the snapshots hold now", value=cache.nbytes)

@@ -182,6 +182,20 @@ def test_metrics_counters_move(server, client):
             assert metric(after, f"moerun_daemon_{supervision}_total", daemon=daemon, spec="cpu") == 0
 
 
+def test_a_repeated_prompt_resumes_from_its_snapshot(server, client):
+    before = scrape(server)
+    first = chat(client, "Snapshots of the rig", temperature=0, max_tokens=6)
+    second = chat(client, "Snapshots of the rig", temperature=0, max_tokens=6)
+    after = scrape(server)
+
+    def moved(name):
+        return metric(after, name) - metric(before, name)
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert moved("moerun_prefix_cache_lookups_total") == 2 and moved("moerun_prefix_cache_hits_total") == 1
+    assert moved("moerun_prefix_cache_restored_tokens_total") == second.usage.prompt_tokens
+    assert metric(after, "moerun_prefix_cache_entries") >= 1 and metric(after, "moerun_prefix_cache_bytes") > 0
+
+
 def wait_for_cancelled(server: str, before: float) -> dict:
     deadline = time.monotonic() + 10
     while metric(samples := scrape(server), "moerun_requests_total", outcome="cancelled") == before:

@@ -161,6 +161,8 @@ TABLES = {
         "max_body": Key(size),
         "prefix_cache_slots": Key(integer(0)),
         "snapshot_interval": Key(integer(0)),
+        "prefix_cache_dir": Key(text, path=True),
+        "prefix_cache_budget": Key(size),
     },
 }
 DAEMON = {

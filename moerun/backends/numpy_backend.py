@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 class NumpyBackend:
     name = "cpu"
     kind = "CPU"
+    kv_dtype = "f32"
 
     def __init__(self, spec: ModelSpec, threads: int | None = None):
         """threads: the CPU kernels' (default_threads() if None)."""

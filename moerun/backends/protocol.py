@@ -70,6 +70,7 @@ class Experts(Protocol):
 class Backend(Protocol):
     name: str                     # cpu | cuda:N | hip:N
     kind: str                     # CPU | CUDA | HIP
+    kv_dtype: str                 # its KV cache's elements: f32, f16
 
     # -- weights, read while loading (between begin_loading and finish_loading)
     def begin_loading(self, gguf: GGUFFile) -> None: ...

@@ -47,10 +47,14 @@ SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long be
 @click.option("--snapshot-interval", type=click.IntRange(min=0), default=2048, show_default=True,
               help="Also snapshot a long prompt every this many tokens, besides its end and each answer's "
                    "(0: only those).")
+@click.option("--prefix-cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Also keep every prefix snapshot in this folder, where a restarted server finds them.")
+@click.option("--prefix-cache-budget", default="8GiB", show_default=True, metavar="SIZE",
+              help="Most bytes of snapshots in --prefix-cache-dir; the least used go first.")
 @runtime_options
 @friendly_errors
 def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, max_queue, max_body,
-          prefix_cache_slots, snapshot_interval, **runtime_flags):
+          prefix_cache_slots, snapshot_interval, prefix_cache_dir, prefix_cache_budget, **runtime_flags):
     """Serve the OpenAI chat and completions API over HTTP, with /health and /metrics.
 
     Requests queue in arrival order and are served one at a time, each resuming from the longest
@@ -75,7 +79,11 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     def stop_serving() -> None:
         server.should_exit = True
 
-    prefix_cache = PrefixCache(prefix_cache_slots, snapshot_interval) if prefix_cache_slots else None
+    budget = parse_bytes(prefix_cache_budget, "--prefix-cache-budget")
+    if prefix_cache_dir is not None and not prefix_cache_slots:
+        raise click.ClickException("--prefix-cache-dir needs --prefix-cache-slots of at least 1")
+    prefix_cache = (PrefixCache(prefix_cache_slots, snapshot_interval, prefix_cache_dir, budget)
+                    if prefix_cache_slots else None)
     worker = Worker(partial(open_runtime, model, prefix_cache=prefix_cache, **runtime_flags),
                     Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue),
                     on_load_failure=stop_serving)

@@ -12,21 +12,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from moerun.backends.protocol import CacheState
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    tokens: tuple[int, ...]     # the tokens of positions 0 .. len - 1
-    state: CacheState           # the cache after them
-    logits: np.ndarray          # [V] f32, after the last of them
-
-    @property
-    def nbytes(self) -> int:
-        return self.state.nbytes + self.logits.nbytes
+from moerun.engine.snapshot_store import Snapshot, SnapshotStore
 
 
 @dataclass
@@ -35,20 +26,31 @@ class PrefixStats:
     hits: int = 0
     restored_tokens: int = 0    # positions not prefilled again
     snapshots: int = 0          # taken
-    evictions: int = 0
+    evictions: int = 0          # from RAM
+    disk_hits: int = 0          # of the hits, read from disk
 
 
 class PrefixCache:
-    """At most `slots` snapshots, the least recently used dropped first."""
+    """At most `slots` snapshots in RAM, the least recently used dropped first; with a folder,
+    every snapshot also written there (engine/snapshot_store.py, at most `disk_budget` bytes),
+    where a restarted server finds them."""
 
-    def __init__(self, slots: int, interval: int):
+    def __init__(self, slots: int, interval: int, folder: str | Path | None = None, disk_budget: int = 0):
         if slots < 1:
             raise ValueError(f"a prefix cache needs at least one slot (got {slots})")
         if interval < 0:
             raise ValueError(f"the snapshot interval must be 0 (at turns only) or more (got {interval})")
         self.slots, self.interval = slots, interval
+        self.folder, self.disk_budget = folder, disk_budget
+        self.store: SnapshotStore | None = None
         self.stats = PrefixStats()
         self._snapshots: OrderedDict[tuple[int, ...], Snapshot] = OrderedDict()
+
+    def open_store(self, fingerprint: str, layout: str) -> None:
+        """Use the folder's snapshots of this model file and cache layout (a runtime calls this
+        once it has loaded the model)."""
+        if self.folder is not None:
+            self.store = SnapshotStore(self.folder, self.disk_budget, fingerprint, layout)
 
     def __len__(self) -> int:
         return len(self._snapshots)
@@ -63,6 +65,12 @@ class PrefixCache:
         ids = tuple(ids)
         best = max((s for key, s in self._snapshots.items() if len(key) <= len(ids) and ids[:len(key)] == key),
                    key=lambda s: len(s.tokens), default=None)
+        stored = self.store.longest(ids) if self.store is not None else None
+        if stored is not None and (best is None or len(stored.tokens) > len(best.tokens)):
+            if (loaded := self.store.load(stored)) is not None:
+                best = loaded
+                self._keep(loaded)
+                self.stats.disk_hits += 1
         if best is not None:
             self._snapshots.move_to_end(best.tokens)
             self.stats.hits += 1
@@ -73,9 +81,15 @@ class PrefixCache:
         key = tuple(tokens)
         if len(key) != state.length:
             raise ValueError(f"a snapshot of {state.length} positions given {len(key)} tokens")
-        self._snapshots[key] = Snapshot(key, state, np.array(logits, np.float32).reshape(-1))
-        self._snapshots.move_to_end(key)
+        snapshot = Snapshot(key, state, np.array(logits, np.float32).reshape(-1))
+        self._keep(snapshot)
         self.stats.snapshots += 1
+        if self.store is not None:
+            self.store.save(snapshot)
+
+    def _keep(self, snapshot: Snapshot) -> None:
+        self._snapshots[snapshot.tokens] = snapshot
+        self._snapshots.move_to_end(snapshot.tokens)
         while len(self._snapshots) > self.slots:
             self._snapshots.popitem(last=False)
             self.stats.evictions += 1

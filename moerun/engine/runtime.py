@@ -94,6 +94,8 @@ class Runtime:
                         else LocalExecutor(weights.experts))
             routing = RoutingCounter(self.spec) if count_routing else None
             self.model = MoEModel(self.spec, self.backend, weights, executor, routing)
+            if prefix_cache is not None:
+                prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_dtype}")
         except BaseException:
             self.close()
             raise

@@ -100,3 +100,77 @@ def test_bad_settings_are_refused():
         PrefixCache(slots=0, interval=0)
     with pytest.raises(ValueError, match="interval"):
         PrefixCache(slots=1, interval=-1)
+
+
+def disk_cache(folder, budget: int = 1 << 30) -> PrefixCache:
+    return PrefixCache(slots=4, interval=0, folder=folder, disk_budget=budget)
+
+
+def test_snapshots_on_disk_outlive_the_runtime(model_path, tmp_path):
+    prompt = SYSTEM + QUESTION
+    with Runtime(model_path, prefix_cache=disk_cache(tmp_path)) as runtime:
+        tokens, _ = answer(runtime, prompt)
+    cache, turn = disk_cache(tmp_path), prompt + tokens + FOLLOW_UP
+    with Runtime(model_path, prefix_cache=cache) as restarted:
+        again, stats = answer(restarted, turn)
+        assert stats.restored_tokens == len(prompt + tokens) - 1 and cache.stats.disk_hits == 1
+    with Runtime(model_path) as fresh:
+        assert again == answer(fresh, turn)[0]
+    full = prompt_logits(model_path, prompt)
+    resumed = disk_cache(tmp_path)
+    with Runtime(model_path, prefix_cache=resumed):
+        from_disk = resumed.longest(prompt).logits
+    assert np.max(np.abs(from_disk - full)) / np.max(np.abs(full)) <= BOUND
+
+
+def snapshot_files(folder) -> list:
+    return sorted(folder.glob("*/*.snap"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "version", "foreign"])
+def test_a_damaged_or_foreign_file_is_never_loaded(model_path, tmp_path, damage, caplog):
+    with Runtime(model_path, prefix_cache=disk_cache(tmp_path)) as runtime:
+        answer(runtime, SYSTEM, 0)
+    path, = snapshot_files(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    elif damage == "version":
+        data[12] = 99
+    path.write_bytes(bytes(data))
+    if damage == "foreign":                     # another model's folder: never even looked at
+        other = tmp_path / ("0" * 32)
+        other.mkdir()
+        path.rename(other / path.name)
+    cache = disk_cache(tmp_path)
+    with Runtime(model_path, prefix_cache=cache) as runtime:
+        _, stats = answer(runtime, SYSTEM, 0)
+    assert stats.restored_tokens == 0 and cache.stats.disk_hits == 0
+    if damage != "foreign":
+        assert "skipped and deleted" in caplog.text
+
+
+def test_the_disk_budget_keeps_the_newest(model_path, tmp_path):
+    oldest, older, newest = SYSTEM[:9], QUESTION, SYSTEM[9:18]          # snapshots of one size
+    with Runtime(model_path, prefix_cache=disk_cache(tmp_path)) as runtime:
+        answer(runtime, oldest, 0)
+    one = snapshot_files(tmp_path)[0].stat().st_size
+    with Runtime(model_path, prefix_cache=disk_cache(tmp_path, budget=2 * one)) as runtime:
+        answer(runtime, older, 0)
+        answer(runtime, newest, 0)
+    assert len(snapshot_files(tmp_path)) == 2
+    cache = disk_cache(tmp_path)
+    with Runtime(model_path, prefix_cache=cache):
+        assert cache.longest(newest) is not None and cache.longest(older) is not None
+        assert cache.longest(oldest) is None
+
+
+def test_a_failed_write_is_a_warning(model_path, tmp_path, caplog):
+    cache = disk_cache(tmp_path)
+    with Runtime(model_path, prefix_cache=cache) as runtime:
+        cache.store.folder.rmdir()
+        cache.store.folder.write_text("not a folder")      # every write there fails, as on a full disk
+        tokens, _ = answer(runtime, SYSTEM)
+    assert len(tokens) == 8 and "not written" in caplog.text and cache.store.files == {}

@@ -196,6 +196,20 @@ def test_a_repeated_prompt_resumes_from_its_snapshot(server, client):
     assert metric(after, "moerun_prefix_cache_entries") >= 1 and metric(after, "moerun_prefix_cache_bytes") > 0
 
 
+def test_snapshots_on_disk_serve_a_restarted_server(demo_model, tmp_path):
+    folder = tmp_path / "snapshots"
+    replies, samples = [], []
+    for run in range(2):
+        with live_server(tmp_path / f"server{run}.log", "-m", demo_model, "--prefix-cache-dir", folder) as (url, _):
+            with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S) as client:
+                replies.append(chat(client, "Snapshots that outlive the server", temperature=0, max_tokens=5))
+            samples.append(scrape(url))
+    assert replies[1].choices[0].message.content == replies[0].choices[0].message.content
+    assert metric(samples[0], "moerun_prefix_cache_disk_hits_total") == 0
+    assert metric(samples[1], "moerun_prefix_cache_disk_hits_total") == 1
+    assert metric(samples[1], "moerun_prefix_cache_disk_files") >= 2 and list(folder.glob("*/*.snap"))
+
+
 def wait_for_cancelled(server: str, before: float) -> dict:
     deadline = time.monotonic() + 10
     while metric(samples := scrape(server), "moerun_requests_total", outcome="cancelled") == before:

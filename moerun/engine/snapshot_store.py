@@ -1,0 +1,189 @@
+"""Prefix snapshots (a sequence's cache state at a position, and the logits after it), and
+their copies on disk, so that they outlive the server: one file per snapshot under
+`folder/<key>/`, the key a hash of the model file's fingerprint and the cache's layout (the
+backend and its KV element type), so a snapshot is only ever offered to the model and layout
+that made it. A file is written whole to a temporary name and renamed into place; it ends
+with a BLAKE2b digest of everything before it. A file that is truncated, corrupt, of another
+format version or of another model is skipped with a warning and deleted, never loaded. Past
+`budget` bytes the files of the lowest score — hits per hour of age per byte — go first.
+
+File: MAGIC | version u32 | header length u64 | header (JSON: key, tokens, arrays: part,
+layer, dtype, shape, offset) | arrays, each 64-byte aligned | digest (32 bytes).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moerun.backends.protocol import CacheState
+
+MAGIC = b"MOERUNSNAP\0\0"
+VERSION = 1
+PREAMBLE = struct.Struct("<12sIQ")          # magic, version, header length
+DIGEST_BYTES = 32
+ALIGN = 64
+PARTS = ("keys", "values", "conv", "ssm")
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    tokens: tuple[int, ...]     # the tokens of positions 0 .. len - 1
+    state: CacheState           # the cache after them
+    logits: np.ndarray          # [V] f32, after the last of them
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + self.logits.nbytes
+
+
+@dataclass
+class StoredSnapshot:
+    path: Path
+    tokens: tuple[int, ...]
+    nbytes: int
+    hits: int = 0
+
+
+class SnapshotStore:
+    def __init__(self, folder: str | Path, budget: int, fingerprint: str, layout: str):
+        if budget < 1:
+            raise ValueError(f"the prefix cache's disk budget must be at least 1 byte (got {budget})")
+        self.key = hashlib.sha256(f"{fingerprint}|{layout}|{VERSION}".encode()).hexdigest()[:32]
+        self.folder = Path(folder) / self.key
+        self.budget = budget
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"cannot use {folder} for prefix snapshots: {err.strerror or err}") from None
+        self.files: dict[tuple[int, ...], StoredSnapshot] = {}
+        for path in sorted(self.folder.glob("*.snap")):
+            if (stored := self._index(path)) is not None:
+                self.files[stored.tokens] = stored
+
+    @property
+    def nbytes(self) -> int:
+        return sum(stored.nbytes for stored in self.files.values())
+
+    def longest(self, ids: tuple[int, ...]) -> StoredSnapshot | None:
+        return max((s for key, s in self.files.items() if len(key) <= len(ids) and ids[:len(key)] == key),
+                   key=lambda s: len(s.tokens), default=None)
+
+    def load(self, stored: StoredSnapshot) -> Snapshot | None:
+        """The snapshot in `stored`'s file, or None (and the file gone) if it does not check out."""
+        try:
+            data = stored.path.read_bytes()
+            snapshot = self._decode(data)
+        except (OSError, ValueError) as err:
+            self._discard(stored.path, err)
+            self.files.pop(stored.tokens, None)
+            return None
+        stored.hits += 1
+        os.utime(stored.path)                 # its age counts from its last use
+        return snapshot
+
+    def save(self, snapshot: Snapshot) -> None:
+        """Write `snapshot` (a failure to write, a full disk, is a warning: the cache is only a cache)."""
+        name = hashlib.sha256(np.asarray(snapshot.tokens, np.int64).tobytes()).hexdigest()[:32] + ".snap"
+        path, temporary = self.folder / name, self.folder / f".{name}.{os.getpid()}.tmp"
+        try:
+            with open(temporary, "wb") as file:
+                file.write(self._encode(snapshot))
+            os.replace(temporary, path)
+        except OSError as err:
+            with contextlib.suppress(OSError):     # written in part, or not at all
+                temporary.unlink()
+            logger.warning(f"prefix snapshot of {len(snapshot.tokens)} tokens not written to {self.folder}: "
+                           f"{err.strerror or err}")
+            return
+        self.files[snapshot.tokens] = StoredSnapshot(path, snapshot.tokens, path.stat().st_size)
+        self._keep_budget(path)
+
+    def _keep_budget(self, newest: Path) -> None:
+        now = time.time()
+
+        def score(stored: StoredSnapshot) -> float:
+            try:
+                age_hours = max(0.0, now - stored.path.stat().st_mtime) / 3600
+            except OSError:
+                return -1.0
+            return (1 + stored.hits) / (1 + age_hours) / stored.nbytes
+
+        for stored in sorted(self.files.values(), key=score):
+            if self.nbytes <= self.budget:
+                break
+            if stored.path != newest or len(self.files) == 1:
+                stored.path.unlink(missing_ok=True)
+                del self.files[stored.tokens]
+
+    def _index(self, path: Path) -> StoredSnapshot | None:
+        try:
+            with open(path, "rb") as file:
+                header = self._header(file.read(PREAMBLE.size), file.read)
+            return StoredSnapshot(path, tuple(header["tokens"]), path.stat().st_size)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            self._discard(path, err)
+            return None
+
+    def _header(self, preamble: bytes, read) -> dict:
+        """The JSON header after `preamble`, read(n) giving its bytes; ValueError if it is not ours."""
+        if len(preamble) < PREAMBLE.size:
+            raise ValueError("truncated")
+        magic, version, length = PREAMBLE.unpack(preamble)
+        if magic != MAGIC:
+            raise ValueError("not a moerun prefix snapshot")
+        if version != VERSION:
+            raise ValueError(f"format version {version}, this moerun writes {VERSION}")
+        header = json.loads(read(length))
+        if header.get("key") != self.key:
+            raise ValueError("made for another model or cache layout")
+        return header
+
+    def _encode(self, snapshot: Snapshot) -> bytes:
+        state, arrays, entries, offset = snapshot.state, [], [], 0
+        named = [(part, layer, array) for part in PARTS for layer, array in getattr(state, part).items()]
+        for part, layer, array in [*named, ("logits", -1, snapshot.logits)]:
+            array = np.ascontiguousarray(array)
+            entries.append({"part": part, "layer": layer, "dtype": array.dtype.str, "shape": list(array.shape),
+                            "offset": offset})
+            arrays.append(array.tobytes() + b"\0" * (-array.nbytes % ALIGN))
+            offset += array.nbytes + (-array.nbytes % ALIGN)
+        header = json.dumps({"key": self.key, "tokens": list(snapshot.tokens), "length": state.length,
+                             "arrays": entries}).encode()
+        body = PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
+        body += b"\0" * (-len(body) % ALIGN) + b"".join(arrays)
+        return body + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest()
+
+    def _decode(self, data: bytes) -> Snapshot:
+        body, digest = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+        if len(data) <= PREAMBLE.size + DIGEST_BYTES or hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != digest:
+            raise ValueError("truncated or corrupt (its digest does not match)")
+        header = self._header(body[:PREAMBLE.size], lambda n: body[PREAMBLE.size:PREAMBLE.size + n])
+        start = PREAMBLE.size + PREAMBLE.unpack(body[:PREAMBLE.size])[2]
+        start += -start % ALIGN
+        state, logits = CacheState(int(header["length"])), None
+        for entry in header["arrays"]:
+            dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
+            at = start + entry["offset"]
+            array = np.frombuffer(body, dtype, int(np.prod(shape)), at).reshape(shape).copy()
+            if entry["part"] == "logits":
+                logits = array
+            else:
+                getattr(state, entry["part"])[int(entry["layer"])] = array
+        if logits is None or len(header["tokens"]) != state.length:
+            raise ValueError("incomplete")
+        return Snapshot(tuple(header["tokens"]), state, logits)
+
+    def _discard(self, path: Path, err: Exception) -> None:
+        logger.warning(f"prefix snapshot {path} skipped and deleted: {err}")
+        path.unlink(missing_ok=True)

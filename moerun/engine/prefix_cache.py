@@ -55,6 +55,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._snapshots)
 
+    def __contains__(self, tokens: Sequence[int]) -> bool:
+        return tuple(tokens) in self._snapshots
+
     @property
     def nbytes(self) -> int:
         return sum(snapshot.nbytes for snapshot in self._snapshots.values())

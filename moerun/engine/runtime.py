@@ -179,6 +179,8 @@ class Runtime:
                 return logits
             stats.generated_tokens += 1
             yield token
+            if stats.generated_tokens == 1:            # the prompt's end, taken after its first token is out
+                self._snapshot(history, cache, logits)
             history.append(token)
             if stats.generated_tokens == max_new_tokens:
                 return logits
@@ -193,7 +195,7 @@ class Runtime:
     def _prefill(self, prompt: Sequence[int], stats: RunStats) -> tuple[KVCache, np.ndarray]:
         """The prompt's cache and the logits [1, V] after it: from the longest snapshot of its
         prefix where there is one, the rest in chunks, snapshots taken every `interval`
-        positions and at its end."""
+        positions (the prompt's end waits for its first token: _sample)."""
         self._check_prompt(prompt)
         capacity = self.kv_pool or self.ctx
         snapshot = self.prefix_cache.longest(prompt) if self.prefix_cache is not None else None
@@ -204,12 +206,12 @@ class Runtime:
             stats.restored_tokens = len(snapshot.tokens)
         for chunk in self._chunks(prompt, cache.length):
             logits = self.model.forward(chunk, cache, all_logits=False)
-            if self.prefix_cache is not None and (self.prefix_cache.due(cache.length) or cache.length == len(prompt)):
+            if self.prefix_cache is not None and self.prefix_cache.due(cache.length):
                 self._snapshot(prompt[:cache.length], cache, logits)
         return cache, logits
 
     def _snapshot(self, tokens: Sequence[int], cache: KVCache, logits: np.ndarray) -> None:
-        if self.prefix_cache is not None and len(tokens) == cache.length:
+        if self.prefix_cache is not None and len(tokens) == cache.length and tokens not in self.prefix_cache:
             self.prefix_cache.add(tokens, cache.snapshot(), self.backend.to_host(logits)[-1])
 
     def _decode(self, token: int, cache: KVCache, stats: RunStats) -> np.ndarray:

@@ -80,15 +80,45 @@ class BenchShape:
     context: int
     rope_base: float = 1_000_000.0
     rms_eps: float = 1e-6
+    hybrid: HybridShape | None = None       # qwen35moe: gated DeltaNet layers, gated attention
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """What a qwen35moe shape adds: every `full_attention_interval`-th layer attends (its attn_q
+    holds the gates too, rope over `rope_dims`), the others are gated DeltaNet of HK/HV heads of
+    DK/DV; every layer has a shared expert of `shared_ff` beside the routed ones."""
+    full_attention_interval: int
+    rope_dims: int
+    key_heads: int          # HK
+    value_heads: int        # HV
+    key_dim: int            # DK
+    value_dim: int          # DV
+    conv_kernel: int
+    shared_ff: int
+
+    def is_recurrent(self, layer: int) -> bool:
+        return (layer + 1) % self.full_attention_interval != 0
 
 
 PRESETS: dict[str, BenchShape] = {
     "qwen3-30b-a3b": BenchShape(name="Qwen3-30B-A3B", n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4,
                                 head_dim=128, n_experts=128, n_experts_used=8, expert_ff=768, vocab=151936,
                                 context=40960),
+    "qwen3.6-35b-a3b": BenchShape(name="Qwen3.6-35B-A3B", n_layers=40, hidden=2048, n_heads=16, n_kv_heads=2,
+                                  head_dim=256, n_experts=256, n_experts_used=8, expert_ff=512, vocab=248320,
+                                  context=262144, rope_base=10_000_000.0,
+                                  hybrid=HybridShape(full_attention_interval=4, rope_dims=64, key_heads=16,
+                                                     value_heads=32, key_dim=128, value_dim=128, conv_kernel=4,
+                                                     shared_ff=512)),
     # the same structure at a size tests run in milliseconds
     "tiny": BenchShape(name="tiny-qwen3moe", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64,
                        n_experts=8, n_experts_used=2, expert_ff=256, vocab=1024, context=4096),
+    "tiny-hybrid": BenchShape(name="tiny-qwen35moe", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64,
+                              n_experts=8, n_experts_used=2, expert_ff=256, vocab=1024, context=4096,
+                              hybrid=HybridShape(full_attention_interval=4, rope_dims=16, key_heads=2,
+                                                 value_heads=4, key_dim=64, value_dim=64, conv_kernel=4,
+                                                 shared_ff=256)),
 }
 
 
@@ -108,7 +138,8 @@ MIXES: dict[str, QuantMix] = {
                        {"attn_v": Q.Q6_K, "ffn_down_exps": Q.Q6_K, "output": Q.Q6_K}),
     "q8_0": QuantMix("Q8_0", LlamaFileType.MOSTLY_Q8_0, Q.Q8_0, {}),
 }
-F32_ROLES = frozenset({"attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate_inp", "output_norm"})
+F32_ROLES = frozenset({"attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate_inp", "output_norm",
+                       "post_attention_norm", "ffn_gate_inp_shexp", "ssm_conv1d", "ssm_a", "ssm_dt", "ssm_norm"})
 
 
 @dataclass(frozen=True)
@@ -127,8 +158,8 @@ class TensorPlan:
 
 
 def tensor_role(name: str) -> str:
-    """The name without "blk.N." and ".weight": attn_v, ffn_down_exps, output, ..."""
-    return name.removesuffix(".weight").split(".")[-1]
+    """The name without "blk.N." and ".weight" (or ".bias"): attn_v, ffn_down_exps, output, ssm_dt, ..."""
+    return name.removesuffix(".weight").removesuffix(".bias").split(".")[-1]
 
 
 def tensor_plan(shape: BenchShape, mix: QuantMix) -> list[TensorPlan]:
@@ -137,6 +168,9 @@ def tensor_plan(shape: BenchShape, mix: QuantMix) -> list[TensorPlan]:
     q_dim, kv_dim = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (s.vocab, s.hidden)}            # [V, H]
     for i in range(s.n_layers):
+        if s.hybrid is not None:
+            shapes |= _hybrid_layer(s, i)
+            continue
         shapes |= {
             f"blk.{i}.attn_norm.weight": (s.hidden,),
             f"blk.{i}.attn_q.weight": (q_dim, s.hidden),
@@ -163,6 +197,32 @@ def tensor_plan(shape: BenchShape, mix: QuantMix) -> list[TensorPlan]:
             raise ValueError(f"{name} {list(dims)} cannot be stored as {ggml_type.name}: {err}") from None
         plan.append(TensorPlan(name, dims, ggml_type))
     return plan
+
+
+def _hybrid_layer(s: BenchShape, i: int) -> dict[str, tuple[int, ...]]:
+    """A qwen35moe layer's tensors: gated DeltaNet (C = 2·HK·DK + HV·DV channels) or gated attention,
+    then the routed experts and the shared expert."""
+    h, blk = s.hybrid, f"blk.{i}"
+    if h.is_recurrent(i):
+        channels, inner = 2 * h.key_heads * h.key_dim + h.value_heads * h.value_dim, h.value_heads * h.value_dim
+        mixer = {f"{blk}.attn_qkv.weight": (channels, s.hidden), f"{blk}.attn_gate.weight": (inner, s.hidden),
+                 f"{blk}.ssm_beta.weight": (h.value_heads, s.hidden), f"{blk}.ssm_alpha.weight": (h.value_heads, s.hidden),
+                 f"{blk}.ssm_a": (h.value_heads,), f"{blk}.ssm_dt.bias": (h.value_heads,),
+                 f"{blk}.ssm_conv1d.weight": (channels, h.conv_kernel), f"{blk}.ssm_norm.weight": (h.value_dim,),
+                 f"{blk}.ssm_out.weight": (s.hidden, inner)}
+    else:
+        q_dim, kv_dim = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        mixer = {f"{blk}.attn_q.weight": (2 * q_dim, s.hidden), f"{blk}.attn_k.weight": (kv_dim, s.hidden),
+                 f"{blk}.attn_v.weight": (kv_dim, s.hidden), f"{blk}.attn_output.weight": (s.hidden, q_dim),
+                 f"{blk}.attn_q_norm.weight": (s.head_dim,), f"{blk}.attn_k_norm.weight": (s.head_dim,)}
+    return {f"{blk}.attn_norm.weight": (s.hidden,), **mixer, f"{blk}.post_attention_norm.weight": (s.hidden,),
+            f"{blk}.ffn_gate_inp.weight": (s.n_experts, s.hidden),
+            f"{blk}.ffn_gate_exps.weight": (s.n_experts, s.expert_ff, s.hidden),
+            f"{blk}.ffn_up_exps.weight": (s.n_experts, s.expert_ff, s.hidden),
+            f"{blk}.ffn_down_exps.weight": (s.n_experts, s.hidden, s.expert_ff),
+            f"{blk}.ffn_gate_inp_shexp.weight": (1, s.hidden),
+            f"{blk}.ffn_gate_shexp.weight": (h.shared_ff, s.hidden), f"{blk}.ffn_up_shexp.weight": (h.shared_ff, s.hidden),
+            f"{blk}.ffn_down_shexp.weight": (s.hidden, h.shared_ff)}
 
 
 # ---- random valid blocks -------------------------------------------------------------------------
@@ -255,6 +315,10 @@ def _tensor_data(tensor: TensorPlan, rng: np.random.Generator) -> Iterator[np.nd
     if tensor.ggml_type == Q.F32:
         if tensor.role == "ffn_gate_inp":
             yield _router_rows(tensor.shape, rng)
+        elif tensor.role in ("ssm_conv1d", "ffn_gate_inp_shexp", "ssm_dt"):
+            yield rng.normal(0.0, 0.3 if tensor.role == "ssm_conv1d" else WEIGHT_STD, tensor.shape).astype(np.float32)
+        elif tensor.role == "ssm_a":                    # -exp(A_log): each head's decay rate
+            yield -rng.uniform(0.5, 2.0, tensor.shape).astype(np.float32)
         else:
             scale = ATTN_NORM_SCALE if tensor.role == "attn_norm" else 1.0
             yield (scale * (1.0 + rng.normal(0.0, NORM_STD, tensor.shape))).astype(np.float32)
@@ -288,7 +352,7 @@ def write_bench_model(path: str | Path, shape: BenchShape, mix: QuantMix, seed: 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        writer = gguf.GGUFWriter(partial, arch=ARCH)
+        writer = gguf.GGUFWriter(partial, arch=ARCH if shape.hybrid is None else "qwen35moe")
         _write_hparams(writer, shape, mix)
         write_metadata(writer, vocabulary_metadata(shape.vocab))
         for tensor in plan:
@@ -353,4 +417,23 @@ def _write_hparams(writer: gguf.GGUFWriter, s: BenchShape, mix: QuantMix) -> Non
     writer.add_string("general.name", f"{s.name} bench")
     writer.add_uint32("general.file_type", int(mix.file_type))
     writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
-    write_qwen3moe_hparams(writer, s, s.rope_base, s.rms_eps)
+    if s.hybrid is None:
+        write_qwen3moe_hparams(writer, s, s.rope_base, s.rms_eps)
+        return
+    h, arch = s.hybrid, "qwen35moe"
+    for key, value in {
+        "block_count": s.n_layers, "context_length": s.context, "embedding_length": s.hidden,
+        "expert_feed_forward_length": s.expert_ff, "expert_shared_feed_forward_length": h.shared_ff,
+        "attention.head_count": s.n_heads, "attention.head_count_kv": s.n_kv_heads,
+        "attention.key_length": s.head_dim, "attention.value_length": s.head_dim,
+        "expert_count": s.n_experts, "expert_used_count": s.n_experts_used, "rope.dimension_count": h.rope_dims,
+        "ssm.conv_kernel": h.conv_kernel, "ssm.state_size": h.key_dim, "ssm.group_count": h.key_heads,
+        "ssm.time_step_rank": h.value_heads, "ssm.inner_size": h.value_heads * h.value_dim,
+        "full_attention_interval": h.full_attention_interval,
+    }.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    pairs = h.rope_dims // 2                    # time, height and width sections over them ([11, 11, 10] at 32)
+    time_height = -(-pairs // 3)
+    writer.add_array(f"{arch}.rope.dimension_sections", [time_height, time_height, pairs - 2 * time_height, 0])
+    writer.add_float32(f"{arch}.rope.freq_base", s.rope_base)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", s.rms_eps)

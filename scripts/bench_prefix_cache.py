@@ -1,0 +1,71 @@
+"""Time to first token of a request whose prompt repeats a long prefix: the first request
+(everything prefilled, a snapshot taken every INTERVAL tokens), a second one with the same
+prefix and another question (resumed from the prefix's last snapshot in RAM), and the second
+with a third question after a restart (a new runtime that finds the prefix's snapshot in the
+folder on disk). The
+model's pages are in memory and its kernels built before any of them.
+
+    python scripts/bench_prefix_cache.py -m /tmp/qwen36-4l.gguf --prefix 2048 --device cpu
+
+Prints the three times and their ratios to the first.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+
+from moerun.engine.prefix_cache import PrefixCache
+from moerun.engine.runtime import RunStats, Runtime
+from moerun.engine.sampler import SamplingParams
+from moerun.rig.settings import RigConfig
+
+QUESTION_TOKENS = 16
+INTERVAL = 256          # --snapshot-interval: the prefix's tokens are a multiple of it by default
+
+
+def first_token_seconds(runtime: Runtime, prompt: list[int]) -> tuple[float, int]:
+    """Seconds from the request to its first sampled token, and the prompt tokens restored."""
+    stats = RunStats()
+    started = time.perf_counter()
+    next(iter(runtime.generate(prompt, 1, SamplingParams(temperature=0.0), stats=stats)))
+    return time.perf_counter() - started, stats.restored_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", required=True)
+    parser.add_argument("--prefix", type=int, default=2048, help="tokens of the shared prefix [default: 2048]")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--ubatch", type=int, default=512)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    folder = tempfile.mkdtemp(prefix="moerun-snapshots-")
+
+    def runtime() -> Runtime:
+        cache = PrefixCache(slots=4, interval=INTERVAL, folder=folder, disk_budget=64 << 30)
+        return Runtime(args.model, ctx=args.prefix + 2 * QUESTION_TOKENS + 8, ubatch=args.ubatch,
+                       rig=RigConfig(device=args.device), prefix_cache=cache)
+
+    with runtime() as warm:                      # the model's pages in memory, its kernels built
+        vocab = warm.spec.vocab
+        first_token_seconds(warm, rng.integers(0, vocab, 64).tolist())
+    prefix = rng.integers(0, vocab, args.prefix).tolist()
+    first_question, second_question, third_question = (rng.integers(0, vocab, QUESTION_TOKENS).tolist()
+                                                       for _ in range(3))
+    with runtime() as server:
+        first, _ = first_token_seconds(server, prefix + first_question)
+        second, restored = first_token_seconds(server, prefix + second_question)
+    with runtime() as restarted:
+        after_restart, restored_disk = first_token_seconds(restarted, prefix + third_question)
+    print(f"model {args.model}, {args.prefix}-token prefix + {QUESTION_TOKENS}-token question, device {args.device}")
+    print(f"first request          {first * 1e3:9.1f} ms")
+    print(f"second request         {second * 1e3:9.1f} ms  ({second / first:.3f}x; {restored} tokens restored)")
+    print(f"third, after restart   {after_restart * 1e3:9.1f} ms  ({after_restart / first:.3f}x; "
+          f"{restored_disk} tokens restored from disk)")
+
+
+if __name__ == "__main__":
+    main()

@@ -59,6 +59,30 @@ def test_the_qwen3_30b_preset_has_the_real_model_size():
     assert plan["token_embd.weight"].shape == (151936, 2048)
 
 
+def test_the_qwen36_preset_has_the_real_model_shape():
+    """Qwen3.6-35B-A3B: 40 layers, every fourth gated attention, the others gated DeltaNet; about
+    35 B parameters (the vocabulary's embedding and head included)."""
+    plan = {t.name: t for t in tensor_plan(PRESETS["qwen3.6-35b-a3b"], MIXES["q4_k_m"])}
+    assert round(sum(prod(t.shape) for t in plan.values()) / 1e9) == 35
+    assert plan["blk.0.attn_qkv.weight"].shape == (2 * 16 * 128 + 32 * 128, 2048)
+    assert plan["blk.0.ssm_out.weight"].shape == (2048, 32 * 128)
+    assert plan["blk.3.attn_q.weight"].shape == (2 * 16 * 256, 2048)          # queries and their gates
+    assert "blk.3.attn_qkv.weight" not in plan and "blk.39.attn_q.weight" in plan
+    assert plan["blk.39.ffn_gate_exps.weight"].shape == (256, 512, 2048)
+    assert plan["blk.0.ffn_down_shexp.weight"].shape == (2048, 512)
+    assert plan["blk.0.ssm_conv1d.weight"].ggml_type == Q.F32 and plan["blk.0.ssm_a"].ggml_type == Q.F32
+
+
+def test_the_tiny_hybrid_file_loads_and_runs(tmp_path):
+    path = write_bench_model(tmp_path / "hybrid.gguf", PRESETS["tiny-hybrid"], MIXES["q4_k_m"], seed=1)
+    with Runtime(path) as runtime:
+        spec = runtime.spec
+        assert spec.family == "qwen35moe" and spec.recurrent_layers == (True, True, True, False)
+        assert spec.rotary_dims == 16 and spec.delta_net.value_heads == 4 and spec.shared_ff == 256
+        logits = runtime.logits(runtime.tokenizer.encode("The experts") + [5, 900])
+    assert np.isfinite(logits).all() and len(set(logits.argmax(axis=-1).tolist())) > 1
+
+
 def test_a_shape_whose_rows_do_not_fit_k_quant_blocks_is_refused():
     shape = dataclasses.replace(PRESETS["tiny"], expert_ff=200)
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight .* cannot be stored as Q6_K"):

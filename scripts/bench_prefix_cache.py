@@ -23,7 +23,7 @@ from moerun.engine.sampler import SamplingParams
 from moerun.rig.settings import RigConfig
 
 QUESTION_TOKENS = 16
-INTERVAL = 256          # --snapshot-interval: the prefix's tokens are a multiple of it by default
+INTERVAL = 1024         # --snapshot-interval: the prefix's tokens are a multiple of it by default
 
 
 def first_token_seconds(runtime: Runtime, prompt: list[int]) -> tuple[float, int]:

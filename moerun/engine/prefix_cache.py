@@ -52,6 +52,12 @@ class PrefixCache:
         if self.folder is not None:
             self.store = SnapshotStore(self.folder, self.disk_budget, fingerprint, layout)
 
+    def close(self) -> None:
+        """Finish writing to the folder (a runtime calls this as it closes)."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
     def __len__(self) -> int:
         return len(self._snapshots)
 

@@ -125,7 +125,9 @@ class Runtime:
         return self.model.routing.counts
 
     def close(self) -> None:
-        """Stop the daemons this runtime spawned and release the model file."""
+        """Stop the daemons this runtime spawned, finish writing snapshots, release the model file."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
         if self.rig is not None:
             self.rig.close()
             self.rig = None
@@ -212,7 +214,7 @@ class Runtime:
 
     def _snapshot(self, tokens: Sequence[int], cache: KVCache, logits: np.ndarray) -> None:
         if self.prefix_cache is not None and len(tokens) == cache.length and tokens not in self.prefix_cache:
-            self.prefix_cache.add(tokens, cache.snapshot(), self.backend.to_host(logits)[-1])
+            self.prefix_cache.add(tokens, cache.snapshot(), logits[-1])        # forward() gives host logits
 
     def _decode(self, token: int, cache: KVCache, stats: RunStats) -> np.ndarray:
         """One decode step: the token's forward pass, timed -> logits [1, V]."""

@@ -6,6 +6,7 @@ that made it. A file is written whole to a temporary name and renamed into place
 with a BLAKE2b digest of everything before it. A file that is truncated, corrupt, of another
 format version or of another model is skipped with a warning and deleted, never loaded. Past
 `budget` bytes the files of the lowest score — hits per hour of age per byte — go first.
+Files are written by a thread of their own, off the requests' path; close() waits for them.
 
 File: MAGIC | version u32 | header length u64 | header (JSON: key, tokens, arrays: part,
 layer, dtype, shape, offset) | arrays, each 64-byte aligned | digest (32 bytes).
@@ -18,7 +19,9 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,14 +73,22 @@ class SnapshotStore:
         for path in sorted(self.folder.glob("*.snap")):
             if (stored := self._index(path)) is not None:
                 self.files[stored.tokens] = stored
+        self._lock = threading.Lock()             # files, between the requests' thread and the writer
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moerun-snapshots")
+
+    def close(self) -> None:
+        """Wait for the snapshots still being written."""
+        self._writer.shutdown(wait=True)
 
     @property
     def nbytes(self) -> int:
-        return sum(stored.nbytes for stored in self.files.values())
+        with self._lock:
+            return sum(stored.nbytes for stored in self.files.values())
 
     def longest(self, ids: tuple[int, ...]) -> StoredSnapshot | None:
-        return max((s for key, s in self.files.items() if len(key) <= len(ids) and ids[:len(key)] == key),
-                   key=lambda s: len(s.tokens), default=None)
+        with self._lock:
+            return max((s for key, s in self.files.items() if len(key) <= len(ids) and ids[:len(key)] == key),
+                       key=lambda s: len(s.tokens), default=None)
 
     def load(self, stored: StoredSnapshot) -> Snapshot | None:
         """The snapshot in `stored`'s file, or None (and the file gone) if it does not check out."""
@@ -86,14 +97,18 @@ class SnapshotStore:
             snapshot = self._decode(data)
         except (OSError, ValueError) as err:
             self._discard(stored.path, err)
-            self.files.pop(stored.tokens, None)
+            with self._lock:
+                self.files.pop(stored.tokens, None)
             return None
         stored.hits += 1
         os.utime(stored.path)                 # its age counts from its last use
         return snapshot
 
     def save(self, snapshot: Snapshot) -> None:
-        """Write `snapshot` (a failure to write, a full disk, is a warning: the cache is only a cache)."""
+        """Have `snapshot` written (a failure to write, a full disk, is a warning: the cache is only a cache)."""
+        self._writer.submit(self._write, snapshot)
+
+    def _write(self, snapshot: Snapshot) -> None:
         name = hashlib.sha256(np.asarray(snapshot.tokens, np.int64).tobytes()).hexdigest()[:32] + ".snap"
         path, temporary = self.folder / name, self.folder / f".{name}.{os.getpid()}.tmp"
         try:
@@ -106,8 +121,9 @@ class SnapshotStore:
             logger.warning(f"prefix snapshot of {len(snapshot.tokens)} tokens not written to {self.folder}: "
                            f"{err.strerror or err}")
             return
-        self.files[snapshot.tokens] = StoredSnapshot(path, snapshot.tokens, path.stat().st_size)
-        self._keep_budget(path)
+        with self._lock:
+            self.files[snapshot.tokens] = StoredSnapshot(path, snapshot.tokens, path.stat().st_size)
+            self._keep_budget(path)
 
     def _keep_budget(self, newest: Path) -> None:
         now = time.time()
@@ -120,7 +136,7 @@ class SnapshotStore:
             return (1 + stored.hits) / (1 + age_hours) / stored.nbytes
 
         for stored in sorted(self.files.values(), key=score):
-            if self.nbytes <= self.budget:
+            if sum(s.nbytes for s in self.files.values()) <= self.budget:
                 break
             if stored.path != newest or len(self.files) == 1:
                 stored.path.unlink(missing_ok=True)

@@ -170,7 +170,8 @@ def test_the_disk_budget_keeps_the_newest(model_path, tmp_path):
 def test_a_failed_write_is_a_warning(model_path, tmp_path, caplog):
     cache = disk_cache(tmp_path)
     with Runtime(model_path, prefix_cache=cache) as runtime:
-        cache.store.folder.rmdir()
-        cache.store.folder.write_text("not a folder")      # every write there fails, as on a full disk
+        store = cache.store
+        store.folder.rmdir()
+        store.folder.write_text("not a folder")      # every write there fails, as on a full disk
         tokens, _ = answer(runtime, SYSTEM)
-    assert len(tokens) == 8 and "not written" in caplog.text and cache.store.files == {}
+    assert len(tokens) == 8 and "not written" in caplog.text and store.files == {}

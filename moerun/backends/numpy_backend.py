@@ -77,6 +77,7 @@ class NumpyBackend:
         self._routers: dict[int, tuple[np.ndarray, np.ndarray, Matrix]] = {}   # id -> router, as float32, struct
         self._kernels = load_kernels()            # for the work around the products; None: numpy_ops
         self._kernel_threads = threads or default_threads()
+        self._rotary_dims = spec.rotary_dims               # rope over all of a head's dims, or its first ones
         self._attention_shape = AttentionShape(spec.n_heads, spec.n_kv_heads, spec.head_dim_k, spec.head_dim_v,
                                                spec.rule.rope_style == "neox", spec.rms_eps,
                                                1.0 / np.sqrt(spec.head_dim_k))
@@ -177,7 +178,7 @@ class NumpyBackend:
         spec = self.spec
         n_tokens = q.shape[0]
         cos, sin = self._rope_tables(positions)
-        if self._kernels is not None and not spec.rope_dims:         # the kernels rotate whole heads
+        if self._kernels is not None and self._rotary_dims == spec.head_dim_k:     # the kernels rotate whole heads
             return self._kernels.rope_append(self._attention_shape, q, k, v, q_norm, k_norm, cos, sin,
                                              *cache.next_rows(layer, n_tokens))
         q = q.reshape(n_tokens, spec.n_heads, spec.head_dim_k)
@@ -193,7 +194,7 @@ class NumpyBackend:
         key = positions.tobytes()
         if self._rope is None or key != self._rope[0]:
             spec = self.spec
-            self._rope = (key, *rope_tables(positions, spec.rotary_dims, spec.rope_base, spec.rope_scale))
+            self._rope = (key, *rope_tables(positions, self._rotary_dims, spec.rope_base, spec.rope_scale))
         return self._rope[1:]
 
     def attention(self, q: np.ndarray, cache: PagedKVCache, layer: int, positions: np.ndarray) -> np.ndarray:

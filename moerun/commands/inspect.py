@@ -30,7 +30,9 @@ def describe(path) -> str:
         lines += ["", "per layer:"] + _layers(gguf, spec)
         kv = model_sizes(gguf, spec).kv_bytes_per_token
         lines += ["", f"KV cache per token: {_size(kv['f16'])} at f16, {_size(kv['f32'])} at f32 "
-                      f"(all {spec.n_layers} layers)"]
+                      + (f"(all {spec.n_layers} layers)" if spec.attention_layers == spec.n_layers else
+                         f"(its {spec.attention_layers} of {spec.n_layers} layers with attention; a DeltaNet "
+                         f"layer keeps fixed states instead)")]
     return "\n".join(lines)
 
 
@@ -42,7 +44,10 @@ def _hyperparameters(spec: ModelSpec) -> list[str]:
         ("name", spec.name),
         ("layers", f"{spec.n_layers} ({len(dense)} dense: {dense})" if dense else str(spec.n_layers)),
         ("hidden", spec.hidden),
-        ("heads", f"{spec.n_heads} query, {spec.n_kv_heads} key/value, head dim {spec.head_dim_k}"),
+        ("heads", f"{spec.n_heads} query, {spec.n_kv_heads} key/value, head dim {spec.head_dim_k}"
+                  + (f", rope over {spec.rope_dims}" if spec.rope_dims else "")
+                  + (", gated output" if spec.rule.gated_attention else "")),
+        *([("DeltaNet", _delta_net(spec))] if spec.delta_net else []),
         ("experts", f"{spec.n_experts}, {spec.n_experts_used} per token, FFN width {spec.expert_ff}"
                     + (", gate+up fused" if spec.fused_gate_up else "")),
         ("shared expert", f"FFN width {spec.shared_ff}" if spec.shared_ff else "none"),
@@ -53,6 +58,12 @@ def _hyperparameters(spec: ModelSpec) -> list[str]:
         ("rms eps", f"{spec.rms_eps:g}"),
     ]
     return [f"{key + ':':<15}{value}" for key, value in rows]
+
+
+def _delta_net(spec: ModelSpec) -> str:
+    shape, attention = spec.delta_net, [i for i in range(spec.n_layers) if not spec.is_recurrent(i)]
+    return (f"{spec.n_layers - len(attention)} layers (attention in {attention}), {shape.key_heads} key and "
+            f"{shape.value_heads} value heads of {shape.key_dim}/{shape.value_dim}, conv {shape.conv_kernel}")
 
 
 def _tensor_types(gguf: GGUFFile) -> list[str]:

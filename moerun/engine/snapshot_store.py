@@ -182,7 +182,8 @@ class SnapshotStore:
 
     def _decode(self, data: bytes) -> Snapshot:
         body, digest = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
-        if len(data) <= PREAMBLE.size + DIGEST_BYTES or hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != digest:
+        whole = len(data) > PREAMBLE.size + DIGEST_BYTES
+        if not whole or hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != digest:
             raise ValueError("truncated or corrupt (its digest does not match)")
         header = self._header(body[:PREAMBLE.size], lambda n: body[PREAMBLE.size:PREAMBLE.size + n])
         start = PREAMBLE.size + PREAMBLE.unpack(body[:PREAMBLE.size])[2]

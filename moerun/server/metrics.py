@@ -112,15 +112,16 @@ def prefix_cache_series(cache: PrefixCache | None):
                               value=stats.lookups)
     yield CounterMetricFamily("moerun_prefix_cache_hits", "Prompts that resumed from a prefix snapshot",
                               value=stats.hits)
-    yield CounterMetricFamily("moerun_prefix_cache_restored_tokens", "Prompt tokens taken from snapshots, not prefilled",
-                              value=stats.restored_tokens)
+    yield CounterMetricFamily("moerun_prefix_cache_restored_tokens",
+                              "Prompt tokens taken from snapshots, not prefilled", value=stats.restored_tokens)
     yield CounterMetricFamily("moerun_prefix_cache_snapshots", "Snapshots taken", value=stats.snapshots)
-    yield CounterMetricFamily("moerun_prefix_cache_evictions", "Snapshots dropped for newer ones", value=stats.evictions)
+    yield CounterMetricFamily("moerun_prefix_cache_evictions", "Snapshots dropped for newer ones",
+                              value=stats.evictions)
     yield GaugeMetricFamily("moerun_prefix_cache_entries", "Snapshots held now", value=len(cache))
     yield GaugeMetricFamily("moerun_prefix_cache_bytes", "Bytes the snapshots hold now", value=cache.nbytes)
     if cache.store is not None:
-        yield CounterMetricFamily("moerun_prefix_cache_disk_hits", "Prompts that resumed from a snapshot read from disk",
-                                  value=stats.disk_hits)
+        yield CounterMetricFamily("moerun_prefix_cache_disk_hits",
+                                  "Prompts that resumed from a snapshot read from disk", value=stats.disk_hits)
         yield GaugeMetricFamily("moerun_prefix_cache_disk_files", "Snapshot files in --prefix-cache-dir",
                                 value=len(cache.store.files))
         yield GaugeMetricFamily("moerun_prefix_cache_disk_bytes", "Bytes of snapshot files in --prefix-cache-dir",

@@ -206,7 +206,8 @@ def _hybrid_layer(s: BenchShape, i: int) -> dict[str, tuple[int, ...]]:
     if h.is_recurrent(i):
         channels, inner = 2 * h.key_heads * h.key_dim + h.value_heads * h.value_dim, h.value_heads * h.value_dim
         mixer = {f"{blk}.attn_qkv.weight": (channels, s.hidden), f"{blk}.attn_gate.weight": (inner, s.hidden),
-                 f"{blk}.ssm_beta.weight": (h.value_heads, s.hidden), f"{blk}.ssm_alpha.weight": (h.value_heads, s.hidden),
+                 f"{blk}.ssm_beta.weight": (h.value_heads, s.hidden),
+                 f"{blk}.ssm_alpha.weight": (h.value_heads, s.hidden),
                  f"{blk}.ssm_a": (h.value_heads,), f"{blk}.ssm_dt.bias": (h.value_heads,),
                  f"{blk}.ssm_conv1d.weight": (channels, h.conv_kernel), f"{blk}.ssm_norm.weight": (h.value_dim,),
                  f"{blk}.ssm_out.weight": (s.hidden, inner)}
@@ -221,7 +222,8 @@ def _hybrid_layer(s: BenchShape, i: int) -> dict[str, tuple[int, ...]]:
             f"{blk}.ffn_up_exps.weight": (s.n_experts, s.expert_ff, s.hidden),
             f"{blk}.ffn_down_exps.weight": (s.n_experts, s.hidden, s.expert_ff),
             f"{blk}.ffn_gate_inp_shexp.weight": (1, s.hidden),
-            f"{blk}.ffn_gate_shexp.weight": (h.shared_ff, s.hidden), f"{blk}.ffn_up_shexp.weight": (h.shared_ff, s.hidden),
+            f"{blk}.ffn_gate_shexp.weight": (h.shared_ff, s.hidden),
+            f"{blk}.ffn_up_shexp.weight": (h.shared_ff, s.hidden),
             f"{blk}.ffn_down_shexp.weight": (s.hidden, h.shared_ff)}
 
 

@@ -11,6 +11,7 @@ import pytest
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.reader import GGUFFile
+from moerun.writers.bench_model import MIXES, PRESETS, write_bench_model
 from moerun.writers.demo import DESCRIPTION, demo_model_path
 
 
@@ -173,6 +174,16 @@ def test_inspect_reports_sizes(demo_model, moerun):
     assert f"{per_expert / 1024:.2f} KiB" in result.stdout
     kv_f16 = 4 * 2 * (64 + 64) * 2                    # layers * kv heads * (K + V head dims) * bytes
     assert f"KV cache per token: {kv_f16 / 1024:.2f} KiB at f16" in result.stdout
+
+
+def test_inspect_describes_a_hybrid_model(tmp_path, moerun):
+    path = write_bench_model(tmp_path / "hybrid.gguf", PRESETS["tiny-hybrid"], MIXES["q4_k_m"])
+    result = moerun("inspect", path)
+    assert result.exit_code == 0, result.output
+    assert "qwen35moe" in result.stdout and "rope over 16, gated output" in result.stdout
+    assert "DeltaNet:      3 layers (attention in [3]), 2 key and 4 value heads of 64/64, conv 4" in result.stdout
+    kv_f16 = 1 * 2 * (64 + 64) * 2                    # one attention layer * kv heads * (K + V) * bytes
+    assert f"KV cache per token: {kv_f16} B at f16" in result.stdout and "its 1 of 4 layers with attention" in result.stdout
 
 
 def test_a_full_context_is_said_not_silent(demo_model, moerun):

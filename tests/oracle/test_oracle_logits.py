@@ -10,14 +10,14 @@ import torch
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from tests.support.from_gguf import dequantized_model
-from tests.support.hf_models import ARCHS, tiny_model
+from tests.support.hf_models import ARCHS, HYBRID_ARCHS, tiny_model
 from tests.support.to_gguf import FTYPES, write_gguf
 
 PROMPT_LEN = 24
 RELATIVE_BOUND = 1e-4   # max |moerun - oracle| over max |oracle logit|
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=ARCHS + HYBRID_ARCHS)
 def hf_model(request):
     return tiny_model(request.param, seed=1)
 

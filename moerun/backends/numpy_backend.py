@@ -309,7 +309,7 @@ class PagedKVCache:
         self.length += n_tokens
 
     def snapshot(self) -> CacheState:
-        attention = [layer for layer, keys in enumerate(self._k) if keys.shape[1:] != (0, 0)]
+        attention = [layer for layer in range(len(self._k)) if layer not in self.conv]
         return CacheState(self.length, keys={i: self._k[i][:self.length].copy() for i in attention},
                           values={i: self._v[i][:self.length].copy() for i in attention},
                           conv={i: a.copy() for i, a in self.conv.items()},

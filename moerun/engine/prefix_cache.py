@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from moerun.backends.protocol import CacheState
-from moerun.engine.snapshot_store import Snapshot, SnapshotStore
+from moerun.engine.snapshot_store import Snapshot, SnapshotStore, longest_prefix
 
 
 @dataclass
@@ -72,8 +72,7 @@ class PrefixCache:
         """The snapshot whose tokens are the longest prefix of `ids` (all of them at most)."""
         self.stats.lookups += 1
         ids = tuple(ids)
-        best = max((s for key, s in self._snapshots.items() if len(key) <= len(ids) and ids[:len(key)] == key),
-                   key=lambda s: len(s.tokens), default=None)
+        best = longest_prefix(self._snapshots, ids)
         stored = self.store.longest(ids) if self.store is not None else None
         if stored is not None and (best is None or len(stored.tokens) > len(best.tokens)):
             if (loaded := self.store.load(stored)) is not None:

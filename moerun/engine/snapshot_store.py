@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -37,6 +38,7 @@ ALIGN = 64
 PARTS = ("keys", "values", "conv", "ssm")
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,12 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return self.state.nbytes + self.logits.nbytes
+
+
+def longest_prefix(entries: dict[tuple[int, ...], T], ids: tuple[int, ...]) -> T | None:
+    """The entry whose key is the longest prefix of `ids` (all of them at most), or None."""
+    keys = [key for key in entries if len(key) <= len(ids) and ids[:len(key)] == key]
+    return entries[max(keys, key=len)] if keys else None
 
 
 @dataclass
@@ -87,8 +95,7 @@ class SnapshotStore:
 
     def longest(self, ids: tuple[int, ...]) -> StoredSnapshot | None:
         with self._lock:
-            return max((s for key, s in self.files.items() if len(key) <= len(ids) and ids[:len(key)] == key),
-                       key=lambda s: len(s.tokens), default=None)
+            return longest_prefix(self.files, ids)
 
     def load(self, stored: StoredSnapshot) -> Snapshot | None:
         """The snapshot in `stored`'s file, or None (and the file gone) if it does not check out."""
@@ -181,18 +188,19 @@ class SnapshotStore:
         return body + hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest()
 
     def _decode(self, data: bytes) -> Snapshot:
-        body, digest = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+        """The arrays are read-only views of `data` (restoring a cache copies them)."""
+        body, digest = memoryview(data)[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
         whole = len(data) > PREAMBLE.size + DIGEST_BYTES
         if not whole or hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest() != digest:
             raise ValueError("truncated or corrupt (its digest does not match)")
-        header = self._header(body[:PREAMBLE.size], lambda n: body[PREAMBLE.size:PREAMBLE.size + n])
+        header = self._header(bytes(body[:PREAMBLE.size]), lambda n: bytes(body[PREAMBLE.size:PREAMBLE.size + n]))
         start = PREAMBLE.size + PREAMBLE.unpack(body[:PREAMBLE.size])[2]
         start += -start % ALIGN
         state, logits = CacheState(int(header["length"])), None
         for entry in header["arrays"]:
             dtype, shape = np.dtype(entry["dtype"]), tuple(entry["shape"])
             at = start + entry["offset"]
-            array = np.frombuffer(body, dtype, int(np.prod(shape)), at).reshape(shape).copy()
+            array = np.frombuffer(body, dtype, int(np.prod(shape)), at).reshape(shape)
             if entry["part"] == "logits":
                 logits = array
             else:

@@ -165,26 +165,9 @@ def tensor_role(name: str) -> str:
 def tensor_plan(shape: BenchShape, mix: QuantMix) -> list[TensorPlan]:
     """Every tensor of the file in writing order; ValueError when a row does not fit its type's blocks."""
     s = shape
-    q_dim, kv_dim = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (s.vocab, s.hidden)}            # [V, H]
     for i in range(s.n_layers):
-        if s.hybrid is not None:
-            shapes |= _hybrid_layer(s, i)
-            continue
-        shapes |= {
-            f"blk.{i}.attn_norm.weight": (s.hidden,),
-            f"blk.{i}.attn_q.weight": (q_dim, s.hidden),
-            f"blk.{i}.attn_k.weight": (kv_dim, s.hidden),
-            f"blk.{i}.attn_v.weight": (kv_dim, s.hidden),
-            f"blk.{i}.attn_output.weight": (s.hidden, q_dim),
-            f"blk.{i}.attn_q_norm.weight": (s.head_dim,),
-            f"blk.{i}.attn_k_norm.weight": (s.head_dim,),
-            f"blk.{i}.ffn_norm.weight": (s.hidden,),
-            f"blk.{i}.ffn_gate_inp.weight": (s.n_experts, s.hidden),                           # [E, H]
-            f"blk.{i}.ffn_gate_exps.weight": (s.n_experts, s.expert_ff, s.hidden),             # [E, F, H]
-            f"blk.{i}.ffn_up_exps.weight": (s.n_experts, s.expert_ff, s.hidden),
-            f"blk.{i}.ffn_down_exps.weight": (s.n_experts, s.hidden, s.expert_ff),             # [E, H, F]
-        }
+        shapes |= _layer(s, i)
     shapes |= {"output_norm.weight": (s.hidden,), "output.weight": (s.vocab, s.hidden)}       # [V, H]
 
     plan = []
@@ -199,32 +182,49 @@ def tensor_plan(shape: BenchShape, mix: QuantMix) -> list[TensorPlan]:
     return plan
 
 
-def _hybrid_layer(s: BenchShape, i: int) -> dict[str, tuple[int, ...]]:
-    """A qwen35moe layer's tensors: gated DeltaNet (C = 2·HK·DK + HV·DV channels) or gated attention,
-    then the routed experts and the shared expert."""
-    h, blk = s.hybrid, f"blk.{i}"
-    if h.is_recurrent(i):
-        channels, inner = 2 * h.key_heads * h.key_dim + h.value_heads * h.value_dim, h.value_heads * h.value_dim
-        mixer = {f"{blk}.attn_qkv.weight": (channels, s.hidden), f"{blk}.attn_gate.weight": (inner, s.hidden),
-                 f"{blk}.ssm_beta.weight": (h.value_heads, s.hidden),
-                 f"{blk}.ssm_alpha.weight": (h.value_heads, s.hidden),
-                 f"{blk}.ssm_a": (h.value_heads,), f"{blk}.ssm_dt.bias": (h.value_heads,),
-                 f"{blk}.ssm_conv1d.weight": (channels, h.conv_kernel), f"{blk}.ssm_norm.weight": (h.value_dim,),
-                 f"{blk}.ssm_out.weight": (s.hidden, inner)}
-    else:
-        q_dim, kv_dim = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
-        mixer = {f"{blk}.attn_q.weight": (2 * q_dim, s.hidden), f"{blk}.attn_k.weight": (kv_dim, s.hidden),
-                 f"{blk}.attn_v.weight": (kv_dim, s.hidden), f"{blk}.attn_output.weight": (s.hidden, q_dim),
-                 f"{blk}.attn_q_norm.weight": (s.head_dim,), f"{blk}.attn_k_norm.weight": (s.head_dim,)}
+def _layer(s: BenchShape, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer i's tensors: qwen3moe's attention and routed experts; a qwen35moe layer's gated
+    DeltaNet or gated attention (its attn_q holds each head's gate too), the routed experts and
+    a shared expert."""
+    blk, h = f"blk.{i}", s.hybrid
+    if h is None:
+        return {f"{blk}.attn_norm.weight": (s.hidden,), **_attention(s, blk, gated=False),
+                f"{blk}.ffn_norm.weight": (s.hidden,), **_experts(s, blk)}
+    mixer = _delta_net(s, blk) if h.is_recurrent(i) else _attention(s, blk, gated=True)
     return {f"{blk}.attn_norm.weight": (s.hidden,), **mixer, f"{blk}.post_attention_norm.weight": (s.hidden,),
-            f"{blk}.ffn_gate_inp.weight": (s.n_experts, s.hidden),
-            f"{blk}.ffn_gate_exps.weight": (s.n_experts, s.expert_ff, s.hidden),
-            f"{blk}.ffn_up_exps.weight": (s.n_experts, s.expert_ff, s.hidden),
-            f"{blk}.ffn_down_exps.weight": (s.n_experts, s.hidden, s.expert_ff),
-            f"{blk}.ffn_gate_inp_shexp.weight": (1, s.hidden),
+            **_experts(s, blk), f"{blk}.ffn_gate_inp_shexp.weight": (1, s.hidden),
             f"{blk}.ffn_gate_shexp.weight": (h.shared_ff, s.hidden),
             f"{blk}.ffn_up_shexp.weight": (h.shared_ff, s.hidden),
             f"{blk}.ffn_down_shexp.weight": (s.hidden, h.shared_ff)}
+
+
+def _attention(s: BenchShape, blk: str, gated: bool) -> dict[str, tuple[int, ...]]:
+    q_dim, kv_dim = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    return {f"{blk}.attn_q.weight": ((2 if gated else 1) * q_dim, s.hidden),
+            f"{blk}.attn_k.weight": (kv_dim, s.hidden),
+            f"{blk}.attn_v.weight": (kv_dim, s.hidden),
+            f"{blk}.attn_output.weight": (s.hidden, q_dim),
+            f"{blk}.attn_q_norm.weight": (s.head_dim,),
+            f"{blk}.attn_k_norm.weight": (s.head_dim,)}
+
+
+def _delta_net(s: BenchShape, blk: str) -> dict[str, tuple[int, ...]]:
+    """C = 2·HK·DK + HV·DV channels through the convolution."""
+    h = s.hybrid
+    channels, inner = 2 * h.key_heads * h.key_dim + h.value_heads * h.value_dim, h.value_heads * h.value_dim
+    return {f"{blk}.attn_qkv.weight": (channels, s.hidden), f"{blk}.attn_gate.weight": (inner, s.hidden),
+            f"{blk}.ssm_beta.weight": (h.value_heads, s.hidden),
+            f"{blk}.ssm_alpha.weight": (h.value_heads, s.hidden),
+            f"{blk}.ssm_a": (h.value_heads,), f"{blk}.ssm_dt.bias": (h.value_heads,),
+            f"{blk}.ssm_conv1d.weight": (channels, h.conv_kernel), f"{blk}.ssm_norm.weight": (h.value_dim,),
+            f"{blk}.ssm_out.weight": (s.hidden, inner)}
+
+
+def _experts(s: BenchShape, blk: str) -> dict[str, tuple[int, ...]]:
+    return {f"{blk}.ffn_gate_inp.weight": (s.n_experts, s.hidden),                          # [E, H]
+            f"{blk}.ffn_gate_exps.weight": (s.n_experts, s.expert_ff, s.hidden),            # [E, F, H]
+            f"{blk}.ffn_up_exps.weight": (s.n_experts, s.expert_ff, s.hidden),
+            f"{blk}.ffn_down_exps.weight": (s.n_experts, s.hidden, s.expert_ff)}            # [E, H, F]
 
 
 # ---- random valid blocks -------------------------------------------------------------------------

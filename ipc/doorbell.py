@@ -16,6 +16,7 @@ import errno
 import os
 import platform
 import time
+from collections.abc import Callable
 
 SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238}
 FUTEX_WAIT = 0
@@ -113,9 +114,11 @@ class Doorbell:
         """Wake a sleeping waiter without changing the word (it re-checks its other conditions)."""
         futex_wake(self.address)
 
-    def wait(self, seen: int, spin_s: float, sleep_s: float) -> bool:
+    def wait(self, seen: int, spin_s: float, sleep_s: float, ready: Callable[[], bool] | None = None) -> bool:
         """Wait until the word differs from `seen`: spin up to spin_s, then sleep up to sleep_s.
-        True when it changed, False on timeout or an early wake (callers loop with their checks)."""
+        True when it changed, False on timeout or an early wake (callers loop with their checks).
+        While spinning, `ready()` returning True ends the wait too (work a GPU announced: it
+        can change words but cannot wake a sleeper)."""
         words, index = self.words, self.index
         if words[index] != seen:
             return True
@@ -124,7 +127,7 @@ class Doorbell:
             start = clock()
             end, polite = start + spin_s, start + YIELD_AFTER_S
             while (now := clock()) < end:
-                if words[index] != seen:
+                if words[index] != seen or (ready is not None and ready()):
                     return True
                 if now > polite:  # a machine with fewer cores than busy processes: let others run
                     os.sched_yield()

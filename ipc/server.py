@@ -165,7 +165,7 @@ class Server:
         if self._stopping or self._session is None or self._session.arena is not arena:
             return
         spin_s = self.spin_s - (now - self._last_work)
-        if not arena.doorbell.wait(seen, spin_s, SLEEP_SLICE_S):
+        if not arena.doorbell.wait(seen, spin_s, SLEEP_SLICE_S, ready=arena.any_pending):
             self._next_socket_check = 0.0
 
     def _serve_slot(self, index: int, slot: Slot, layout: ArenaLayout) -> None:

@@ -346,6 +346,16 @@ class Arena:
     def state(self, value: int) -> None:
         self.words[STATE_WORD] = value
 
+    def any_pending(self) -> bool:
+        """Some slot holds a request the daemon has not answered."""
+        return any(slot.pending() for slot in self.slots)
+
+    def rouse(self) -> None:
+        """Parent side: ring the doorbell if the daemon sleeps while a slot holds a request
+        (one a GPU wrote, which cannot wake it)."""
+        if self.words[DAEMON_SLEEPING_WORD] and self.any_pending():
+            self.doorbell.ring()
+
     @property
     def control_bell(self) -> int:
         return self.words[CONTROL_BELL_WORD]

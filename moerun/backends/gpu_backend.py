@@ -132,6 +132,7 @@ class GpuBackend:
         self._graphs = GraphCache(self)
         self.recorder = None                # set while a decode step is captured
         self.graph_step = False             # a decode step is being captured or replayed
+        self.step_guard = None              # the rig's: opens a captured step, watches it finish (gpu_graphs.py)
         self._kv_buffers: dict[int, tuple[list, list]] = {}
         self._uploader: Uploader | None = None
         self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)

@@ -4,7 +4,9 @@ chain of graph segments with host actions between them (post a layer's requests,
 its replies), cut where the rig's dispatcher calls `backend.cut`. A key's first step runs
 eagerly (loading every kernel), its second is captured (and runs while it is captured,
 segment by segment), later ones replay. Each key's graphs allocate from their own memory
-pool, kept with them.
+pool, kept with them. A backend's `step_guard` (the rig's, when kernels talk to daemons
+inside the graphs) opens each captured step before its first launch and settles it after
+its last: waits for it, and raises StepRetry when a daemon failed in it.
 """
 from __future__ import annotations
 
@@ -87,20 +89,26 @@ class GraphCache:
         return self.backend.to_host(forward(self.token, self.position))
 
     def _replay(self, step: CapturedStep) -> None:
-        stream = self.backend.stream
+        stream, guard = self.backend.stream, self.backend.step_guard
         self.backend.graph_step = True        # a failing action raises StepRetry instead of falling back
         try:
+            if guard is not None:
+                guard.open()
             for graph, action in step.segments:
                 graph.launch(stream)
                 action()
+            step.last.launch(stream)
+            if guard is not None:
+                guard.settle()
         finally:
             self.backend.graph_step = False
-        step.last.launch(stream)
 
     def _capture(self, forward: Callable[[Any, Any], Any]) -> CapturedStep:
-        cupy, backend = self.backend.cupy, self.backend
+        cupy, backend, guard = self.backend.cupy, self.backend, self.backend.step_guard
         pool = cupy.cuda.MemoryPool()
         recorder = Recorder(backend.stream)
+        if guard is not None:
+            guard.open()
         backend.recorder, backend.graph_step = recorder, True
         with cupy.cuda.using_allocator(pool.malloc):
             recorder.start()
@@ -110,6 +118,8 @@ class GraphCache:
                 backend.recorder, backend.graph_step = None, False
                 last = recorder.stop() if recorder.capturing else None
         last.launch(backend.stream)
+        if guard is not None:
+            guard.settle()
         return CapturedStep(recorder.segments, last, logits, pool)
 
     def _forget(self, key: tuple) -> None:

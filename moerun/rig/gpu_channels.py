@@ -119,6 +119,7 @@ class RemoteCall:
     link: Any = None             # the DaemonLink it goes to
     request: int | None = None
     failed: bool = False         # the daemon failed it, or was down: computed on the parent
+    on_device: bool = False      # rung and awaited by the parent's kernels (moerun.rig.gpu_rings)
     done: bool = False           # its reply (or the parent's stand-in) is in
     staging: tuple = ()          # "stream": the packed request on the device
     landing: Any = None          # "stream": the reply copied back to the device

@@ -5,7 +5,9 @@ pairs; for every daemon a kernel packs its request (x in the payload dtype, the 
 that daemon's local ids, -1: not there) straight where its channel wants it
 (moerun.rig.gpu_channels), and a host action posts it. The parent's hot experts run
 meanwhile on its stream; the finish collects each reply and adds it in. Kernels run in the
-graph segments of a captured decode step, the posting and collecting between them.
+graph segments of a captured decode step, the posting and collecting between them; a daemon
+behind the pinned arena is rung and awaited there by kernels too (moerun.rig.gpu_rings), so a
+step with only such daemons is one graph.
 A daemon that fails is marked down and its pairs computed here on the CPU from the mmap
 (in a replayed step: the step runs again eagerly, which rewrites the same cache rows).
 Its counts stay on the device (a replayed step adds to them too) until counts() reads them.
@@ -30,6 +32,7 @@ from moerun.rig.gpu_channels import (
     HostChannel,
     RemoteCall,
 )
+from moerun.rig.gpu_rings import DeviceRings
 from moerun.rig.links import DaemonLink
 
 
@@ -46,6 +49,7 @@ class GpuDispatcher:
         self.counters = cupy.zeros(2, cupy.uint64)    # remote pairs, layer calls with some remote
         self.fallback_pairs = 0
         self._channels: dict[int, Any] = {}
+        self.rings = backend.step_guard = DeviceRings(backend, rig)
 
     def counts(self) -> RemoteCounts:
         remote_pairs, remote_layers = (int(n) for n in self.backend.to_host(self.counters))
@@ -77,7 +81,10 @@ class GpuDispatcher:
                 if outstanding is not None:       # its slot is needed again: take its reply first
                     self._collect([outstanding], pending.spill(), x, ids, weights)
                 self._pack(call, x, ids, weights)
-                backend.cut(lambda call=call: self._post(call))
+                if backend.recorder is not None and self.rings.serves(channel):
+                    self.rings.ring(call)
+                else:
+                    backend.cut(lambda call=call: self._post(call))
                 pending.calls.append(call)
         parent_ids = cupy.empty_like(ids)
         backend.kernels.launch("split_parent_ids", (1,), (BLOCK,), (ids, np.int32(ids.size), self.parent_local[layer],
@@ -114,14 +121,17 @@ class GpuDispatcher:
 
     def _collect(self, calls: list[RemoteCall], replies: Any, x: Any, ids: Any, weights: Any) -> None:
         """Each call's reply added into replies [T, H] (computed here for a failed one)."""
-        live = [call for call in calls if not call.failed]
-        self.backend.cut(lambda: self._receive(live))
+        on_host = [call for call in calls if not call.failed and not call.on_device]
+        if on_host:
+            self.backend.cut(lambda: self._receive(on_host))
         spec = self.backend.spec
         for call in calls:
             call.done = True
             if call.failed:
                 self._fall_back(call, replies, x, ids, weights)
                 continue
+            if call.on_device:
+                self.rings.await_reply(call)
             n = call.tokens * spec.hidden
             self.backend.kernels.elementwise("add_reply_rows", n, (
                 replies, np.uint64(call.channel.reply_address(call)), np.int32(call.row0), np.int32(spec.hidden),

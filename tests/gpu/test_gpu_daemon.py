@@ -2,6 +2,8 @@
 kernels) against the parent computing every expert itself on the CPU."""
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 
@@ -53,3 +55,32 @@ def test_gpu_parent_with_a_cpu_daemon_matches_all_local_gpu(model, ubatch, bound
     assert stats.remote_pairs > 0 and stats.hot_only_layer_calls > 0 and stats.fallback_pairs == 0
     assert relative_error(got, want) <= bound
     assert got_tokens == want_tokens
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_cpu_daemon_failing_inside_a_captured_step_changes_no_token(model, fault):
+    """Captured decode steps ring the CPU daemon from the GPU and await its replies there. A
+    daemon killed (the host sees the process gone and aborts the device's waits) or stopped (no
+    reply: the wait kernel gives up after the daemon timeout) while such steps run: that step
+    runs again eagerly with the daemon's experts on the parent's CPU, and the daemon comes back."""
+    from moerun.engine.sampler import SamplingParams
+    prompt = np.random.default_rng(5).integers(0, 800, 8).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    with Runtime(model, ubatch=8, rig=RigConfig(device=gpu_device())) as local:
+        want = list(local.generate(prompt, 24, greedy))
+    rig = RigConfig(device=gpu_device(), daemons=("cpu",), hot=4, daemon_timeout_s=2)
+    with Runtime(model, ubatch=8, rig=rig) as remote:
+        link = remote.rig.links[0]
+        tokens, calls, reasons = [], [], set()
+        for token in remote.generate(prompt, 24, greedy):
+            tokens.append(token)
+            calls.append(link.client.counters.calls)
+            reasons.add(link.down_reason)
+            if len(tokens) == 6:
+                link.local.process.send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        times_down = link.times_down
+        stats = remote.moe_stats()
+    assert tokens == want
+    assert calls[4] > calls[3] > calls[2]           # replayed steps' requests, rung from the device, are counted
+    assert times_down == 1 and stats.fallback_pairs > 0
+    assert reasons - {None} == {"died" if fault == "killed" else "did not answer within 2 s"}

@@ -4,10 +4,13 @@ the daemon serves them as the equivalent ragged requests. And the ATTACH refusal
 device-direct transport where it cannot work. Shape legend: T tokens, H hidden, K slots."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+from moerun.ipc import shm
 from moerun.ipc.client import DaemonClient, DaemonError
-from moerun.ipc.shm import ArenaLayout
+from moerun.ipc.shm import Arena, ArenaLayout
 
 from moerun.engine.runtime import Runtime
 from moerun.rig.links import RigError
@@ -104,3 +107,64 @@ def test_a_daemon_table_names_its_own_transport(tmp_path):
     rig = RigConfig(daemons=("cpu", "cpu"), daemon_entries=entries, transport="shared", hot=1, daemon_timeout_s=30)
     with Runtime(tiny_daemon_model(tmp_path), rig=rig) as runtime:
         assert [link.transport for link in runtime.rig.links] == ["stream", "shared"]
+
+
+def ring_like_a_gpu(slot, request_id: int, layer: int, tokens: int) -> None:
+    """What ring_slot does from the device: the header and the sequence word, no doorbell."""
+    shm.write_request_header(slot.buffer, request_id, layer, "f32", tokens, tokens * TOP_K, HIDDEN, padded=True)
+    slot.request_seq = slot.request_seq + 1
+
+
+def test_a_request_rung_without_the_doorbell_is_served(client):
+    """A GPU parent's kernels write the request and its sequence word but cannot ring the
+    doorbell: the daemon finds the slot (spinning, or once rouse() rang for it), and answers
+    the device's request id (bit 63 set) with a RESULT."""
+    client.attach_shared(batch_capacity=8, hidden=HIDDEN, max_pairs_per_token=TOP_K)
+    arena = client.arena
+    ids = np.array([[0, 2, -1, -1], [1, -1, -1, -1]], np.int32)
+    weights = np.full((2, TOP_K), 0.5, np.float32)
+    x = ramp(2, seed=3)
+    want = expected_output(1, x, (ids >= 0).sum(axis=1), ids[ids >= 0], weights[ids >= 0])
+    for n, request_id in enumerate([(1 << 63) | 1, (1 << 63) | 2]):
+        write_padded(client, n, x, ids, weights)
+        ring_like_a_gpu(arena.slots[n], request_id, 1, 2)
+        deadline = time.monotonic() + 10
+        while arena.slots[n].pending() and time.monotonic() < deadline:
+            arena.rouse()
+            time.sleep(0.001)
+        assert not arena.slots[n].pending()
+        assert shm.read_reply_header(arena.slots[n].buffer)[:3] == (request_id, 2, HIDDEN)
+        np.testing.assert_allclose(arena.slots[n].read_result(2), want, rtol=1e-6)
+
+
+def test_rouse_rings_only_for_a_sleeping_daemon_with_work():
+    layout = ArenaLayout(slots=2, batch_capacity=4, hidden=HIDDEN, max_pairs_per_token=TOP_K)
+    arena = Arena.create(layout)
+    try:
+        bell = arena.doorbell.value()
+        arena.slots[1].request_seq = 1                                # a pending request
+        arena.rouse()
+        assert arena.doorbell.value() == bell                         # the daemon is awake
+        arena.words[shm.DAEMON_SLEEPING_WORD] = 1
+        arena.rouse()
+        assert arena.doorbell.value() == bell + 1
+        arena.slots[1].request_seq = 0                                # answered: nothing to wake it for
+        arena.rouse()
+        assert arena.doorbell.value() == bell + 1
+    finally:
+        arena.unlink()
+        arena.close()
+
+
+def test_a_spinning_wait_ends_when_work_is_ready():
+    layout = ArenaLayout(slots=1, batch_capacity=4, hidden=HIDDEN, max_pairs_per_token=TOP_K)
+    arena = Arena.create(layout)
+    try:
+        calls = iter(range(1000))
+        started = time.monotonic()
+        assert arena.doorbell.wait(arena.doorbell.value(), spin_s=30, sleep_s=0, ready=lambda: next(calls) >= 3)
+        assert time.monotonic() - started < 10
+        assert not arena.doorbell.wait(arena.doorbell.value(), spin_s=0.01, sleep_s=0, ready=lambda: False)
+    finally:
+        arena.unlink()
+        arena.close()

@@ -83,3 +83,23 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) { return
 __device__ __forceinline__ float block_max(float value, float* scratch) { return block_reduce<true>(value, scratch); }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// Nanoseconds of a clock that runs while a kernel spins: the global timer on CUDA, the
+// constant 100 MHz wall clock on HIP.
+__device__ __forceinline__ unsigned long long device_clock_ns() {
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+    return wall_clock64() * 10ull;
+#else
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    return ns;
+#endif
+}
+
+__device__ __forceinline__ void pause_briefly() {         // between reads of a word another side writes
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+    __builtin_amdgcn_s_sleep(2);
+#else
+    __nanosleep(200);
+#endif
+}

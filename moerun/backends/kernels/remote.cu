@@ -76,3 +76,67 @@ extern "C" __global__ void add_reply_rows(float* __restrict__ out, const float* 
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i < n) out[(long long)row0 * hidden + i] += reply[i];
 }
+
+// -- requests rung from the device: a captured decode step reaches a daemon on this host
+// through the pinned arena with no host action (ipc/shm.py has the slot layout). The slot
+// words and headers are host memory mapped here; `words` is the parent's pinned array of its
+// step: [0] abort (the host sets it when a daemon died or ran out of time), then per daemon
+// [request ids, failures, wait ns, daemon compute ns].
+#define SLOT_REQUEST_SEQ 0
+#define SLOT_REPLY_SEQ 64
+#define SLOT_REQUEST_HEADER 256
+#define SLOT_REPLY_HEADER 2048
+#define OP_COMPUTE_PADDED 4
+#define OP_RESULT 2
+#define DAEMON_WORDS 4
+
+// One thread: the COMPUTE header of a padded request (its frames are in the slot already,
+// written by pack_remote before this), then the slot's request sequence word, which the
+// daemon watches.
+extern "C" __global__ void ring_slot(u8* slot, unsigned long long* words, int daemon, int version,
+                                     int layer, int dtype, int n_tokens, int top_k, int hidden) {
+    wait_for_previous_grid();
+    volatile u32* header = (volatile u32*)(slot + SLOT_REQUEST_HEADER);
+    unsigned long long* ids = words + 1 + daemon * DAEMON_WORDS;
+    unsigned long long request_id = (*ids += 1) | (1ull << 63);    // the host's own ids stay below 2^63
+    header[0] = (u32)version;
+    header[1] = OP_COMPUTE_PADDED;
+    header[2] = (u32)request_id;
+    header[3] = (u32)(request_id >> 32);
+    header[4] = (u32)layer;
+    header[5] = (u32)dtype;
+    header[6] = (u32)n_tokens;
+    header[7] = (u32)(n_tokens * top_k);
+    header[8] = (u32)hidden;
+    __threadfence_system();
+    volatile u32* request_seq = (volatile u32*)(slot + SLOT_REQUEST_SEQ);
+    *request_seq = *request_seq + 1;
+    __threadfence_system();
+}
+
+// One thread: wait until the daemon answered the slot (its reply sequence word catches up
+// with the request's), the host aborts the step, or timeout_ns pass; a reply that is not the
+// RESULT of this request, an abort and a timeout count as the daemon's failure (the host
+// runs the step again without it). Adds the wait and the daemon's compute time.
+extern "C" __global__ void await_slot(const u8* slot, unsigned long long* words, int daemon,
+                                      unsigned long long timeout_ns) {
+    wait_for_previous_grid();
+    volatile const u32* request_seq = (volatile const u32*)(slot + SLOT_REQUEST_SEQ);
+    volatile const u32* reply_seq = (volatile const u32*)(slot + SLOT_REPLY_SEQ);
+    volatile unsigned long long* abort = (volatile unsigned long long*)words;
+    unsigned long long* mine = words + 1 + daemon * DAEMON_WORDS;
+    unsigned long long start = device_clock_ns(), now = start;
+    u32 expected = *request_seq;
+    while (*reply_seq != expected) {
+        now = device_clock_ns();
+        if (*abort || now - start > timeout_ns) { mine[1] += 1; mine[2] += now - start; return; }
+        pause_briefly();
+    }
+    __threadfence_system();
+    volatile const u32* request = (volatile const u32*)(slot + SLOT_REQUEST_HEADER);
+    volatile const u32* reply = (volatile const u32*)(slot + SLOT_REPLY_HEADER);
+    bool answered = reply[1] == OP_RESULT && reply[2] == request[2] && reply[3] == request[3];
+    mine[1] += !answered;
+    mine[2] += device_clock_ns() - start;
+    if (answered) mine[3] += (unsigned long long)(*(volatile const double*)(slot + SLOT_REPLY_HEADER + 32) * 1e3);
+}

@@ -54,11 +54,15 @@ class Handler(Protocol):
     def stats(self) -> dict: ...
 
     # The arena a parent attached with transport "shared" or "device" (header: the ATTACH
-    # request, for the parent's IPC event handles): the reply fields for
-    # ATTACH and, for a handler that serves padded requests in place (a GPU daemon), a
-    # callable (slot index, layer, dtype, T) -> compute µs; None: the server hands padded
-    # requests to compute() as ragged ones. Raises ValueError for a transport it cannot serve.
-    def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None]: ...
+    # request, for the parent's IPC event handles): the reply fields for ATTACH; for a
+    # handler that serves padded requests in place, a callable (slot index, layer, dtype, T)
+    # (None: the server hands padded requests to compute() as ragged ones); and for one that
+    # serves the arena's requests in a loop of its own, a callable (spin_s, max_s) -> requests
+    # served, which returns once the arena was idle for spin_s, its doorbell changed, max_s
+    # passed, or a request is left that it does not serve (the server then serves it).
+    # Raises ValueError for a transport it cannot serve.
+    def attach(self, arena: Arena, transport: str,
+               header: dict) -> tuple[dict, Callable | None, Callable | None]: ...
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Session:
     ready: bool = False               # an ASSIGN has succeeded
     arena: Arena | None = None
     slot_compute: Callable | None = None   # the handler's in-place compute of padded slot requests
+    serve_pending: Callable | None = None  # the handler's own loop over the arena's requests
 
     def describe(self) -> str:
         return f"parent pid {self.parent['pid']} on {self.parent['hostname']}"
@@ -151,6 +156,13 @@ class Server:
     def _serve_shared(self, arena: Arena) -> None:
         seen = arena.doorbell.value()
         now = time.perf_counter()
+        session = self._session
+        if session.serve_pending is not None and session.ready and not self._stopping:
+            if session.serve_pending(max(0.0, self.spin_s - (now - self._last_work)),
+                                     max(0.0, self._next_socket_check - now)):
+                session.last_seen = time.monotonic()
+                self._last_work = time.perf_counter()
+            now = time.perf_counter()
         for index, slot in enumerate(arena.slots):
             if slot.pending() and not self._stopping:
                 self._serve_slot(index, slot, arena.layout)
@@ -322,7 +334,7 @@ class Server:
                                                f"{', '.join(p.ATTACH_TRANSPORTS)}, got {transport!r}")
         arena = Arena.attach(header.get("name"), layout)
         try:
-            fields, slot_compute = self.handler.attach(arena, transport, header)
+            fields, slot_compute, serve_pending = self.handler.attach(arena, transport, header)
         except ValueError as e:
             arena.close()
             raise ProtocolError(p.BAD_REQUEST, f"attach: {e}") from None
@@ -332,7 +344,7 @@ class Server:
         if session.arena is not None:
             session.arena.detach()
         arena.state = STATE_ATTACHED
-        session.arena, session.slot_compute = arena, slot_compute
+        session.arena, session.slot_compute, session.serve_pending = arena, slot_compute, serve_pending
         self._control_seen = arena.control_bell
         logger.info(f"attached shared arena {arena.name} ({transport}): {layout.slots} slots of "
                  f"{layout.slot_bytes / 2**20:.1f} MiB for {session.describe()}")

@@ -52,8 +52,8 @@ class EchoHandler:
     def stats(self) -> dict:
         return {}
 
-    def attach(self, arena, transport: str, header: dict) -> tuple[dict, None]:
-        return {}, None           # padded requests come to compute() as ragged ones
+    def attach(self, arena, transport: str, header: dict) -> tuple[dict, None, None]:
+        return {}, None, None     # padded requests come to compute() as ragged ones
 
 
 def serve_moerun(endpoint: str) -> None:

@@ -13,9 +13,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moerun.backends.cpu.slot_server import SlotServer
 from moerun.backends.devices import gpu_module, parse_device
 from moerun.backends.numpy_backend import (
     ExpertStore,
+    QuantizedExperts,
     expert_store,
     float32_expert_bytes,
 )
@@ -53,7 +55,9 @@ class ExpertDaemon:
         self.prefetch: threading.Thread | None = None              # reads the assigned experts' pages ahead
         self.gpu = None if device == "cpu" else GpuExpertSet(device, self.gguf, self.spec)
         self.arena: Arena | None = None                            # the attached parent's, for a CPU daemon
+        self.slot_server: SlotServer | None = None                 # its compiled loop, for these experts
         self.calls = self.tokens = self.pairs = 0
+        self.loop_calls = 0                                        # of those, served by the compiled loop
         self.compute_seconds = 0.0
 
     def info(self) -> dict:
@@ -66,7 +70,7 @@ class ExpertDaemon:
         """Load exactly these experts (global ids per layer) from this daemon's own mmap."""
         self._check_assignment(experts)
         self.assigned.clear()             # the attached arena stays: a new ASSIGN replaces only experts
-        self.store = None
+        self.store = self.slot_server = None
         if self.gpu is not None:
             self.gpu.load(experts, progress)
         else:
@@ -123,15 +127,16 @@ class ExpertDaemon:
             raise KeyError(f"no experts of layer {layer} are assigned to this daemon")
         return self.assigned[layer]
 
-    def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None]:
+    def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None, Callable | None]:
         """A parent's arena: padded requests are served in place, by a GPU daemon from its device
-        buffers (transport "device") or the pinned arena, by a CPU one from the arena's slots."""
+        buffers (transport "device") or the pinned arena, by a CPU one from the arena's slots (most
+        of them in the CPU kernels' own loop)."""
         if self.gpu is None:
             if transport == "device":
                 raise ValueError("the device transport needs a GPU daemon; this one computes on the CPU "
                                  "(use --transport shared)")
-            self.arena = arena
-            return {}, self._compute_cpu_slot
+            self.arena, self.slot_server = arena, None
+            return {}, self._compute_cpu_slot, self._serve_pending
         incoming = header.get("incoming", [])
         if transport == "device" and (not isinstance(incoming, list) or len(incoming) != arena.layout.slots
                                       or not all(isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES
@@ -139,7 +144,7 @@ class ExpertDaemon:
             raise ValueError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event "
                              f"handles of {IPC_HANDLE_BYTES} bytes")
         fields = self.gpu.attach(arena, transport, incoming)
-        return fields, self._compute_slot
+        return fields, self._compute_slot, None
 
     def _compute_cpu_slot(self, index: int, layer: int, dtype: str, tokens: int) -> None:
         """A padded request (ids and weights [T, K], -1: none) in slot `index`, its result
@@ -156,6 +161,20 @@ class ExpertDaemon:
         slot.write_result(out)
         self._count(tokens, started)
 
+    def _serve_pending(self, spin_s: float, max_s: float) -> int:
+        """The arena's requests the CPU kernels' loop serves (f32 padded requests of layers held
+        here), until it is idle for spin_s or max_s pass; the number served."""
+        if not isinstance(self.store, QuantizedExperts) or self.arena is None:
+            return 0
+        if self.slot_server is None:
+            self.slot_server = SlotServer(self.arena, self.store, self.assigned, self.spec.n_layers)
+        counts = self.slot_server.serve(spin_s, max_s)
+        self.calls += counts.calls
+        self.loop_calls += counts.calls
+        self.tokens += counts.tokens
+        self.compute_seconds += counts.compute_seconds
+        return counts.calls
+
     def _compute_slot(self, index: int, layer: int, dtype: str, tokens: int) -> None:
         started = time.perf_counter()
         self._experts_of(layer)
@@ -164,13 +183,13 @@ class ExpertDaemon:
 
     def release(self) -> None:
         self.assigned.clear()
-        self.store = None
+        self.store = self.slot_server = None
         self.arena = None
         if self.gpu is not None:
             self.gpu.release()
 
     def stats(self) -> dict:
         compute_seconds = self.gpu.device_seconds() if self.gpu is not None else self.compute_seconds
-        return {"calls": self.calls, "tokens": self.tokens, "pairs": self.pairs,
+        return {"calls": self.calls, "loop_calls": self.loop_calls, "tokens": self.tokens, "pairs": self.pairs,
                 "compute_seconds": compute_seconds,
                 "experts_loaded": sum(len(ids) for ids in self.assigned.values())}

@@ -1,7 +1,8 @@
 """Padded slot requests (ids and weights [T, K], -1 for no expert: what a GPU parent writes)
 served by a real CPU daemon process in place, its experts' pairs handed to the kernels as
-they are: the result against the float32 reference over the same experts, and a bad local id
-as an error reply. Shape legend: T tokens, H hidden, K slots, E experts."""
+they are (f32 ones by the kernels' own loop over the arena, the others from Python): the
+result against the float32 reference over the same experts, and a bad local id as an error
+reply (the loop leaves it to Python). Shape legend: T tokens, H hidden, K slots, E experts."""
 from __future__ import annotations
 
 import numpy as np
@@ -62,6 +63,7 @@ def test_a_padded_request_equals_the_float32_reference(daemon, tokens, dtype):
         row[rng.permutation(TOP_K)[:len(here)]] = here
     ids[0] = -1                                                  # a token with nothing here
     weights = rng.random((tokens, TOP_K)).astype(np.float32)
+    before = client.stats()
     client.collect(post_padded(client, x, ids, weights, dtype), timeout_s=30)
     got = client.arena.slots[1].read_result(tokens)
     sent = x.astype(np.float16).astype(np.float32) if dtype == "f16" else x
@@ -70,6 +72,9 @@ def test_a_padded_request_equals_the_float32_reference(daemon, tokens, dtype):
     assert np.all(got[0] == 0)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert client.slot_idle(1)
+    after = client.stats()
+    assert after["calls"] - before["calls"] == 1
+    assert after["loop_calls"] - before["loop_calls"] == (dtype == "f32")     # f32: the compiled loop's
 
 
 def test_a_padded_request_with_a_bad_local_id_is_an_error_reply(daemon):

@@ -64,7 +64,7 @@ class FakeHandler:
     def attach(self, arena, transport, header):
         if transport == "device":
             raise ValueError("the device transport needs a GPU daemon")
-        return {}, None
+        return {}, None, None
 
     def release(self) -> None:
         self.local_experts = {}

@@ -1,7 +1,8 @@
 """The compiled CPU kernels through ctypes: the structs of kernels/moe_cpu.h, the functions
 (moe_ffn and moe_ffn_padded, the grouped expert FFN, called by numpy_backend.QuantizedExperts; moe_matmul, the
 products of a few matrices with one input, called by numpy_backend.StoredMatrix; the work of a
-layer around its products, decode.c, called by numpy_backend.NumpyBackend), the instruction
+layer around its products, decode.c, called by numpy_backend.NumpyBackend; a CPU daemon's
+arena served in a loop, serve.c, called by slot_server.SlotServer), the instruction
 set they run with, and the threads they use by default.
 load_kernels() builds or loads the library once per process; where it cannot, it says why once
 and returns None (the caller then takes the numpy path).
@@ -48,6 +49,22 @@ class AttentionShape(ctypes.Structure):
                 ("rope_neox", c_int64), ("eps", c_float), ("scale", c_float)]
 
 
+class SlotLayout(ctypes.Structure):
+    """struct moe_slot_layout: byte offsets of an arena's words, headers and frames."""
+    _fields_ = [(name, c_int64 if name != "arena" else c_void_p) for name in (
+        "arena", "slots", "slot_bytes", "first_slot", "doorbell", "request_seq", "reply_seq", "parent_sleeping",
+        "request_header", "reply_header", "data", "ids", "weights", "capacity", "hidden", "per_token", "version")]
+
+
+class ServedLayer(ctypes.Structure):
+    """struct moe_served_layer: a layer's experts and the global id of each local one."""
+    _fields_ = [("experts", ExpertMatrices), ("expert_map", c_void_p), ("n_map", c_int64)]
+
+
+class ServeCounts(ctypes.Structure):
+    _fields_ = [("calls", c_int64), ("tokens", c_int64), ("compute_seconds", ctypes.c_double)]
+
+
 class CpuKernels:
     def __init__(self, path):
         self.lib = lib = ctypes.CDLL(str(path))
@@ -66,6 +83,8 @@ class CpuKernels:
                                       c_void_p, c_int]
         lib.moe_route.argtypes = [POINTER(Matrix), c_void_p, c_int64, c_void_p, c_float, c_int64, c_int, c_void_p,
                                   c_void_p, c_void_p, c_int]
+        lib.moe_serve_slots.argtypes = [POINTER(SlotLayout), POINTER(ServedLayer), c_int64, c_void_p, c_void_p,
+                                        ctypes.c_double, ctypes.c_double, c_int, POINTER(ServeCounts)]
         lib.moe_supports_type.argtypes = [c_int64]
         lib.moe_isa_name.argtypes = [c_int]
         lib.moe_isa_name.restype = c_char_p

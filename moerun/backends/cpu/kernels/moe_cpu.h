@@ -45,6 +45,31 @@ MOE_API int moe_ffn_padded(const struct moe_experts* experts, const float* x, in
 MOE_API int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const float* x, int64_t n_tokens,
                        float* y, int threads);
 
+// serve.c: a CPU daemon's arena (ipc/shm.py) served here until it is idle for spin_s, its
+// doorbell changes or max_s pass. The byte offsets of the arena's words, headers and frames:
+struct moe_slot_layout {
+    uint8_t* arena;
+    int64_t slots, slot_bytes, first_slot, doorbell;            // first_slot, doorbell: in the arena
+    int64_t request_seq, reply_seq, parent_sleeping;            // in a slot, as are the rest
+    int64_t request_header, reply_header, data, ids, weights;   // data: x [C, H] in, the result out
+    int64_t capacity, hidden, per_token, version;               // C, H, K; the protocol's version
+};
+// A layer's experts as the daemon holds them: local id i is expert expert_map[i] (n_map 0: none).
+struct moe_served_layer {
+    struct moe_experts experts;
+    const int64_t* expert_map;
+    int64_t n_map;
+};
+struct moe_serve_counts {
+    int64_t calls, tokens;
+    double compute_seconds;
+};
+// Serves the f32 padded requests of layers it holds, with ids [C*K] and out [C*H] as scratch;
+// returns the index of a pending slot it leaves to the caller (any other request), or -1.
+MOE_API int moe_serve_slots(const struct moe_slot_layout* layout, const struct moe_served_layer* layers,
+                            int64_t n_layers, int64_t* ids, float* out, double spin_s, double max_s, int threads,
+                            struct moe_serve_counts* counts);
+
 // decode.c: the work of a layer around its products (numpy_backend.NumpyBackend), each as its
 // numpy_ops reference computes it. One model's attention shapes, filled once:
 struct moe_attention {

@@ -1,7 +1,8 @@
-"""The expert daemon process: `moerun daemon --model M --device D --listen ENDPOINT` serves the
-experts a parent assigns it (moerun.rig.daemon_handler, behind moerun.ipc.server) until
-SHUTDOWN, SIGTERM/SIGINT, or the death of the parent that spawned it (whose run directory it
-then removes, the parent being unable to)."""
+"""The daemon process: `moerun daemon --model M --device D --listen ENDPOINT` serves the
+experts a parent assigns it (moerun.rig.daemon_handler), or with `--layers A:B` runs those
+layers as a layer shard (moerun.rig.shard_handler), behind moerun.ipc.server, until SHUTDOWN,
+SIGTERM/SIGINT, or the death of the parent that spawned it (whose run directory it then
+removes, the parent being unable to)."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +17,7 @@ from moerun.ipc.server import Server
 from moerun import log
 from moerun.rig.cores import format_cpus, restrict_to_node
 from moerun.rig.daemon_handler import ExpertDaemon
+from moerun.rig.shard_handler import LayerShard
 from moerun.rig.spawn import remove_orphaned_run_dir
 
 logger = logging.getLogger(__name__)
@@ -23,18 +25,21 @@ logger = logging.getLogger(__name__)
 
 def serve(model_path: str, device: str, listen: str, parent_pid: int | None,
           curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
-          threads: int | None = None, numa_node: int | None = None) -> None:
+          threads: int | None = None, numa_node: int | None = None, layers: range | None = None,
+          ctx: int = 4096, kv_dtype: str = "f16") -> None:
     """Run a daemon until SHUTDOWN, SIGTERM/SIGINT, or the death of `parent_pid`. On a tcp://
     address other hosts can reach it needs its CURVE secret key file and the public key file
     (or directory of them) of the parents it serves; elsewhere they are optional. A CPU daemon
     computes with `threads` threads (default_threads() if None), on NUMA node `numa_node`'s
-    CPUs only when given (held there before anything is loaded)."""
+    CPUs only when given (held there before anything is loaded). With `layers` it is a layer
+    shard, its KV cache sized for `ctx` positions of `kv_dtype` (on a GPU)."""
     log.use_daemon_format()
     curve = server_keys_for(listen, curve_secret_key, curve_authorized_keys)
     if numa_node is not None:
         cpus = restrict_to_node(numa_node)
         logger.info(f"on NUMA node {numa_node}: CPUs {format_cpus(cpus)}")
-    daemon = ExpertDaemon(model_path, device, threads)
+    daemon = (ExpertDaemon(model_path, device, threads) if layers is None
+              else LayerShard(model_path, device, layers, ctx, threads, kv_dtype))
     server = Server(listen, daemon, curve=curve)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())

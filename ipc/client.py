@@ -231,6 +231,32 @@ class DaemonClient:
         self._shared.post(slot, request_id, int(layer), dtype, tokens)
         return request_id
 
+    def forward(self, sequence: int, start: int, x: np.ndarray, dtype: str, timeout_s: float,
+                alive: Callable[[], bool] | None = None) -> np.ndarray:
+        """A layer shard's step: x f32 [T, H] at positions start.. of `sequence` (start 0 begins
+        it) -> f32 [T, H] after the shard's last layer; both ways in the payload dtype."""
+        tokens, hidden = x.shape
+        request_id = self._next_id()
+        header = p.forward_header(request_id, sequence, start, dtype, tokens, hidden)
+        payload = p.encode_payload(x, dtype)
+        started = time.perf_counter()
+        try:
+            self._socket.send_multipart([header, payload], copy=False)
+        except zmq.Again:
+            raise DaemonTimeout(f"daemon {self.endpoint}: send queue full") from None
+        self.counters.calls += 1
+        self.counters.bytes_sent += len(header) + payload.nbytes
+        try:
+            reply, frames = self._await(request_id, time.monotonic() + timeout_s, alive, p.FORWARD)
+        finally:
+            self.counters.wait_seconds += time.perf_counter() - started
+        self._raise_if_error(reply)
+        if (reply["op"] != p.HIDDEN or len(frames) != 1
+                or len(frames[0]) != tokens * hidden * p.WIRE_ITEMSIZE[dtype]):
+            raise DaemonError(p.BAD_FRAME, f"bad reply to a [{tokens}, {hidden}] forward: {reply}", self.endpoint)
+        self.counters.compute_seconds += float(reply.get("compute_us", 0.0)) / 1e6
+        return p.decode_payload(frames[0], dtype, (tokens, hidden))
+
     def collect(self, request_id: int, timeout_s: float,
                 alive: Callable[[], bool] | None = None) -> None:
         """Wait for a posted request's reply; the result stays in the slot or device buffer."""

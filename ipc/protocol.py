@@ -34,8 +34,10 @@ PONG = "pong"
 BYE = "bye"
 SHUTDOWN = "shutdown"
 ERROR = "error"
+FORWARD = "forward"       # a layer shard: the hidden state through its layers
+HIDDEN = "hidden"         # its reply
 OPS = (HELLO, ASSIGN, PROGRESS, READY, ATTACH, COMPUTE, RESULT, STATS, PING, PONG, BYE, SHUTDOWN,
-       ERROR)
+       ERROR, FORWARD, HIDDEN)
 
 # Error codes of {"op": "error"} replies.
 BAD_FRAME = "bad_frame"
@@ -249,3 +251,41 @@ def _compute_field_error(header: dict, hidden: int, max_tokens: int) -> Protocol
         return e
     return ProtocolError(BAD_REQUEST, f"unknown payload dtype {header.get('dtype')!r} "
                                       f"(known: {', '.join(PAYLOAD_DTYPES)})")
+
+
+# -- a layer shard's FORWARD: the hidden state [T, H] at positions start.. of sequence
+# `sequence` through the shard's layers; the reply (HIDDEN) carries the state after its last
+# layer in the same payload dtype. start 0 begins a new sequence; any other start continues
+# the sequence the shard holds, at exactly its length.
+
+@dataclass(slots=True)
+class ForwardRequest:
+    sequence: int
+    start: int
+    dtype: str
+    x: np.ndarray          # f32 [T, H]
+
+
+def forward_header(request_id: int, sequence: int, start: int, dtype: str, tokens: int, hidden: int) -> bytes:
+    return pack_header(FORWARD, id=request_id, sequence=sequence, start=start, dtype=dtype, tokens=tokens,
+                       hidden=hidden)
+
+
+def hidden_header(request_id: int, tokens: int, hidden: int, dtype: str, compute_us: float) -> bytes:
+    return pack_header(HIDDEN, id=request_id, tokens=tokens, hidden=hidden, dtype=dtype, compute_us=compute_us)
+
+
+def parse_forward(header: dict, frames: list, *, hidden: int, max_tokens: int) -> ForwardRequest:
+    """Validate a FORWARD header and its one frame; raises ProtocolError."""
+    sequence = int_field(header, "sequence", 0)
+    start = int_field(header, "start", 0)
+    tokens = int_field(header, "tokens", 1, max_tokens)
+    int_field(header, "hidden", hidden, hidden)
+    dtype = header.get("dtype")
+    if dtype not in WIRE_ITEMSIZE:
+        raise ProtocolError(BAD_REQUEST, f"unknown payload dtype {dtype!r} (known: {', '.join(PAYLOAD_DTYPES)})")
+    if len(frames) != 1 or len(frames[0]) != tokens * hidden * WIRE_ITEMSIZE[dtype]:
+        raise ProtocolError(BAD_FRAME, f"forward needs one frame of {tokens * hidden * WIRE_ITEMSIZE[dtype]} "
+                                       f"bytes (x [{tokens}, {hidden}] {dtype}), got "
+                                       f"{[len(frame) for frame in frames]}")
+    return ForwardRequest(sequence, start, dtype, decode_payload(frames[0], dtype, (tokens, hidden)))

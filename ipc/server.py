@@ -53,6 +53,11 @@ class Handler(Protocol):
 
     def stats(self) -> dict: ...
 
+    # A layer shard's step (the daemon started with a layer range): f32 x [T, H] at positions
+    # start.. of `sequence` -> f32 [T, H] after its last layer. ValueError when it cannot (an
+    # expert daemon, a start that does not continue the sequence it holds).
+    def forward(self, sequence: int, start: int, x: np.ndarray) -> np.ndarray: ...
+
     # The arena a parent attached with transport "shared" or "device" (header: the ATTACH
     # request, for the parent's IPC event handles): the reply fields for ATTACH; for a
     # handler that serves padded requests in place, a callable (slot index, layer, dtype, T)
@@ -114,7 +119,7 @@ class Server:
         self._next_socket_check = 0.0
         self.counts = {"requests": 0, "errors": 0, "sessions": 0}
         self._ops = {p.HELLO: self._hello, p.ASSIGN: self._assign, p.ATTACH: self._attach,
-                     p.COMPUTE: self._compute, p.STATS: self._stats, p.PING: self._ping,
+                     p.COMPUTE: self._compute, p.FORWARD: self._forward, p.STATS: self._stats, p.PING: self._ping,
                      p.BYE: self._bye, p.SHUTDOWN: self._shutdown}
 
     def stop(self) -> None:
@@ -360,6 +365,18 @@ class Server:
         out = np.ascontiguousarray(out)
         self._send(peer, p.result_header(header["id"], request.layer, *out.shape, compute_us),
                    out)
+
+    def _forward(self, peer: bytes, header: dict, frames: list) -> None:
+        self._owned_session(peer)
+        request = p.parse_forward(header, frames, hidden=self.hidden, max_tokens=self.batch_capacity_max)
+        start = time.perf_counter()
+        try:
+            out = self.handler.forward(request.sequence, request.start, request.x)
+        except ValueError as e:
+            raise ProtocolError(p.BAD_REQUEST, f"forward: {e}") from None
+        compute_us = (time.perf_counter() - start) * 1e6
+        self._send(peer, p.hidden_header(header["id"], *out.shape, request.dtype, compute_us),
+                   p.encode_payload(out, request.dtype))
 
     def _require_ready(self) -> None:
         if not self._session.ready:

@@ -179,7 +179,12 @@ DAEMON = {
     "threads": Key(integer(1)),
     "numa_node": Key(integer(0)),
 }
-TOP_LEVEL_NAMES = (*TOP_LEVEL, *TABLES, "daemon")
+SPLIT = {                      # one [[split]] table: a layer shard and the first layer it runs
+    "device": Key(device),
+    "endpoint": Key(endpoint),
+    "layer": Key(integer(1)),
+}
+TOP_LEVEL_NAMES = (*TOP_LEVEL, *TABLES, "daemon", "split")
 
 
 def load_config_file(path: str | Path, *rules: Rule) -> dict[str, object]:
@@ -219,6 +224,10 @@ class _Reader:
                 if entries is not None:
                     values["daemons"] = tuple(entry.spec for entry in entries)
                     values["daemon_entries"] = entries
+            elif name == "split":
+                splits = self._splits(value)
+                if splits is not None:
+                    values["splits"] = splits
             elif name in TOP_LEVEL:
                 values.update(self._table((), {name: value}, TOP_LEVEL))
             else:
@@ -287,6 +296,27 @@ class _Reader:
             self._check_entry(where, entry, entries)
             entries.append(entry)
         return tuple(entries)
+
+    def _splits(self, value: object) -> tuple[str, ...] | None:
+        """[[split]] tables as --split takes them: SPEC@LAYER, SPEC its endpoint, else its device."""
+        if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+            self.problem(("split",), "split must be a list of [[split]] tables")
+            return None
+        splits = []
+        for index, table in enumerate(value):
+            where = ("split", index)
+            keys = self._table(where, table, SPLIT)
+            if "device" in keys and "endpoint" in keys:
+                self.problem(where, "a [[split]] runs on a device (spawned here) or at an endpoint, not both")
+            elif ("device" not in keys and "endpoint" not in keys and not self.failed(where + ("device",))
+                  and not self.failed(where + ("endpoint",))):
+                self.problem(where, "a [[split]] needs a device or an endpoint")
+            elif "layer" not in keys:
+                if not self.failed(where + ("layer",)):
+                    self.problem(where, "a [[split]] needs the first layer it runs (layer = N)")
+            else:
+                splits.append(f"{keys.get('endpoint') or keys['device']}@{keys['layer']}")
+        return tuple(splits)
 
     def _check_entry(self, where: tuple, entry: DaemonEntry, before: list[DaemonEntry]) -> None:
         """The rules of one [[daemon]] table, each quiet where a key it reads had a bad value."""

@@ -1,10 +1,23 @@
-"""`moerun daemon`: serve experts of a model to one parent at a time (moerun.daemons)."""
+"""`moerun daemon`: serve experts of a model to one parent at a time, or run a range of its layers (moerun.daemons)."""
 from __future__ import annotations
 
 import click
 
 from moerun.commands.options import MODEL_HELP, friendly_errors, model_or_demo
 from moerun.ipc.sockets import ENDPOINT
+
+
+class LayerRange(click.ParamType):
+    """A:B -> range(A, B)."""
+    name = "A:B"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, range):
+            return value
+        first, _, end = str(value).partition(":")
+        if not (first.isdigit() and end.isdigit() and int(first) < int(end)):
+            self.fail(f"expected A:B with A < B (layers A..B-1), got {value!r}", param, ctx)
+        return range(int(first), int(end))
 
 
 @click.command()
@@ -20,12 +33,21 @@ from moerun.ipc.sockets import ENDPOINT
               help="CPU threads for the experts [default: $OMP_NUM_THREADS, else every CPU it may run on].")
 @click.option("--numa-node", type=click.IntRange(min=0), default=None, metavar="N",
               help="Run on NUMA node N's CPUs only (Linux).")
+@click.option("--layers", type=LayerRange(), default=None, metavar="A:B",
+              help="Run layers A..B-1 as a layer shard (a parent's --split DEVICE@A) instead of serving experts.")
+@click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="A layer shard's KV cache, in positions (the parent's --ctx).")
+@click.option("--kv-dtype", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
+              help="A layer shard's KV cache type on a GPU.")
 @click.option("--parent-pid", type=int, default=None, hidden=True)
 @friendly_errors
-def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, threads, numa_node, parent_pid):
-    """Serve experts of MODEL to one parent at a time; starts with none, the parent assigns them."""
+def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, threads, numa_node, layers, ctx, kv_dtype,
+           parent_pid):
+    """Serve experts of MODEL to one parent at a time (it starts with none: the parent assigns
+    them), or with --layers run a range of its layers as a layer shard."""
     from moerun.daemons.daemon import serve
     if not ENDPOINT.match(listen):
         raise click.BadParameter(f"expected ipc://PATH or tcp://HOST:PORT, got {listen!r}", param_hint="--listen")
     serve(model_or_demo(model), device, listen, parent_pid, curve_secret_key, curve_authorized_keys, threads,
-          numa_node)
+          numa_node, layers, ctx, kv_dtype)
+

@@ -7,7 +7,7 @@ E experts, K experts per token, L layers.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,16 +18,26 @@ from moerun.moe.executor import ExpertExecutor, MoEStats
 from moerun.moe.hotness import RoutingCounter
 
 
+class Shards(Protocol):
+    """The layers after this process's, on layer shards (moerun.rig.shards)."""
+
+    def forward(self, x: np.ndarray, start: int) -> np.ndarray: ...   # f32 [T, H] at positions start.. -> [T, H]
+
+
 class MoEModel:
     def __init__(self, spec: ModelSpec, backend: Backend, weights: ModelWeights, executor: ExpertExecutor,
-                 routing: RoutingCounter | None = None):
-        """routing: counts every MoE layer's routed ids (`moerun profile`); steps then run eagerly."""
+                 routing: RoutingCounter | None = None, shards: Shards | None = None):
+        """routing: counts every MoE layer's routed ids (`moerun profile`); steps then run eagerly.
+        weights: the layers this process runs; shards: the ones after them, whose hidden state
+        crosses the host (steps run eagerly too)."""
         self.spec = spec
         self.backend = backend
         self.weights = weights
         self.executor = executor
         self.routing = routing
-        self._moe_layers = sum(spec.moe_layers)
+        self.shards = shards
+        self.layer_ids = range(weights.first_layer, weights.first_layer + len(weights.layers))
+        self._moe_layers = sum(spec.moe_layers[i] for i in self.layer_ids)
         self._layer_calls = 0             # MoE layer calls and routed pairs, counted per forward
         self._routed_pairs = 0
 
@@ -35,33 +45,55 @@ class MoEModel:
         """Run ids [T] at positions cache.length.. and extend the cache.
         Returns float32 logits [T, V] (all_logits) or [1, V] for the last position."""
         cache.reserve(len(ids))
-        executor_key = self.executor.graph_key() if self.routing is None else None
+        start = cache.length
+        executor_key = self.executor.graph_key() if self.routing is None and self.shards is None else None
         graph_key = None if executor_key is None else (cache.capacity, all_logits, executor_key)
-        logits = self.backend.run_step(lambda ids_, positions: self._forward(ids_, positions, cache, all_logits),
-                                       ids, cache.length, graph_key)
-        cache.advance(len(ids))
-        self._layer_calls += self._moe_layers
-        self._routed_pairs += self._moe_layers * len(ids) * self.spec.n_experts_used
+        logits = self.backend.run_step(
+            lambda ids_, positions: self._forward(ids_, positions, start, cache, all_logits), ids, start, graph_key)
+        self._count(cache, len(ids))
         return logits
+
+    def forward_hidden(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
+        """A layer shard's step: x f32 [T, H] at positions cache.length.. through this
+        process's layers, extending the cache -> f32 [T, H]."""
+        backend = self.backend
+        cache.reserve(len(x))
+        places = np.zeros(len(x), np.int64)           # run_step's ids: here only their count matters
+        out = backend.run_step(lambda _, positions: self._layers(backend.vector(x), positions, cache), places,
+                               cache.length, None)
+        self._count(cache, len(x))
+        return out
+
+    def _count(self, cache: KVCache, n_tokens: int) -> None:
+        cache.advance(n_tokens)
+        self._layer_calls += self._moe_layers
+        self._routed_pairs += self._moe_layers * n_tokens * self.spec.n_experts_used
 
     def moe_stats(self) -> MoEStats:
         return MoEStats.of(self._layer_calls, self._routed_pairs, self.executor.counts())
 
-    def _forward(self, ids: Any, positions: Any, cache: KVCache, all_logits: bool) -> Any:
-        """The pass on the backend's arrays: ids [T], positions [T] -> logits. Launches
-        device work only (host actions go through backend.cut), so a GPU backend can
-        capture it as a graph."""
+    def _forward(self, ids: Any, positions: Any, start: int, cache: KVCache, all_logits: bool) -> Any:
+        """The pass on the backend's arrays: ids [T], positions [T] (from `start`) -> logits.
+        Launches device work only (host actions go through backend.cut), so a GPU backend can
+        capture it as a graph; the layer shards, where there are any, take the hidden state
+        through the host between this process's layers and the head."""
         backend, weights = self.backend, self.weights
-        x = backend.embed(weights.token_embd, ids)                                     # [T, H]
-        for i, layer in enumerate(weights.layers):
+        x = self._layers(backend.embed(weights.token_embd, ids), positions, cache)     # [T, H]
+        if self.shards is not None:
+            x = backend.vector(self.shards.forward(backend.to_host(x), start))
+        if not all_logits:
+            x = x[-1:]
+        return backend.linear(backend.rms_norm(x, weights.output_norm), weights.output)   # [T, V]
+
+    def _layers(self, x: Any, positions: Any, cache: KVCache) -> Any:
+        """x [T, H] through the layers this process runs -> [T, H]."""
+        for i, layer in zip(self.layer_ids, self.weights.layers):
             if layer.delta_net is not None:
                 x = self._delta_net(i, layer, x, cache)
             else:
                 x = self._attention(i, layer, x, cache, positions)
             x = self._ffn(i, layer, x)
-        if not all_logits:
-            x = x[-1:]
-        return backend.linear(backend.rms_norm(x, weights.output_norm), weights.output)   # [T, V]
+        return x
 
     def _attention(self, i: int, w: LayerWeights, x: Any, cache: KVCache, positions: Any) -> Any:
         backend, spec = self.backend, self.spec

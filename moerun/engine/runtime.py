@@ -1,7 +1,7 @@
 """Runtime: one loaded model and the loops that drive it — chunked prefill, decode, logits for
-every position — with their timing. It opens the backend, starts the rig when daemons are
+every position — with their timing. It opens the backend, starts the layer shards (--split) and the rig when daemons are
 asked for (they load their experts first, all at once), loads the parent's weights (only
-its own experts), builds the expert executor and hands it to the model. With a prefix cache,
+its own layers and experts), builds the expert executor and hands it to the model. With a prefix cache,
 generation resumes from the longest snapshot of its prompt and takes new ones (engine/prefix_cache.py).
 
 Shape legend: T prompt tokens, V vocab.
@@ -28,7 +28,8 @@ from moerun.moe.executor import LocalExecutor, MoEStats
 from moerun.moe.hotness import RoutingCounter
 from moerun.moe.placement import PARENT
 from moerun.rig.cores import HostShares, share_host
-from moerun.rig.settings import RigConfig
+from moerun.rig.settings import ConfigError, RigConfig
+from moerun.rig.shards import LayerShards
 from moerun.rig.supervisor import Rig
 
 DEFAULT_CONTEXT = 4096
@@ -73,6 +74,7 @@ class Runtime:
             raise RequestError(f"--ubatch must be at least 1 (got {ubatch})")
         self.gguf = GGUFFile(path)
         self.rig: Rig | None = None
+        self.shards: LayerShards | None = None           # the layers after the parent's (--split)
         self.cpus: HostShares | None = None
         self._tokenizer: Tokenizer | None = None
         self.ubatch = ubatch
@@ -81,19 +83,26 @@ class Runtime:
             self.spec = load_spec(self.gguf)
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
             self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
+            if rig.splits and prefix_cache is not None:
+                raise ConfigError("--split: prefix snapshots do not reach the layer shards' KV caches yet; run "
+                                  "without --prefix-cache-slots (0) or without --split")
             self.cpus = share_host(rig)         # the parent's CPU threads, and those of this host's CPU daemons
             self.cpus.apply_to_parent()
             self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs, threads=self.cpus.parent.threads,
                                         kv_dtype=rig.kv_cache_dtype)
+            if rig.splits:
+                self.shards = LayerShards(rig, self.gguf.path, self.gguf.fingerprint(), self.spec,
+                                          self.kv_pool or self.ctx)
             if rig.daemons:
                 self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=self.kv_pool or self.ctx,
                                cpus=self.cpus)
             held = self.rig.placement.experts_of(PARENT) if self.rig else None
-            weights = load_weights(self.gguf, self.spec, self.backend, held, expert_cache_bytes)
+            layers = range(self.shards.first_layer) if self.shards else None
+            weights = load_weights(self.gguf, self.spec, self.backend, held, expert_cache_bytes, layers=layers)
             executor = (self.rig.executor(weights.experts, expert_cache_bytes) if self.rig
                         else LocalExecutor(weights.experts))
             routing = RoutingCounter(self.spec) if count_routing else None
-            self.model = MoEModel(self.spec, self.backend, weights, executor, routing)
+            self.model = MoEModel(self.spec, self.backend, weights, executor, routing, self.shards)
             if prefix_cache is not None:
                 prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_dtype}")
         except BaseException:
@@ -131,6 +140,9 @@ class Runtime:
         if self.rig is not None:
             self.rig.close()
             self.rig = None
+        if self.shards is not None:
+            self.shards.close()
+            self.shards = None
         if self.cpus is not None:
             self.cpus.release()
         self.gguf.close()
@@ -145,7 +157,7 @@ class Runtime:
         """Float32 logits [T, V] for every position of a fresh sequence, prefilled
         in chunks of `ubatch` tokens exactly as generation does."""
         self._check_prompt(ids)
-        cache = self.backend.new_cache(self.kv_pool or self.ctx)
+        cache = self._new_cache()
         started = time.perf_counter()
         chunks = [self.model.forward(chunk, cache, all_logits=True) for chunk in self._chunks(ids, 0)]
         if stats is not None:
@@ -202,7 +214,7 @@ class Runtime:
         capacity = self.kv_pool or self.ctx
         snapshot = self.prefix_cache.longest(prompt) if self.prefix_cache is not None else None
         if snapshot is None:
-            cache, logits = self.backend.new_cache(capacity), None
+            cache, logits = self._new_cache(), None
         else:
             cache, logits = self.backend.restore_cache(snapshot.state, capacity), snapshot.logits[None]
             stats.restored_tokens = len(snapshot.tokens)
@@ -211,6 +223,12 @@ class Runtime:
             if self.prefix_cache is not None and self.prefix_cache.due(cache.length):
                 self._snapshot(prompt[:cache.length], cache, logits)
         return cache, logits
+
+    def _new_cache(self) -> KVCache:
+        """A fresh sequence's cache; the layer shards start one too (restarting a broken shard)."""
+        if self.shards is not None:
+            self.shards.begin_sequence()
+        return self.backend.new_cache(self.kv_pool or self.ctx)
 
     def _snapshot(self, tokens: Sequence[int], cache: KVCache, logits: np.ndarray) -> None:
         if self.prefix_cache is not None and len(tokens) == cache.length and tokens not in self.prefix_cache:

@@ -62,26 +62,34 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    layers: list[LayerWeights]
+    layers: list[LayerWeights]            # layers first_layer.. of the model
     experts: Experts                      # the routed experts this process computes
-    token_embd: Any                       # [V, H], rows looked up by backend.embed
-    output_norm: Vector                   # [H]
-    output: Matrix                        # [V, H], the LM head (token_embd again when tied)
+    token_embd: Any | None                # [V, H], rows looked up by backend.embed; None on a layer shard
+    output_norm: Vector | None            # [H]
+    output: Matrix | None                 # [V, H], the LM head (token_embd again when tied)
+    first_layer: int = 0
 
 
 def load_weights(gguf: GGUFFile, spec: ModelSpec, backend: Backend, held: dict[int, list[int]] | None,
-                 expert_cache_bytes: int) -> ModelWeights:
-    """Every weight the parent computes with; `held`: its routed experts per layer when
-    daemons hold the rest (None: all of them)."""
+                 expert_cache_bytes: int, layers: range | None = None, ends: bool = True) -> ModelWeights:
+    """Every weight this process computes with: the `layers` it runs (all by default), with the
+    embedding and the head where `ends` (not on a layer shard); `held`: its routed experts per
+    layer when daemons hold the rest (None: all of them)."""
+    layers = range(spec.n_layers) if layers is None else layers
+    if held is None and len(layers) < spec.n_layers:
+        held = {layer: list(range(spec.n_experts)) for layer in layers if spec.moe_layers[layer]}
+    if held is not None:
+        held = {layer: ids for layer, ids in held.items() if layer in layers}
     backend.begin_loading(gguf)
     try:
         head = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"
         return ModelWeights(
-            layers=[load_layer(gguf, spec, i, backend) for i in range(spec.n_layers)],
+            layers=[load_layer(gguf, spec, i, backend) for i in layers],
             experts=backend.load_experts(gguf, held, expert_cache_bytes),
-            token_embd=backend.embedding(gguf, "token_embd.weight"),
-            output_norm=backend.vector(gguf.dequantize("output_norm.weight")),
-            output=backend.matrix(gguf, head),
+            token_embd=backend.embedding(gguf, "token_embd.weight") if ends else None,
+            output_norm=backend.vector(gguf.dequantize("output_norm.weight")) if ends else None,
+            output=backend.matrix(gguf, head) if ends else None,
+            first_layer=layers.start,
         )
     finally:
         backend.finish_loading()

@@ -84,11 +84,19 @@ class RigConfig:
     client_secret_key: str | None = None           # the parent's CURVE secret key file ([auth])
     threads: int | None = None           # the parent's CPU threads [default: its share of this host's CPUs]
     pin: bool = False                    # hold the parent and its CPU daemons to their own cores
+    splits: tuple[tuple[str, int], ...] = ()   # (shard, first layer): --split SPEC@LAYER, boundaries ascending
 
     def __post_init__(self) -> None:
         for spec in self.daemons:
             if not (DEVICE_PATTERN.match(spec) or ENDPOINT.match(spec)):
                 raise ConfigError(f"--daemon {spec!r}: expected cpu, cuda:N, hip:N, ipc://PATH or tcp://HOST:PORT")
+        for spec, layer in self.splits:
+            if not (DEVICE_PATTERN.match(spec) or ENDPOINT.match(spec)) or layer < 1:
+                raise ConfigError(f"--split {spec}@{layer}: expected SPEC@LAYER with SPEC cpu, cuda:N, hip:N, "
+                                  f"ipc://PATH or tcp://HOST:PORT and LAYER >= 1 (the parent runs the layers before it)")
+        layers = [layer for _, layer in self.splits]
+        if layers != sorted(set(layers)):
+            raise ConfigError(f"--split boundaries must be distinct layers in ascending order (got {layers})")
         checks = [
             (bool(DEVICE_PATTERN.match(self.device)), f"--device {self.device!r}: expected cpu, cuda:N or hip:N"),
             (self.kv_dtype in (None, *KV_DTYPES), f"--kv-dtype must be one of {', '.join(KV_DTYPES)}"),
@@ -122,3 +130,11 @@ class RigConfig:
     def tokens_per_call(self) -> int:
         """Most tokens one prefill call to a daemon carries."""
         return STREAM_SLICE_TOKENS if self.mode == "stream" else self.batch_capacity
+
+
+def parse_split(text: str) -> tuple[str, int]:
+    """SPEC@LAYER (--split, a [[split]] table) -> (SPEC, LAYER); ConfigError when malformed."""
+    spec, at, layer = text.rpartition("@")
+    if not at or not spec or not layer.isdigit():
+        raise ConfigError(f"--split {text!r}: expected SPEC@LAYER, e.g. cuda:1@24 (layers 24.. on cuda:1)")
+    return spec, int(layer)

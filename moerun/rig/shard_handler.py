@@ -1,0 +1,94 @@
+"""A layer shard: the daemon process started with a layer range (`moerun daemon --layers A:B`)
+runs those layers for one parent at a time — their attention with its own KV cache, norms,
+routers and every expert of them — taking the hidden state [T, H] at some positions of a
+sequence and giving back the state after its last layer (FORWARD in moerun.ipc.server).
+It holds one sequence: position 0 starts one, every other step must continue it exactly
+(a shard that restarted, or missed a step, says so and the parent starts over).
+
+Shape legend: T tokens, H hidden.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from moerun.backends import open_backend
+from moerun.engine.model import MoEModel
+from moerun.engine.weights import load_weights
+from moerun.gguf.reader import GGUFFile
+from moerun.ipc.shm import Arena
+from moerun.models import load_spec
+from moerun.moe.executor import LocalExecutor
+from moerun.units import available_host_bytes
+
+EXPERT_CACHE_BYTES = 4 << 30        # the float32 experts kept where the CPU kernels cannot read a type
+
+
+class LayerShard:
+    """The Handler behind moerun.ipc.server.Server for layers `layers` of one model file."""
+
+    def __init__(self, model_path: str, device: str, layers: range, ctx: int, threads: int | None = None,
+                 kv_dtype: str = "f16"):
+        self.gguf = GGUFFile(model_path)
+        try:
+            self.spec = load_spec(self.gguf)
+            if not 1 <= layers.start < layers.stop <= self.spec.n_layers:
+                raise ValueError(f"layers {layers.start}:{layers.stop}: a shard runs layers A:B with "
+                                 f"1 <= A < B <= {self.spec.n_layers} (the parent keeps layer 0 on)")
+            self.device, self.layers, self.ctx = device, layers, ctx
+            self._fingerprint = self.gguf.fingerprint()
+            self.backend = open_backend(device, self.spec, graphs=False, threads=threads, kv_dtype=kv_dtype)
+            weights = load_weights(self.gguf, self.spec, self.backend, None, EXPERT_CACHE_BYTES, layers=layers,
+                                   ends=False)
+            self.model = MoEModel(self.spec, self.backend, weights, LocalExecutor(weights.experts))
+        except BaseException:
+            self.gguf.close()
+            raise
+        self.cache = None
+        self.sequence: int | None = None
+        self.calls = self.tokens = 0
+        self.compute_seconds = 0.0
+
+    def info(self) -> dict:
+        return {"fingerprint": self._fingerprint, "device": self.device, "backend": self.backend.kind.lower(),
+                "model": str(self.gguf.path), "n_layers": self.spec.n_layers, "n_experts": self.spec.n_experts,
+                "hidden": self.spec.hidden, "free_bytes": available_host_bytes(),
+                "layers": [self.layers.start, self.layers.stop], "ctx": self.ctx}
+
+    def forward(self, sequence: int, start: int, x: np.ndarray) -> np.ndarray:
+        """x f32 [T, H] at positions start.. of `sequence` -> f32 [T, H] after layer B-1."""
+        if start == 0:
+            self.cache, self.sequence = self.backend.new_cache(self.ctx), sequence
+        elif self.cache is None or sequence != self.sequence or start != self.cache.length:
+            held = ("no sequence" if self.cache is None else
+                    f"sequence {self.sequence} at position {self.cache.length}")
+            raise ValueError(f"sequence {sequence} at position {start} does not continue what this shard holds "
+                             f"({held}): start the sequence again from position 0")
+        if start + len(x) > self.ctx:
+            raise ValueError(f"positions {start}..{start + len(x) - 1} do not fit this shard's context of "
+                             f"{self.ctx} (--ctx)")
+        started = time.perf_counter()
+        out = self.model.forward_hidden(x, self.cache)
+        self.calls += 1
+        self.tokens += len(x)
+        self.compute_seconds += time.perf_counter() - started
+        return out
+
+    def assign(self, experts, progress) -> None:
+        raise ValueError(f"a layer shard runs every expert of its layers {self.layers.start}..{self.layers.stop - 1} "
+                         f"itself; it takes no ASSIGN")
+
+    def compute(self, layer, x, counts, local_ids, weights) -> np.ndarray:
+        raise ValueError("a layer shard takes FORWARD requests, not COMPUTE (start an expert daemon without --layers)")
+
+    def attach(self, arena: Arena, transport: str, header: dict):
+        raise ValueError("a layer shard takes the hidden state over its socket; it maps no arena")
+
+    def release(self) -> None:
+        self.cache, self.sequence = None, None
+
+    def stats(self) -> dict:
+        return {"calls": self.calls, "tokens": self.tokens, "compute_seconds": self.compute_seconds,
+                "layers": [self.layers.start, self.layers.stop],
+                "positions": 0 if self.cache is None else self.cache.length}

@@ -1,0 +1,164 @@
+"""Layer shards as the parent sees them (--split SPEC@LAYER): the layers from each boundary to
+the next run in a shard process (`moerun daemon --layers A:B`, moerun.rig.shard_handler),
+spawned here on cpu, cuda:N or hip:N, or reached at an ipc:// or tcp:// endpoint; the parent
+keeps the embedding, the layers before the first boundary and the head. A step's hidden
+state [T, H] goes through the shards in order over their sockets, in the rig's payload dtype.
+
+A shard that dies or stops answering fails the step in flight with ShardFailed (its KV cache
+is gone with it, so the request cannot go on); the next sequence restarts it (a spawned one
+as a new process, a connected one with a new HELLO) and prefills from position 0.
+Shape legend: T tokens, H hidden.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from moerun.backends.devices import DEVICE_PATTERN
+from moerun.ipc.client import DaemonClient
+from moerun.models.spec import ModelSpec
+from moerun.rig.links import DAEMON_FAILURES, RigError, failure_reason
+from moerun.rig.settings import RigConfig, default_kv_dtype
+from moerun.rig.spawn import LocalDaemon, make_run_dir, remove_run_dir, spawn_daemon
+
+SHARD_START_TIMEOUT_S = 300.0        # a spawned shard loads its layers before it answers HELLO
+
+logger = logging.getLogger(__name__)
+
+
+class ShardFailed(RigError):
+    """A layer shard failed a step: the request in flight cannot go on."""
+
+
+@dataclass
+class ShardLink:
+    index: int
+    spec: str                          # cpu | cuda:N | hip:N (spawned) or ipc://… | tcp://… (connected)
+    layers: range
+    client: DaemonClient | None = None
+    local: LocalDaemon | None = None
+    broken: str | None = None          # why it failed; it restarts before the next sequence
+    restarts: int = 0
+    times_down: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"s{self.index} {self.spec} layers {self.layers.start}-{self.layers.stop - 1}"
+
+    def alive(self) -> bool:
+        return self.local.alive() if self.local else True
+
+
+class LayerShards:
+    def __init__(self, config: RigConfig, model_path: str | Path, fingerprint: str, spec: ModelSpec, ctx: int):
+        """ctx: the positions each shard's KV cache holds (the parent's)."""
+        boundaries = [layer for _, layer in config.splits]
+        for layer in boundaries:
+            if layer >= spec.n_layers:
+                raise RigError(f"--split …@{layer}: the model has layers 0..{spec.n_layers - 1}")
+        ends = [*boundaries[1:], spec.n_layers]
+        self.config, self.model_path, self.fingerprint, self.ctx = config, model_path, fingerprint, ctx
+        self.links = [ShardLink(i, shard_spec, range(layer, end))
+                      for i, ((shard_spec, layer), end) in enumerate(zip(config.splits, ends))]
+        self.sequence = 0
+        self.context = zmq.Context()
+        self.run_dir = make_run_dir()
+        try:
+            for link in self.links:
+                self._start(link)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def first_layer(self) -> int:
+        """The first layer on a shard: the parent runs the ones before it."""
+        return self.links[0].layers.start
+
+    def begin_sequence(self) -> None:
+        """A new sequence (its steps start at position 0): broken shards restart first."""
+        for link in self.links:
+            if link.broken is not None:
+                self._restart(link)
+        self.sequence += 1
+
+    def forward(self, x: np.ndarray, start: int) -> np.ndarray:
+        """x f32 [T, H] at positions start.. of the current sequence through every shard -> [T, H]."""
+        timeout_s, dtype = self.config.daemon_timeout_s, self.config.payload_dtype
+        for link in self.links:
+            if link.broken is not None:
+                raise ShardFailed(self._failure(link))
+            try:
+                x = link.client.forward(self.sequence, start, x, dtype, timeout_s, link.alive)
+            except DAEMON_FAILURES as err:
+                link.broken = failure_reason(err, timeout_s)
+                link.times_down += 1
+                logger.info(f"layer shard {link.name} {link.broken}")
+                raise ShardFailed(self._failure(link)) from None
+        return x
+
+    def _failure(self, link: ShardLink) -> str:
+        return (f"layer shard {link.name} {link.broken}: the request fails (its KV cache is gone); the shard "
+                f"restarts and the next request prefills again")
+
+    def _start(self, link: ShardLink) -> None:
+        spawned = DEVICE_PATTERN.match(link.spec) is not None
+        if spawned:
+            device = link.spec.split(":")[0]
+            kv_dtype = self.config.kv_dtype or default_kv_dtype(device)
+            link.local = spawn_daemon(
+                link.spec, self.model_path, f"ipc://{self.run_dir}/shard-{link.index}.sock",
+                self.run_dir / f"shard-{link.index}.log",
+                extra_args=("--layers", f"{link.layers.start}:{link.layers.stop}", "--ctx", str(self.ctx),
+                            *(("--kv-dtype", kv_dtype) if device != "cpu" else ())))
+        endpoint = link.local.endpoint if link.local else link.spec
+        timeout_s = SHARD_START_TIMEOUT_S if spawned else self.config.daemon_timeout_s
+        link.client = DaemonClient(endpoint, context=self.context, connect_timeout_s=timeout_s)
+        started = time.monotonic()
+        try:
+            info = link.client.hello(self.fingerprint, link.alive)
+        except DAEMON_FAILURES as err:
+            tail = f"; its log ends:\n{link.local.stderr_tail()}" if link.local else ""
+            raise RigError(f"layer shard {link.name} did not start: {err}{tail}") from None
+        if info.get("layers") != [link.layers.start, link.layers.stop]:
+            raise RigError(f"layer shard {link.name} at {endpoint} runs layers {info.get('layers')}, not "
+                           f"{link.layers.start}:{link.layers.stop} (start it with --layers "
+                           f"{link.layers.start}:{link.layers.stop})")
+        if info.get("ctx", 0) < self.ctx:
+            raise RigError(f"layer shard {link.name} at {endpoint} holds {info.get('ctx')} positions, the parent "
+                           f"needs {self.ctx} (start it with --ctx {self.ctx})")
+        link.broken = None
+        logger.info(f"layer shard {link.name} ready in {time.monotonic() - started:.1f} s")
+
+    def _restart(self, link: ShardLink) -> None:
+        """A spawned shard is stopped (it may only hang) and started again; a connected one greeted again."""
+        self._drop(link)
+        link.restarts += 1
+        try:
+            self._start(link)
+        except RigError as err:
+            raise ShardFailed(str(err)) from None
+
+    def _drop(self, link: ShardLink) -> None:
+        if link.client is not None:
+            link.client.close()
+            link.client = None
+        if link.local is not None:
+            link.local.stop()
+            link.local = None
+
+    def close(self) -> None:
+        for link in self.links:
+            if link.client is not None and link.broken is None:
+                try:
+                    link.client.bye()
+                except DAEMON_FAILURES:
+                    pass
+            self._drop(link)
+        self.context.term()
+        remove_run_dir(self.run_dir)

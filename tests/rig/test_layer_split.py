@@ -1,0 +1,152 @@
+"""Layer shards (--split): the layers from each boundary on run in real shard processes
+(`moerun daemon --layers A:B`) spawned or started by hand, the hidden state crossing their
+sockets; the logits and greedy tokens equal all-local, with expert daemons too, and a shard
+killed mid-request fails that request clearly and the next one is right."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from moerun.ipc.client import DaemonClient, DaemonError
+
+from moerun.engine.runtime import Runtime
+from moerun.engine.sampler import SamplingParams
+from moerun.rig.links import RigError
+from moerun.rig.settings import ConfigError, RigConfig
+from moerun.rig.shards import ShardFailed
+from tests.support.daemon_fixtures import wait_for_socket
+from tests.support.hf_models import tiny_model
+from tests.support.to_gguf import write_gguf
+
+PROMPT = np.random.default_rng(11).integers(0, 320, 19).tolist()
+BOUNDS = {"f32": 1e-5, "f16": 2e-3, "bf16": 2e-2}    # max |split - local| / max |local|, as for daemons
+UBATCH = 8                                           # several prefill chunks
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module", params=["qwen3moe", "qwen35moe"])
+def model(request, tmp_path_factory):
+    """(4-layer model path, all-local logits, all-local greedy tokens)."""
+    path = write_gguf(tiny_model(request.param, seed=4, num_hidden_layers=4),
+                      tmp_path_factory.mktemp(request.param) / "model.gguf", "F32")
+    with Runtime(path, ubatch=UBATCH) as local:
+        yield path, local.logits(PROMPT), list(local.generate(PROMPT[:5], 64, GREEDY))
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("boundaries", [(2,), (1, 3), (1, 2, 3)], ids=["1 shard", "2 shards", "3 shards"])
+def test_shards_give_the_all_local_logits_and_tokens(model, boundaries):
+    path, want_logits, want_tokens = model
+    rig = RigConfig(splits=tuple(("cpu", layer) for layer in boundaries))
+    with Runtime(path, ubatch=UBATCH, rig=rig) as split:
+        logits = split.logits(PROMPT)
+        tokens = list(split.generate(PROMPT[:5], 64, GREEDY))
+        calls = [link.client.counters.calls for link in split.shards.links]
+    assert relative_error(logits, want_logits) <= BOUNDS["f32"]
+    assert tokens == want_tokens
+    assert calls == [calls[0]] * len(boundaries) and calls[0] >= 64
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_payload_dtypes_stay_within_their_bounds(model, dtype):
+    path, want_logits, _ = model
+    with Runtime(path, ubatch=UBATCH, rig=RigConfig(splits=(("cpu", 2),), payload_dtype=dtype)) as split:
+        assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS[dtype]
+
+
+def test_shards_with_expert_daemons(model):
+    """The parent's own layers send their cold experts to a daemon; the shard runs the rest."""
+    path, want_logits, want_tokens = model
+    rig = RigConfig(daemons=("cpu",), hot=2, splits=(("cpu", 2),), require_daemons=True)
+    with Runtime(path, ubatch=UBATCH, rig=rig) as split:
+        logits = split.logits(PROMPT)
+        tokens = list(split.generate(PROMPT[:5], 64, GREEDY))
+        stats = split.moe_stats()
+    assert stats.remote_pairs > 0
+    assert relative_error(logits, want_logits) <= BOUNDS["f32"]
+    assert tokens == want_tokens
+
+
+def test_a_shard_killed_mid_request_fails_it_and_the_next_request_is_right(model):
+    path, want_logits, want_tokens = model
+    with Runtime(path, ubatch=UBATCH, rig=RigConfig(splits=(("cpu", 1), ("cpu", 3)))) as split:
+        link = split.shards.links[1]
+        tokens = []
+        with pytest.raises(ShardFailed, match=r"layer shard s1 cpu layers 3-3 died: the request fails"):
+            for token in split.generate(PROMPT[:5], 64, GREEDY):
+                tokens.append(token)
+                if len(tokens) == 4:
+                    link.local.process.send_signal(signal.SIGKILL)
+        assert tokens == want_tokens[:len(tokens)]
+        assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS["f32"]    # restarted, prefilled again
+        assert list(split.generate(PROMPT[:5], 64, GREEDY)) == want_tokens
+        assert (link.restarts, link.times_down) == (1, 1)
+
+
+def test_a_shard_started_by_hand(model, tmp_path):
+    """`moerun daemon --layers 2:4` on an endpoint the parent connects to; one with other
+    layers is refused with the flag that would fit."""
+    path, want_logits, _ = model
+    endpoint = f"ipc://{tmp_path}/shard.sock"
+    process = subprocess.Popen([sys.executable, "-m", "moerun", "daemon", "-m", str(path), "--layers", "2:4",
+                                "--ctx", "512", "--listen", endpoint], stdin=subprocess.DEVNULL)
+    try:
+        wait_for_socket(tmp_path / "shard.sock", process)
+        with Runtime(path, ctx=512, ubatch=UBATCH, rig=RigConfig(splits=((endpoint, 2),))) as split:
+            assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS["f32"]
+        with pytest.raises(RigError, match="runs layers \\[2, 4\\], not 3:4 \\(start it with --layers 3:4\\)"):
+            Runtime(path, ctx=512, rig=RigConfig(splits=((endpoint, 3),)))
+        with pytest.raises(RigError, match="holds 512 positions, the parent needs 1024"):
+            Runtime(path, ctx=1024, rig=RigConfig(splits=((endpoint, 2),)))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+
+
+def test_a_shard_refuses_a_step_that_does_not_continue_its_sequence(model, tmp_path):
+    path, _, _ = model
+    endpoint = f"ipc://{tmp_path}/shard.sock"
+    process = subprocess.Popen([sys.executable, "-m", "moerun", "daemon", "-m", str(path), "--layers", "1:4",
+                                "--ctx", "64", "--listen", endpoint], stdin=subprocess.DEVNULL)
+    try:
+        wait_for_socket(tmp_path / "shard.sock", process)
+        with DaemonClient(endpoint, connect_timeout_s=60) as client:
+            info = client.hello(client_fingerprint(path))
+            x = np.ones((3, info["hidden"]), np.float32)
+            assert client.forward(1, 0, x, "f32", 30).shape == x.shape
+            with pytest.raises(DaemonError, match="sequence 1 at position 5 does not continue .* position 3"):
+                client.forward(1, 5, x, "f32", 30)
+            with pytest.raises(DaemonError, match="do not fit this shard's context of 64"):
+                client.forward(1, 3, np.ones((62, info["hidden"]), np.float32), "f32", 30)
+            with pytest.raises(DaemonError, match="takes no ASSIGN"):
+                client.assign({1: [0]})
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+
+
+def test_split_flags_are_checked():
+    with pytest.raises(ConfigError, match="ascending"):
+        RigConfig(splits=(("cpu", 3), ("cpu", 2)))
+    with pytest.raises(ConfigError, match="LAYER >= 1"):
+        RigConfig(splits=(("cpu", 0),))
+    with pytest.raises(ConfigError, match="expected SPEC@LAYER with SPEC cpu"):
+        RigConfig(splits=(("gpu7", 2),))
+
+
+def test_a_boundary_past_the_model_is_refused(model):
+    path, _, _ = model
+    with pytest.raises(RigError, match="the model has layers 0..3"):
+        Runtime(path, rig=RigConfig(splits=(("cpu", 4),)))
+
+
+def client_fingerprint(path) -> str:
+    from moerun.gguf.reader import GGUFFile
+    with GGUFFile(path) as gguf:
+        return gguf.fingerprint()

@@ -17,7 +17,7 @@ from moerun.gguf.reader import GGUFError
 from moerun.gguf.tokenizer import TokenizerError
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, DaemonError
 from moerun.rig.links import RigError
-from moerun.rig.settings import MODES, RIG_TRANSPORTS, STREAM_SLICE_TOKENS, RigConfig, parse_split
+from moerun.rig.settings import AUTO, MODES, RIG_TRANSPORTS, STREAM_SLICE_TOKENS, RigConfig, parse_split
 
 DEMO_DAEMONS = ("cpu", "cpu")   # `moerun run` and `serve` run the built-in demo with two CPU expert daemons
 MODEL_HELP = "GGUF model file [default: the built-in demo model]."
@@ -115,10 +115,10 @@ def runtime_options(command):
         click.option("--daemon", "daemons", multiple=True, metavar="SPEC",
                      help="Expert daemon: cpu, cuda:N or hip:N (spawned here) or ipc://PATH, tcp://HOST:PORT "
                           "(running already). Repeatable."),
-        click.option("--split", "splits", multiple=True, metavar="SPEC@LAYER",
+        click.option("--split", "splits", multiple=True, metavar="SPEC@LAYER|auto",
                      help="Run the layers from LAYER to the next boundary in a layer shard on SPEC: cpu, cuda:N "
                           "or hip:N (spawned here) or ipc://PATH, tcp://HOST:PORT (running already: `moerun daemon "
-                          "--layers A:B`). Repeatable."),
+                          "--layers A:B`). Repeatable. auto: ranges over this host's GPUs by their free memory."),
         click.option("--hot", type=click.IntRange(min=0), default=None,
                      help="Keep experts 0..N-1 of each layer on the parent, deal the rest to the daemons "
                           "[default: experts per token]."),
@@ -153,5 +153,5 @@ def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, kv_dtype, daemons,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
                     require_daemons=require_daemons, device=device, graphs=graphs, kv_dtype=kv_dtype,
                     daemon_entries=daemon_entries, client_secret_key=client_secret_key, threads=threads, pin=pin,
-                    splits=tuple(parse_split(text) for text in splits))
+                    splits=tuple(parse_split(text) for text in splits if text != AUTO), split_auto=AUTO in splits)
     return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig, prefix_cache=prefix_cache)

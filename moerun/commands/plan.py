@@ -1,4 +1,5 @@
-"""`moerun plan`: place every routed expert on the parent or a daemon within the devices' memory."""
+"""`moerun plan`: place every routed expert on the parent or a daemon within the devices' memory,
+or (--split) the model's layers over devices."""
 from __future__ import annotations
 
 import functools
@@ -20,6 +21,7 @@ from moerun.config import load_config_file
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.moe.hotness import read_hotness
+from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
 from moerun.moe.planner import (
     KV_BYTES_PER_ELEMENT,
     DeviceBudget,
@@ -75,16 +77,32 @@ def _plan_values(config_file: str) -> dict:
               help="Routing counts from `moerun profile` [default: every expert counts the same].")
 @click.option("--safety", default="512MiB", show_default=True, help="Memory kept free on every device.")
 @click.option("--workspace", default="256MiB", show_default=True, help="Scratch memory per device.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Placement JSON to write.")
+@click.option("--split", "splits", multiple=True, metavar="DEVICE=SIZE",
+              help="A device for a layer shard and its memory, e.g. cuda:1=80GiB: print the layer ranges of a "
+                   "layer split over the parent's device and these (what --split auto does) instead of placing "
+                   "experts. Repeatable.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Placement JSON to write (required unless --split).")
 @plan_config
 @friendly_errors
-def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotness, safety, workspace, output):
-    """Place every routed expert on the parent or a daemon within the devices' memory."""
+def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotness, safety, workspace, splits,
+         output):
+    """Place every routed expert on the parent or a daemon within the devices' memory, or with
+    --split the model's layers over devices."""
     model = model_or_demo(model)
     require(parent_device, "--device DEVICE=SIZE", "memory")
     require(ctx, "--ctx", "ctx")
     parent_name, parent_bytes = _device_budget(parent_device, "--device")
     kv_dtype = kv_dtype or default_kv_dtype(parent_name)
+    if splits:
+        devices = [DeviceBudget(parent_name, parent_bytes, is_parent=True),
+                   *(DeviceBudget(*_device_budget(text, "--split")) for text in splits)]
+        with GGUFFile(model) as gguf:
+            sizes = layer_bytes(gguf, load_spec(gguf), kv_pool or ctx, kv_dtype)
+        reserve = parse_bytes(safety, "--safety") + parse_bytes(workspace, "--workspace")
+        click.echo(explain_split(split_layers(sizes, devices, reserve)))
+        return
+    require(output, "-o/--output", "output")
     budgets = [_device_budget(spec, "--daemon") for spec in daemons]
     if cpu_size is not None:
         budgets.append(("cpu", parse_bytes(cpu_size, "--cpu")))

@@ -25,6 +25,17 @@ def stats_document(runtime: Runtime, run: RunStats, **extra) -> dict:
             "fallback_calls": link.fallback_calls, "times_down": link.times_down,
             "restarts": link.restarts, "rejoins": link.rejoins,
         })
+    for link in runtime.shards.links if runtime.shards else []:          # layer shards, in the same shape
+        counters = link.counters
+        daemons.append({
+            "name": link.name, "spec": link.spec, "endpoint": link.client.endpoint if link.client else None,
+            "transport": "stream", "state": "up" if link.broken is None else f"down: {link.broken}",
+            "calls": counters.calls, "mib_sent": counters.bytes_sent / MIB,
+            "mib_received": counters.bytes_received / MIB, "parent_wait_ms": counters.wait_seconds * 1e3,
+            "daemon_compute_ms": counters.compute_seconds * 1e3, "fallback_calls": 0,
+            "times_down": link.times_down, "restarts": link.restarts, "rejoins": 0,
+            "layers": [link.layers.start, link.layers.stop],
+        })
     return {**extra, "model": str(runtime.gguf.path), **run.to_dict(), **runtime.moe_stats().to_dict(),
             "daemons": daemons}
 

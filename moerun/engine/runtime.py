@@ -8,6 +8,7 @@ Shape legend: T prompt tokens, V vocab.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -29,7 +30,7 @@ from moerun.moe.hotness import RoutingCounter
 from moerun.moe.placement import PARENT
 from moerun.rig.cores import HostShares, share_host
 from moerun.rig.settings import ConfigError, RigConfig
-from moerun.rig.shards import LayerShards
+from moerun.rig.shards import LayerShards, auto_splits
 from moerun.rig.supervisor import Rig
 
 DEFAULT_CONTEXT = 4096
@@ -83,13 +84,16 @@ class Runtime:
             self.spec = load_spec(self.gguf)
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
             self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
-            if rig.splits and prefix_cache is not None:
+            if (rig.splits or rig.split_auto) and prefix_cache is not None:
                 raise ConfigError("--split: prefix snapshots do not reach the layer shards' KV caches yet; run "
                                   "without --prefix-cache-slots (0) or without --split")
             self.cpus = share_host(rig)         # the parent's CPU threads, and those of this host's CPU daemons
             self.cpus.apply_to_parent()
             self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs, threads=self.cpus.parent.threads,
                                         kv_dtype=rig.kv_cache_dtype)
+            if rig.split_auto:
+                rig = dataclasses.replace(rig, splits=auto_splits(self.gguf, self.spec, rig, self.kv_pool or self.ctx),
+                                          split_auto=False)
             if rig.splits:
                 self.shards = LayerShards(rig, self.gguf.path, self.gguf.fingerprint(), self.spec,
                                           self.kv_pool or self.ctx)

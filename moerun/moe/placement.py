@@ -33,6 +33,10 @@ class Placement:
     def n_daemons(self) -> int:
         return len(self.daemon_specs)
 
+    def within(self, layers: range) -> Placement:
+        """The placement of `layers` only (a parent whose later layers run on layer shards)."""
+        return Placement({layer: homes for layer, homes in self.homes.items() if layer in layers}, self.daemon_specs)
+
     def experts_of(self, daemon: int) -> dict[int, list[int]]:
         """Global expert ids per layer that `daemon` holds, ascending; the position in
         each list is the daemon-local id."""

@@ -85,6 +85,7 @@ class RigConfig:
     threads: int | None = None           # the parent's CPU threads [default: its share of this host's CPUs]
     pin: bool = False                    # hold the parent and its CPU daemons to their own cores
     splits: tuple[tuple[str, int], ...] = ()   # (shard, first layer): --split SPEC@LAYER, boundaries ascending
+    split_auto: bool = False             # --split auto: layer ranges over this host's GPUs by their free memory
 
     def __post_init__(self) -> None:
         for spec in self.daemons:
@@ -94,6 +95,8 @@ class RigConfig:
             if not (DEVICE_PATTERN.match(spec) or ENDPOINT.match(spec)) or layer < 1:
                 raise ConfigError(f"--split {spec}@{layer}: expected SPEC@LAYER with SPEC cpu, cuda:N, hip:N, "
                                   f"ipc://PATH or tcp://HOST:PORT and LAYER >= 1 (the parent runs the layers before it)")
+        if self.split_auto and self.splits:
+            raise ConfigError("--split auto places every boundary itself: give it alone")
         layers = [layer for _, layer in self.splits]
         if layers != sorted(set(layers)):
             raise ConfigError(f"--split boundaries must be distinct layers in ascending order (got {layers})")

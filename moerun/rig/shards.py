@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import zmq
 
 from moerun.backends.devices import DEVICE_PATTERN
-from moerun.ipc.client import DaemonClient
+from moerun.ipc.client import Counters, DaemonClient
 from moerun.models.spec import ModelSpec
+from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
+from moerun.moe.planner import DeviceBudget
 from moerun.rig.links import DAEMON_FAILURES, RigError, failure_reason
 from moerun.rig.settings import RigConfig, default_kv_dtype
 from moerun.rig.spawn import LocalDaemon, make_run_dir, remove_run_dir, spawn_daemon
 
 SHARD_START_TIMEOUT_S = 300.0        # a spawned shard loads its layers before it answers HELLO
+AUTO_RESERVE_BYTES = 1 << 30         # --split auto keeps this much of each GPU free (workspace, graphs, allocator)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class ShardLink:
     broken: str | None = None          # why it failed; it restarts before the next sequence
     restarts: int = 0
     times_down: int = 0
+    counters: Counters = field(default_factory=Counters)    # its clients' calls, bytes and waits, over restarts
 
     @property
     def name(self) -> str:
@@ -119,6 +123,7 @@ class LayerShards:
         endpoint = link.local.endpoint if link.local else link.spec
         timeout_s = SHARD_START_TIMEOUT_S if spawned else self.config.daemon_timeout_s
         link.client = DaemonClient(endpoint, context=self.context, connect_timeout_s=timeout_s)
+        link.client.counters = link.counters
         started = time.monotonic()
         try:
             info = link.client.hello(self.fingerprint, link.alive)
@@ -162,3 +167,23 @@ class LayerShards:
             self._drop(link)
         self.context.term()
         remove_run_dir(self.run_dir)
+
+
+def auto_splits(gguf, spec: ModelSpec, config: RigConfig, context: int) -> tuple[tuple[str, int], ...]:
+    """--split auto: the parent's GPU and the others of its platform on this host, their layer
+    ranges by free memory (moerun.moe.layer_split); () when every layer fits the parent."""
+    from moerun.backends.devices import gpu_module, parse_device
+    parent = parse_device(config.device)
+    if parent.platform == "cpu":
+        raise RigError("--split auto spreads the layers over this host's GPUs, and the parent runs on the CPU: "
+                       "give --device cuda:N (or hip:N), or name each shard (--split cpu@LAYER)")
+    cupy = gpu_module(parent)
+    devices = []
+    for index in [parent.index, *(i for i in range(cupy.cuda.runtime.getDeviceCount()) if i != parent.index)]:
+        with cupy.cuda.Device(index):
+            free, _ = cupy.cuda.runtime.memGetInfo()
+        devices.append(DeviceBudget(f"{parent.platform}:{index}", free, is_parent=index == parent.index))
+    sizes = layer_bytes(gguf, spec, context, config.kv_dtype or default_kv_dtype(config.device))
+    ranges = split_layers(sizes, devices, AUTO_RESERVE_BYTES)
+    logger.info("--split auto: " + "; ".join(explain_split(ranges).splitlines()))
+    return tuple((r.device.name, r.layers.start) for r in ranges[1:])

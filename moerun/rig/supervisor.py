@@ -124,6 +124,8 @@ class Rig:
         self._greet_all()
         if self.placement is None:
             self.placement = self._auto_placement(gguf)
+        if self.config.splits:                      # the layers from the first boundary on run on layer shards
+            self.placement = self.placement.within(range(self.config.splits[0][1]))
         for link in self.links:
             if not self.placement.experts_of(link.index):
                 why = f"--hot {self.config.hot} keeps" if self.config.hot is not None else "this placement keeps"

@@ -150,3 +150,25 @@ def client_fingerprint(path) -> str:
     from moerun.gguf.reader import GGUFFile
     with GGUFFile(path) as gguf:
         return gguf.fingerprint()
+
+
+def test_the_stats_show_each_shard(model):
+    from moerun.engine.report import stats_document, stats_table
+    from moerun.engine.runtime import RunStats
+    path, _, _ = model
+    with Runtime(path, ubatch=UBATCH, rig=RigConfig(splits=(("cpu", 2),))) as split:
+        run = RunStats()
+        list(split.generate(PROMPT[:5], 8, GREEDY, stats=run))
+        doc = stats_document(split, run)
+    shard, = doc["daemons"]
+    assert shard["name"] == "s0 cpu layers 2-3" and shard["layers"] == [2, 4] and shard["state"] == "up"
+    assert shard["calls"] == 8 and shard["parent_wait_ms"] > shard["daemon_compute_ms"] > 0      # prefill + 7 steps
+    assert "s0 cpu layers 2-3" in stats_table(doc, width=160)
+
+
+def test_split_auto_needs_gpus_and_stands_alone(model):
+    path, _, _ = model
+    with pytest.raises(RigError, match="--split auto spreads the layers over this host's GPUs"):
+        Runtime(path, rig=RigConfig(split_auto=True))
+    with pytest.raises(ConfigError, match="give it alone"):
+        RigConfig(split_auto=True, splits=(("cpu", 2),))

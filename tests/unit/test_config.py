@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from moerun.commands.options import runtime_options
-from moerun.config import DAEMON, TABLES, TOP_LEVEL, key_lines, load_config_file
+from moerun.config import DAEMON, SPLIT, TABLES, TOP_LEVEL, key_lines, load_config_file
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.rig.settings import ConfigError, DaemonEntry, RigConfig
@@ -62,10 +62,10 @@ def test_the_named_example_configs_exist():
 
 def test_every_key_is_documented_with_its_flag():
     doc = (REPO / "docs" / "config.md").read_text()
-    keys = [*TOP_LEVEL, *(key for table in TABLES.values() for key in table), *DAEMON]
+    keys = [*TOP_LEVEL, *(key for table in TABLES.values() for key in table), *DAEMON, *SPLIT]
     missing = [key for key in keys if f"| `{key}` |" not in doc]
     assert missing == []
-    for table in (*TABLES, "[daemon]"):
+    for table in (*TABLES, "[daemon]", "[split]"):
         assert f"`[{table}]`" in doc
 
 
@@ -433,3 +433,23 @@ def test_plan_needs_memory_for_every_daemon_of_the_file(moerun, tmp_path):
     assert result.exit_code == 1
     assert result.stderr.strip() == (f"Error: {path}: moerun plan needs `memory` in every [[daemon]] "
                                      f"(missing in d0), or --daemon SPEC=SIZE flags")
+
+
+def test_split_tables_are_the_split_flags(tmp_path):
+    path = write(tmp_path, '[[split]]\ndevice = "cuda:1"\nlayer = 24\n\n[[split]]\nendpoint = "tcp://box-2:7071"\n'
+                           'layer = 36\n')
+    assert load_config_file(path) == {"splits": ("cuda:1@24", "tcp://box-2:7071@36")}
+    assert shown("--config", path)["splits"] == ["cuda:1@24", "tcp://box-2:7071@36"]
+    assert shown("--config", path, "--split", "cpu@2")["splits"] == ["cpu@2"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[[split]]\nlayer = 3\n', "needs a device or an endpoint"),
+    ('[[split]]\ndevice = "cpu"\n', "needs the first layer it runs"),
+    ('[[split]]\ndevice = "cpu"\nendpoint = "ipc:///tmp/s"\nlayer = 2\n', "not both"),
+    ('[[split]]\ndevice = "cpu"\nlayer = 0\n', "layer = 0"),
+    ('split = "cpu@2"\n', r"list of \[\[split\]\] tables"),
+])
+def test_a_bad_split_table_is_an_error(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config_file(write(tmp_path, text))

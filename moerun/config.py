@@ -19,7 +19,7 @@ from moerun.backends.devices import DEVICE_PATTERN
 from moerun.backends.protocol import KV_DTYPES
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES
 from moerun.ipc.sockets import ENDPOINT
-from moerun.rig.settings import AUTO, MODES, RIG_TRANSPORTS, ConfigError, DaemonEntry
+from moerun.rig.settings import AUTO, MODES, RIG_TRANSPORTS, ConfigError, DaemonEntry, SplitEntry
 from moerun.units import parse_bytes
 
 WORKLOADS = ("generate", "serve")
@@ -180,8 +180,11 @@ DAEMON = {
     "numa_node": Key(integer(0)),
 }
 SPLIT = {                      # one [[split]] table: a layer shard and the first layer it runs
+    "name": Key(matching(DAEMON_NAME, "letters, digits, _ and - only")),
     "device": Key(device),
     "endpoint": Key(endpoint),
+    "listen": Key(endpoint),
+    "host": Key(text),
     "layer": Key(integer(1)),
 }
 TOP_LEVEL_NAMES = (*TOP_LEVEL, *TABLES, "daemon", "split")
@@ -225,9 +228,10 @@ class _Reader:
                     values["daemons"] = tuple(entry.spec for entry in entries)
                     values["daemon_entries"] = entries
             elif name == "split":
-                splits = self._splits(value)
-                if splits is not None:
-                    values["splits"] = splits
+                entries = self._splits(value)
+                if entries is not None:
+                    values["splits"] = tuple(f"{entry.spec}@{entry.layer}" for entry in entries)
+                    values["split_entries"] = entries
             elif name in TOP_LEVEL:
                 values.update(self._table((), {name: value}, TOP_LEVEL))
             else:
@@ -297,26 +301,25 @@ class _Reader:
             entries.append(entry)
         return tuple(entries)
 
-    def _splits(self, value: object) -> tuple[str, ...] | None:
-        """[[split]] tables as --split takes them: SPEC@LAYER, SPEC its endpoint, else its device."""
+    def _splits(self, value: object) -> tuple[SplitEntry, ...] | None:
+        """[[split]] tables; --split takes each as SPEC@LAYER, SPEC its endpoint, else its device."""
         if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
             self.problem(("split",), "split must be a list of [[split]] tables")
             return None
-        splits = []
+        entries = []
         for index, table in enumerate(value):
             where = ("split", index)
-            keys = self._table(where, table, SPLIT)
-            if "device" in keys and "endpoint" in keys:
-                self.problem(where, "a [[split]] runs on a device (spawned here) or at an endpoint, not both")
-            elif ("device" not in keys and "endpoint" not in keys and not self.failed(where + ("device",))
-                  and not self.failed(where + ("endpoint",))):
-                self.problem(where, "a [[split]] needs a device or an endpoint")
-            elif "layer" not in keys:
-                if not self.failed(where + ("layer",)):
-                    self.problem(where, "a [[split]] needs the first layer it runs (layer = N)")
-            else:
-                splits.append(f"{keys.get('endpoint') or keys['device']}@{keys['layer']}")
-        return tuple(splits)
+            keys = {"name": f"s{index}", **self._table(where, table, SPLIT)}
+            failed = [key for key in ("device", "endpoint", "layer") if self.failed(where + (key,))]
+            if "device" not in keys and "endpoint" not in keys and not failed:
+                self.problem(where, f"[[split]] {keys['name']} needs a device, an endpoint or both")
+            elif "layer" not in keys and not failed:
+                self.problem(where, f"[[split]] {keys['name']} needs the first layer it runs (layer = N)")
+            elif keys.get("listen") and not ("device" in keys and "endpoint" in keys):
+                self.problem(where + ("listen",), f"[[split]] {keys['name']}: listen needs a device and an endpoint")
+            elif not failed:
+                entries.append(SplitEntry(**keys))
+        return tuple(entries)
 
     def _check_entry(self, where: tuple, entry: DaemonEntry, before: list[DaemonEntry]) -> None:
         """The rules of one [[daemon]] table, each quiet where a key it reads had a bad value."""

@@ -1,10 +1,12 @@
-"""`moerun launch --config FILE`: start the daemons a rig config names on this host, then run
-its workload, a generation (`moerun run`) or the OpenAI server (`moerun serve`).
+"""`moerun launch --config FILE`: start the daemons and layer shards a rig config names on this
+host, then run its workload, a generation (`moerun run`) or the OpenAI server (`moerun serve`).
 
-A [[daemon]] with a device and no endpoint is spawned by the parent itself, as `--daemon cpu`
-is. One with a device and an endpoint on this host is started here first, listening on its
-endpoint (or `listen`), and the parent connects to it; if it exits it is started again. Every
-daemon started is a child that dies with this process (parent-death signal).
+A [[daemon]] or [[split]] with a device and no endpoint is spawned by the parent itself, as
+`--daemon cpu` is. One with a device and an endpoint on this host is started here first,
+listening on its endpoint (or `listen`), and the parent connects to it; if it exits it is
+started again. A layer shard is started with its layers (from its `layer` to the next table's)
+and the run's context. Every process started is a child that dies with this process
+(parent-death signal).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -21,9 +24,12 @@ from click.core import ParameterSource
 
 from moerun.commands.options import friendly_errors
 from moerun.config import load_config_file
+from moerun.engine.runtime import DEFAULT_CONTEXT
+from moerun.gguf.reader import GGUFFile
+from moerun.models import load_spec
 from moerun.rig.cores import share_host
 from moerun.rig.links import RigError
-from moerun.rig.settings import DaemonEntry, RigConfig
+from moerun.rig.settings import RigConfig, SplitEntry, shard_flags
 from moerun.rig.spawn import (
     LocalDaemon,
     make_run_dir,
@@ -57,30 +63,60 @@ def launch(ctx, config_file, workload_flags):
     workload = group.command.get_command(group, WORKLOAD_COMMANDS[values.get("workload", "generate")])
     with workload.make_context(f"{group.info_name} launch", ["--config", config_file, *workload_flags],
                                parent=group) as command:
-        daemons_overridden = command.get_parameter_source("daemons") is ParameterSource.COMMANDLINE
-        entries = () if daemons_overridden else values.get("daemon_entries", ())
-        to_start = [entry for entry in entries if entry.endpoint and entry.device and entry.runs_here()]
+        entries = () if _overridden(command, "daemons") else values.get("daemon_entries", ())
+        splits = () if _overridden(command, "splits") else values.get("split_entries", ())
         model = command.params["model"] or values.get("model")
-        if to_start and model is None:
+        if model is None and any(entry.endpoint and entry.device and entry.runs_here() for entry in (*entries, *splits)):
             from moerun.writers.demo import demo_model_path
             model = demo_model_path()
         # the parent divides the host's CPUs the same way when it starts: these daemons are in its split
         rig = RigConfig(daemons=tuple(entry.spec for entry in entries), daemon_entries=entries,
                         **{name: _setting(command, values, name) for name in ("device", "threads", "pin")})
         cpus = share_host(rig)
-        with StartedDaemons(to_start, model, {entry.name: cpus.spawn_settings(i) for i, entry in enumerate(entries)}):
+        to_start = [ToStart(entry.name, entry.device, entry.listen or entry.endpoint,
+                            (*entry.curve_flags, *entry.node_flags), cpus.spawn_settings(i))
+                    for i, entry in enumerate(entries) if entry.endpoint and entry.device and entry.runs_here()]
+        to_start += _shards_to_start(splits, model, _setting(command, values, "kv_pool") or _setting(command, values, "ctx"))
+        with StartedDaemons(to_start, model):
             workload.invoke(command)
 
 
-class StartedDaemons:
-    """The daemons launch starts: each waited for until it listens, restarted with back-off
-    when it exits (the parent's rig then brings it back in), all stopped at the end."""
+@dataclass(frozen=True)
+class ToStart:
+    """A daemon or layer shard launch starts: `moerun daemon` on `device`, listening on `listen`."""
+    name: str
+    device: str
+    listen: str
+    extra_args: tuple[str, ...]
+    cpu_settings: dict                 # spawn_daemon's threads and cpus
 
-    def __init__(self, entries: list[DaemonEntry], model: str | Path, cpu_settings: dict[str, dict]):
-        """cpu_settings: spawn_daemon's threads and cpus for each daemon, by name."""
+
+def _overridden(command: click.Context, name: str) -> bool:
+    return command.get_parameter_source(name) is ParameterSource.COMMANDLINE
+
+
+def _shards_to_start(splits: tuple[SplitEntry, ...], model, ctx: int | None) -> list[ToStart]:
+    """The [[split]] shards with a device and an endpoint on this host, with their layers
+    (to the next table's first, the last to the model's end) and the run's context."""
+    here = [entry for entry in splits if entry.endpoint and entry.device and entry.runs_here()]
+    if not here:
+        return []
+    with GGUFFile(model) as gguf:
+        spec = load_spec(gguf)
+    ctx = ctx or min(spec.context_train, DEFAULT_CONTEXT)
+    ends = [*(entry.layer for entry in splits[1:]), spec.n_layers]
+    return [ToStart(entry.name, entry.device, entry.listen or entry.endpoint,
+                    shard_flags(range(entry.layer, end), ctx), {})
+            for entry, end in zip(splits, ends) if entry in here]
+
+
+class StartedDaemons:
+    """The daemons and shards launch starts: each waited for until it listens, restarted with
+    back-off when it exits (the parent then brings it back in), all stopped at the end."""
+
+    def __init__(self, entries: list[ToStart], model: str | Path):
         self.entries = entries
         self.model = model
-        self.cpu_settings = cpu_settings
         self.run_dir = make_run_dir()
         self.made_folders: list[Path] = []        # socket folders made here, removed at the end if empty
         self.daemons: dict[str, LocalDaemon] = {}
@@ -112,13 +148,12 @@ class StartedDaemons:
             with contextlib.suppress(OSError):      # not empty: someone else's files are there too
                 folder.rmdir()
 
-    def _spawn(self, entry: DaemonEntry) -> None:
-        listen = entry.listen or entry.endpoint
-        if listen.startswith("ipc://"):
-            self._make_folder(Path(listen.removeprefix("ipc://")).parent)
-        self.daemons[entry.name] = spawn_daemon(entry.device, self.model, listen, self.run_dir / f"{entry.name}.log",
-                                                **self.cpu_settings[entry.name],
-                                                extra_args=(*entry.curve_flags, *entry.node_flags))
+    def _spawn(self, entry: ToStart) -> None:
+        if entry.listen.startswith("ipc://"):
+            self._make_folder(Path(entry.listen.removeprefix("ipc://")).parent)
+        self.daemons[entry.name] = spawn_daemon(entry.device, self.model, entry.listen,
+                                                self.run_dir / f"{entry.name}.log", **entry.cpu_settings,
+                                                extra_args=entry.extra_args)
 
     def _make_folder(self, folder: Path) -> None:
         """The folder and its missing parents (0700), remembered to be removed at the end."""
@@ -158,7 +193,7 @@ def _setting(command: click.Context, values: dict, name: str):
     return values.get(name, command.params[name])
 
 
-def _wait_until_listening(entry: DaemonEntry, daemon: LocalDaemon, since_ns: int, deadline: float) -> None:
+def _wait_until_listening(entry: ToStart, daemon: LocalDaemon, since_ns: int, deadline: float) -> None:
     while not _listening(daemon.endpoint, since_ns):
         if not daemon.alive():
             raise RigError(_failure(entry, daemon, f"exited while starting (status {daemon.process.returncode})"))
@@ -183,7 +218,7 @@ def _listening(endpoint: str, since_ns: int) -> bool:
         return False
 
 
-def _failure(entry: DaemonEntry, daemon: LocalDaemon, what: str) -> str:
+def _failure(entry: ToStart, daemon: LocalDaemon, what: str) -> str:
     tail = daemon.stderr_tail()
     return (f"daemon {entry.name} ({entry.device} on {daemon.endpoint}) {what}"
             + (f"; the end of its stderr:\n{tail}" if tail else "; it wrote nothing to stderr"))

@@ -1,7 +1,8 @@
 """`moerun systemd --config FILE -o DIR`: systemd units that run a rig config (docs/systemd.md).
 
-One template, `moerun-daemon@.service`, runs every daemon: instance NAME reads its model,
-device, endpoint, CURVE key flags and CPU flags from `moerun-daemon-NAME.env`. `moerun.service`
+One template, `moerun-daemon@.service`, runs every daemon and layer shard: instance NAME reads
+its model, device, endpoint, CURVE key flags, CPU flags and (a shard) its layers and context
+from `moerun-daemon-NAME.env`. `moerun.service`
 runs the parent's workload against those endpoints. All units share /run/moerun and /dev/shm, so
 the shared memory transport works between them. A CPU daemon on this host runs the threads
 `moerun launch` would give it (this host's CPUs split between the parent and its CPU daemons,
@@ -19,8 +20,11 @@ import click
 from moerun.commands.launch import WORKLOAD_COMMANDS
 from moerun.commands.options import friendly_errors
 from moerun.config import load_config_file
+from moerun.engine.runtime import DEFAULT_CONTEXT
+from moerun.gguf.reader import GGUFFile
+from moerun.models import load_spec
 from moerun.rig.cores import HostShares, format_cpus, share_host
-from moerun.rig.settings import DaemonEntry, RigConfig
+from moerun.rig.settings import DaemonEntry, RigConfig, SplitEntry, shard_flags
 from moerun.rig.spawn import BLAS_THREAD_VARIABLES, pinned_device
 
 DAEMON_TEMPLATE = "moerun-daemon@.service"
@@ -69,19 +73,28 @@ def systemd(config_file, out_dir, env_dir, user):
 
 def unit_rules(values: dict, reader) -> None:
     """What units cannot run, reported with the config reader's own problems (load_config_file
-    rules): no model, a daemon without a device or an endpoint, CURVE key paths with whitespace."""
+    rules): no model, a daemon or shard without a device or an endpoint, CURVE key paths with
+    whitespace, two units of one name."""
     if "model" not in values and not reader.failed(("model",)):
         reader.problem((), "systemd units need `model`")
+    for table in ("daemon", "split"):
+        for index, entry in enumerate(values.get(f"{table}_entries", ())):
+            where = (table, index)
+            if any(getattr(entry, key) is None and not reader.failed(where + (key,)) for key in ("device", "endpoint")):
+                reader.problem(where, f"[[{table}]] {entry.name} needs a device and an endpoint to run as a unit "
+                                      f"(e.g. endpoint = \"ipc:///run/moerun/{entry.name}.sock\")", numbered=False)
     for index, entry in enumerate(values.get("daemon_entries", ())):
-        where = ("daemon", index)
-        if any(getattr(entry, key) is None and not reader.failed(where + (key,)) for key in ("device", "endpoint")):
-            reader.problem(where, f"[[daemon]] {entry.name} needs a device and an endpoint to run as a unit "
-                                  f"(e.g. endpoint = \"ipc:///run/moerun/{entry.name}.sock\")", numbered=False)
         keys = (entry.curve_secret_key, entry.curve_authorized_keys)
         # the unit splits $MOERUN_CURVE_FLAGS at whitespace, so no path may hold any
         if all(keys) and any(re.search(r"\s", key) for key in keys):
-            reader.problem(where, f"[[daemon]] {entry.name}: CURVE key paths in a unit cannot contain whitespace",
-                           numbered=False)
+            reader.problem(("daemon", index), f"[[daemon]] {entry.name}: CURVE key paths in a unit cannot contain "
+                                              f"whitespace", numbered=False)
+    taken = {entry.name for entry in values.get("daemon_entries", ())}
+    for index, entry in enumerate(values.get("split_entries", ())):
+        if entry.name in taken:
+            reader.problem(("split", index), f"[[split]] {entry.name}: another daemon or shard has that name, and "
+                                             f"each runs as moerun-daemon@NAME: name them apart", numbered=False)
+        taken.add(entry.name)
 
 
 def render_units(config_path: Path, values: dict, env_dir: str, user: str | None) -> dict[str, str]:
@@ -100,20 +113,47 @@ def render_units(config_path: Path, values: dict, env_dir: str, user: str | None
             files[f"moerun-daemon@{entry.name}.service.d/{GPU_GROUPS_DROP_IN}"] = f"[Service]\n{AMD_GPU_GROUPS}"
         if cpus.pin and index in cpus.daemons:
             files[f"moerun-daemon@{entry.name}.service.d/{CPUS_DROP_IN}"] = _cpu_affinity(cpus, index)
-    files[PARENT_UNIT] = _parent_unit(config_path, values, entries, user_line)
+    splits: tuple[SplitEntry, ...] = values.get("split_entries", ())
+    for entry, flags in zip(splits, _shard_flags(values, splits)):
+        files[f"moerun-daemon-{entry.name}.env"] = _shard_environment(config_path, values["model"], entry, flags)
+        if entry.device.startswith("hip"):
+            files[f"moerun-daemon@{entry.name}.service.d/{GPU_GROUPS_DROP_IN}"] = f"[Service]\n{AMD_GPU_GROUPS}"
+    files[PARENT_UNIT] = _parent_unit(config_path, values, (*entries, *splits), user_line)
     return files
+
+
+def _shard_flags(values: dict, splits: tuple[SplitEntry, ...]) -> list[tuple[str, ...]]:
+    """Each shard's --layers (from its layer to the next table's, the last to the model's end)
+    and --ctx (the run's --kv-pool or --ctx, else the model's default context)."""
+    if not splits:
+        return []
+    with GGUFFile(values["model"]) as gguf:
+        spec = load_spec(gguf)
+    ctx = values.get("kv_pool") or values.get("ctx") or min(spec.context_train, DEFAULT_CONTEXT)
+    ends = [*(entry.layer for entry in splits[1:]), spec.n_layers]
+    return [shard_flags(range(entry.layer, end), ctx) for entry, end in zip(splits, ends)]
+
+
+def _shard_environment(config_path: Path, model: str, entry: SplitEntry, flags: tuple[str, ...]) -> str:
+    device, pinning = pinned_device(entry.device, environment={})
+    variables = {"MOERUN_MODEL": model, "MOERUN_DEVICE": device, "MOERUN_LISTEN": entry.listen or entry.endpoint,
+                 **pinning, "MOERUN_SHARD_FLAGS": " ".join(flags)}
+    where = f" on {entry.host}" if entry.host else ""
+    lines = [f"# moerun layer shard {entry.name} ({entry.device}{where}, {' '.join(flags)}) of {config_path}"]
+    lines += [f'{name}="{_env_quote(value)}"' for name, value in variables.items()]
+    return "\n".join(lines) + "\n"
 
 
 def _daemon_template(env_dir: str, user_line: str) -> str:
     return f"""\
 [Unit]
-Description=moerun expert daemon %i
+Description=moerun daemon %i
 After=network.target
 
 [Service]
 Type=exec
 EnvironmentFile={_specifiers(env_dir)}/moerun-daemon-%i.env
-ExecStart={_moerun()} daemon --model ${{MOERUN_MODEL}} --device ${{MOERUN_DEVICE}} --listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS $MOERUN_CPU_FLAGS
+ExecStart={_moerun()} daemon --model ${{MOERUN_MODEL}} --device ${{MOERUN_DEVICE}} --listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS $MOERUN_CPU_FLAGS $MOERUN_SHARD_FLAGS
 {SHARED_SERVICE_SETTINGS}{user_line}
 [Install]
 WantedBy=multi-user.target
@@ -144,7 +184,8 @@ def _cpu_affinity(cpus: HostShares, index: int) -> str:
     return f"# {cpus.describe()}\n[Service]\nCPUAffinity={format_cpus(share.cpus)}\n"
 
 
-def _parent_unit(config_path: Path, values: dict, entries: tuple[DaemonEntry, ...], user_line: str) -> str:
+def _parent_unit(config_path: Path, values: dict, entries: tuple[DaemonEntry | SplitEntry, ...],
+                 user_line: str) -> str:
     workload = values.get("workload", "generate")
     local = " ".join(f"moerun-daemon@{entry.name}.service" for entry in entries if entry.runs_here())
     remote = any(not entry.runs_here() for entry in entries)

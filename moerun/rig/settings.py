@@ -61,6 +61,30 @@ class DaemonEntry:
         return self.host in (None, "localhost", socket.gethostname()) or self.host == socket.getfqdn()
 
 
+@dataclass(frozen=True)
+class SplitEntry:
+    """One [[split]] table of a config file: a layer shard and the first layer it runs."""
+    name: str
+    layer: int
+    device: str | None = None            # cpu | cuda:N | hip:N: where it runs
+    endpoint: str | None = None          # ipc://… | tcp://…: where the parent reaches it [None: spawned]
+    listen: str | None = None            # where it binds when moerun starts it [default: endpoint]
+    host: str | None = None              # the host it runs on [default: the parent's]
+
+    @property
+    def spec(self) -> str:
+        """The shard as --split names it (before the @LAYER): its endpoint, else its device."""
+        return self.endpoint or self.device
+
+    def runs_here(self) -> bool:
+        return self.host in (None, "localhost", socket.gethostname()) or self.host == socket.getfqdn()
+
+
+def shard_flags(layers: range, ctx: int) -> tuple[str, ...]:
+    """The `moerun daemon` flags that make it the layer shard of `layers` for `ctx` positions."""
+    return ("--layers", f"{layers.start}:{layers.stop}", "--ctx", str(ctx))
+
+
 def default_kv_dtype(device: str) -> str:
     """The KV cache elements a parent on `device` keeps unless told: f32 on the CPU, f16 on a GPU."""
     return "f32" if device == "cpu" else "f16"

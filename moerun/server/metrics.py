@@ -79,8 +79,28 @@ DAEMON_SERIES = [
 ]
 
 
+# the same for each layer shard (a ShardLink)
+SHARD_SERIES = [
+    (CounterMetricFamily, "moerun_shard_steps", "FORWARD steps sent to the layer shard", lambda link: link.counters.calls),
+    (CounterMetricFamily, "moerun_shard_sent_bytes", "Hidden-state bytes sent to the layer shard",
+     lambda link: link.counters.bytes_sent),
+    (CounterMetricFamily, "moerun_shard_received_bytes", "Hidden-state bytes received from the layer shard",
+     lambda link: link.counters.bytes_received),
+    (CounterMetricFamily, "moerun_shard_wait_seconds", "Time the parent waited for the layer shard",
+     lambda link: link.counters.wait_seconds),
+    (CounterMetricFamily, "moerun_shard_compute_seconds", "Time the layer shard spent on its layers",
+     lambda link: link.counters.compute_seconds),
+    (GaugeMetricFamily, "moerun_shard_up", "1 while the layer shard serves, 0 from a failed step to its restart",
+     lambda link: 1 if link.broken is None else 0),
+    (CounterMetricFamily, "moerun_shard_failures", "Steps the layer shard failed (each failed its request)",
+     lambda link: link.times_down),
+    (CounterMetricFamily, "moerun_shard_restarts", "Times the layer shard was started again", lambda link: link.restarts),
+]
+
+
 class RuntimeCollector:
-    """Per-daemon IPC counters and state, and the MoE dispatch counters, as they are at scrape time."""
+    """Per-daemon IPC counters and state, per-shard steps and state, and the MoE dispatch
+    counters, as they are at scrape time."""
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
@@ -91,6 +111,15 @@ class RuntimeCollector:
         rig = self.runtime.rig
         for link in rig.links if rig else []:
             names = [f"d{link.index}", link.spec]
+            for family, value in families:
+                family.add_metric(names, value(link))
+        yield from (family for family, _ in families)
+
+        shard_labels = ["shard", "spec", "layers"]
+        families = [(kind(name, text, labels=shard_labels), value) for kind, name, text, value in SHARD_SERIES]
+        shards = self.runtime.shards
+        for link in shards.links if shards else []:
+            names = [f"s{link.index}", link.spec, f"{link.layers.start}-{link.layers.stop - 1}"]
             for family, value in families:
                 family.add_metric(names, value(link))
         yield from (family for family, _ in families)

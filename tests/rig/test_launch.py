@@ -62,6 +62,30 @@ endpoint = "ipc://{own_socket}"
     assert not own_socket.parent.exists()       # made by launch for the socket, removed at its end
 
 
+def test_launch_starts_the_layer_shards_with_their_layers_and_context(moerun, tmp_path):
+    """[[split]] with a device and an endpoint: started here as `moerun daemon --layers A:B --ctx N`
+    (A:B from its layer to the next table's), one with a device only spawned by the parent."""
+    own_socket = tmp_path / "sockets" / "shard.sock"
+    config = write_config(tmp_path, f"""workload = "generate"
+[[split]]
+name = "own"
+device = "cpu"
+endpoint = "ipc://{own_socket}"
+layer = 1
+[[split]]
+device = "cpu"
+layer = 3
+{GENERATE}stats_json = "stats.json"
+""")
+    result = moerun("launch", "--config", config)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == greedy_text("The rig", 12) + "\n"
+    shards = json.loads((tmp_path / "stats.json").read_text())["daemons"]
+    assert [(shard["endpoint"], shard["layers"]) for shard in shards][0] == (f"ipc://{own_socket}", [1, 3])
+    assert [shard["layers"] for shard in shards][1] == [3, 4]
+    assert all(shard["calls"] > 0 and shard["state"] == "up" for shard in shards)
+
+
 def test_flags_after_the_config_go_to_the_workload_and_override_the_file(moerun, tmp_path):
     blocker = tmp_path / "taken.sock"
     blocker.write_text("not a socket")

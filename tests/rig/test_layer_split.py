@@ -172,3 +172,17 @@ def test_split_auto_needs_gpus_and_stands_alone(model):
         Runtime(path, rig=RigConfig(split_auto=True))
     with pytest.raises(ConfigError, match="give it alone"):
         RigConfig(split_auto=True, splits=(("cpu", 2),))
+
+
+def test_metrics_show_each_shard(model):
+    from moerun.server.metrics import ServerMetrics
+    path, _, _ = model
+    with Runtime(path, ubatch=UBATCH, rig=RigConfig(splits=(("cpu", 2),))) as split:
+        split.logits(PROMPT)
+        metrics = ServerMetrics()
+        metrics.watch(split)
+        lines = metrics.render().decode().splitlines()
+    labels = '{layers="2-3",shard="s0",spec="cpu"}'
+    steps = [line for line in lines if line.startswith(f"moerun_shard_steps_total{labels} ")]
+    assert steps and float(steps[0].split()[-1]) == -(-len(PROMPT) // UBATCH)      # one step a prefill chunk
+    assert f"moerun_shard_up{labels} 1.0" in lines and f"moerun_shard_failures_total{labels} 0.0" in lines

@@ -75,7 +75,7 @@ def test_the_template_runs_the_daemon_from_its_environment_file(units):
     lines = settings(units / "moerun-daemon@.service")
     assert "EnvironmentFile=/etc/moerun/moerun-daemon-%i.env" in lines
     assert f"ExecStart={sys.executable} -m moerun daemon --model ${{MOERUN_MODEL}} --device ${{MOERUN_DEVICE}} " \
-           f"--listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS $MOERUN_CPU_FLAGS" in lines
+           f"--listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS $MOERUN_CPU_FLAGS $MOERUN_SHARD_FLAGS" in lines
 
 
 def test_environment_files_pin_each_daemon_to_its_device(units, tmp_path):
@@ -159,6 +159,49 @@ def test_the_parent_waits_for_its_local_daemons_and_runs_the_workload(units, tmp
     assert not any("moerun-daemon@far" in line for line in lines)      # it runs on gpu-box-2
     assert f"ExecStart={sys.executable} -m moerun serve --config {tmp_path / 'rig.toml'}" in lines
     assert "SuccessExitStatus=143" in lines
+
+
+def test_layer_shards_run_from_the_template_with_their_layers_and_context(moerun, tmp_path):
+    from moerun.writers.demo import demo_model_path
+    config = tmp_path / "rig.toml"
+    config.write_text(f"""model = "{demo_model_path()}"
+ctx = 256
+[[daemon]]
+name = "experts"
+device = "cpu"
+endpoint = "ipc:///run/moerun/experts.sock"
+[[split]]
+name = "upper"
+device = "cuda:1"
+endpoint = "ipc:///run/moerun/upper.sock"
+layer = 2
+""")
+    out = tmp_path / "units"
+    result = moerun("systemd", "--config", config, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert settings(out / "moerun-daemon-upper.env") == [
+        f'MOERUN_MODEL="{demo_model_path()}"', 'MOERUN_DEVICE="cuda:0"', 'MOERUN_LISTEN="ipc:///run/moerun/upper.sock"',
+        'CUDA_VISIBLE_DEVICES="1"', 'MOERUN_SHARD_FLAGS="--layers 2:4 --ctx 256"']
+    local = "moerun-daemon@experts.service moerun-daemon@upper.service"
+    assert f"Wants={local}" in settings(out / "moerun.service")
+
+
+def test_a_shard_without_an_endpoint_cannot_be_a_unit(moerun, tmp_path):
+    config = tmp_path / "rig.toml"
+    config.write_text('model = "m.gguf"\n[[daemon]]\ndevice = "cpu"\nendpoint = "ipc:///run/moerun/d.sock"\n'
+                      '[[split]]\ndevice = "cuda:1"\nlayer = 2\n')
+    result = moerun("systemd", "--config", config, "-o", tmp_path / "units")
+    assert result.exit_code == 1
+    assert "[[split]] s0 needs a device and an endpoint to run as a unit" in result.stderr
+
+
+def test_a_shard_named_as_a_daemon_cannot_be_a_unit(moerun, tmp_path):
+    config = tmp_path / "rig.toml"
+    config.write_text('model = "m.gguf"\n[[daemon]]\nname = "gpu"\ndevice = "cpu"\nendpoint = "ipc:///run/moerun/d.sock"\n'
+                      '[[split]]\nname = "gpu"\ndevice = "cuda:1"\nendpoint = "ipc:///run/moerun/s.sock"\nlayer = 2\n')
+    result = moerun("systemd", "--config", config, "-o", tmp_path / "units")
+    assert result.exit_code == 1
+    assert "[[split]] gpu: another daemon or shard has that name" in result.stderr
 
 
 def test_user_runs_every_unit_as_that_user(moerun, tmp_path):

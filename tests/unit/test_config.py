@@ -15,7 +15,7 @@ from moerun.commands.options import runtime_options
 from moerun.config import DAEMON, SPLIT, TABLES, TOP_LEVEL, key_lines, load_config_file
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
-from moerun.rig.settings import ConfigError, DaemonEntry, RigConfig
+from moerun.rig.settings import ConfigError, DaemonEntry, RigConfig, parse_split
 from moerun.units import parse_bytes
 from moerun.writers.demo import demo_model_path
 
@@ -51,7 +51,8 @@ def test_every_example_config_parses(path):
     assert values["workload"] in ("generate", "serve")
     entries = values["daemon_entries"]
     assert entries and values["daemons"] == tuple(entry.spec for entry in entries)
-    RigConfig(daemons=values["daemons"], daemon_entries=entries, device=values.get("device", "cpu"))
+    RigConfig(daemons=values["daemons"], daemon_entries=entries, device=values.get("device", "cpu"),
+              splits=tuple(parse_split(text) for text in values.get("splits", ())))
 
 
 def test_the_named_example_configs_exist():
@@ -438,15 +439,17 @@ def test_plan_needs_memory_for_every_daemon_of_the_file(moerun, tmp_path):
 def test_split_tables_are_the_split_flags(tmp_path):
     path = write(tmp_path, '[[split]]\ndevice = "cuda:1"\nlayer = 24\n\n[[split]]\nendpoint = "tcp://box-2:7071"\n'
                            'layer = 36\n')
-    assert load_config_file(path) == {"splits": ("cuda:1@24", "tcp://box-2:7071@36")}
+    values = load_config_file(path)
+    assert values["splits"] == ("cuda:1@24", "tcp://box-2:7071@36")
+    assert [(entry.name, entry.layer) for entry in values["split_entries"]] == [("s0", 24), ("s1", 36)]
     assert shown("--config", path)["splits"] == ["cuda:1@24", "tcp://box-2:7071@36"]
     assert shown("--config", path, "--split", "cpu@2")["splits"] == ["cpu@2"]
 
 
 @pytest.mark.parametrize("text,message", [
-    ('[[split]]\nlayer = 3\n', "needs a device or an endpoint"),
+    ('[[split]]\nlayer = 3\n', "needs a device, an endpoint or both"),
     ('[[split]]\ndevice = "cpu"\n', "needs the first layer it runs"),
-    ('[[split]]\ndevice = "cpu"\nendpoint = "ipc:///tmp/s"\nlayer = 2\n', "not both"),
+    ('[[split]]\ndevice = "cpu"\nlisten = "ipc:///tmp/s"\nlayer = 2\n', "listen needs a device and an endpoint"),
     ('[[split]]\ndevice = "cpu"\nlayer = 0\n', "layer = 0"),
     ('split = "cpu@2"\n', r"list of \[\[split\]\] tables"),
 ])

@@ -4,6 +4,7 @@ sockets; the logits and greedy tokens equal all-local, with expert daemons too, 
 killed mid-request fails that request clearly and the next one is right."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -89,46 +90,45 @@ def test_a_shard_killed_mid_request_fails_it_and_the_next_request_is_right(model
         assert (link.restarts, link.times_down) == (1, 1)
 
 
+@contextlib.contextmanager
+def shard_by_hand(path, folder, layers: str, ctx: int):
+    """`moerun daemon --layers A:B --ctx N` on an endpoint of its own; yields the endpoint."""
+    endpoint = f"ipc://{folder}/shard.sock"
+    process = subprocess.Popen([sys.executable, "-m", "moerun", "daemon", "-m", str(path), "--layers", layers,
+                                "--ctx", str(ctx), "--listen", endpoint], stdin=subprocess.DEVNULL)
+    try:
+        wait_for_socket(folder / "shard.sock", process)
+        yield endpoint
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+
+
 def test_a_shard_started_by_hand(model, tmp_path):
     """`moerun daemon --layers 2:4` on an endpoint the parent connects to; one with other
-    layers is refused with the flag that would fit."""
+    layers or a shorter context is refused with the flag that would fit."""
     path, want_logits, _ = model
-    endpoint = f"ipc://{tmp_path}/shard.sock"
-    process = subprocess.Popen([sys.executable, "-m", "moerun", "daemon", "-m", str(path), "--layers", "2:4",
-                                "--ctx", "512", "--listen", endpoint], stdin=subprocess.DEVNULL)
-    try:
-        wait_for_socket(tmp_path / "shard.sock", process)
+    with shard_by_hand(path, tmp_path, "2:4", 512) as endpoint:
         with Runtime(path, ctx=512, ubatch=UBATCH, rig=RigConfig(splits=((endpoint, 2),))) as split:
             assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS["f32"]
         with pytest.raises(RigError, match="runs layers \\[2, 4\\], not 3:4 \\(start it with --layers 3:4\\)"):
             Runtime(path, ctx=512, rig=RigConfig(splits=((endpoint, 3),)))
         with pytest.raises(RigError, match="holds 512 positions, the parent needs 1024"):
             Runtime(path, ctx=1024, rig=RigConfig(splits=((endpoint, 2),)))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(30)
 
 
 def test_a_shard_refuses_a_step_that_does_not_continue_its_sequence(model, tmp_path):
     path, _, _ = model
-    endpoint = f"ipc://{tmp_path}/shard.sock"
-    process = subprocess.Popen([sys.executable, "-m", "moerun", "daemon", "-m", str(path), "--layers", "1:4",
-                                "--ctx", "64", "--listen", endpoint], stdin=subprocess.DEVNULL)
-    try:
-        wait_for_socket(tmp_path / "shard.sock", process)
-        with DaemonClient(endpoint, connect_timeout_s=60) as client:
-            info = client.hello(client_fingerprint(path))
-            x = np.ones((3, info["hidden"]), np.float32)
-            assert client.forward(1, 0, x, "f32", 30).shape == x.shape
-            with pytest.raises(DaemonError, match="sequence 1 at position 5 does not continue .* position 3"):
-                client.forward(1, 5, x, "f32", 30)
-            with pytest.raises(DaemonError, match="do not fit this shard's context of 64"):
-                client.forward(1, 3, np.ones((62, info["hidden"]), np.float32), "f32", 30)
-            with pytest.raises(DaemonError, match="takes no ASSIGN"):
-                client.assign({1: [0]})
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(30)
+    with shard_by_hand(path, tmp_path, "1:4", 64) as endpoint, DaemonClient(endpoint, connect_timeout_s=60) as client:
+        info = client.hello(client_fingerprint(path))
+        x = np.ones((3, info["hidden"]), np.float32)
+        assert client.forward(1, 0, x, "f32", 30).shape == x.shape
+        with pytest.raises(DaemonError, match="sequence 1 at position 5 does not continue .* position 3"):
+            client.forward(1, 5, x, "f32", 30)
+        with pytest.raises(DaemonError, match="do not fit this shard's context of 64"):
+            client.forward(1, 3, np.ones((62, info["hidden"]), np.float32), "f32", 30)
+        with pytest.raises(DaemonError, match="takes no ASSIGN"):
+            client.assign({1: [0]})
 
 
 def test_split_flags_are_checked():

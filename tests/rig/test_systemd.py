@@ -186,22 +186,18 @@ layer = 2
     assert f"Wants={local}" in settings(out / "moerun.service")
 
 
-def test_a_shard_without_an_endpoint_cannot_be_a_unit(moerun, tmp_path):
+@pytest.mark.parametrize("split,message", [
+    ('device = "cuda:1"\nlayer = 2\n', "[[split]] s0 needs a device and an endpoint to run as a unit"),
+    ('name = "d0"\ndevice = "cuda:1"\nendpoint = "ipc:///run/moerun/s.sock"\nlayer = 2\n',
+     "[[split]] d0: another daemon or shard has that name"),
+], ids=["no endpoint", "a daemon's name"])
+def test_a_shard_a_unit_cannot_run_is_an_error(moerun, tmp_path, split, message):
     config = tmp_path / "rig.toml"
-    config.write_text('model = "m.gguf"\n[[daemon]]\ndevice = "cpu"\nendpoint = "ipc:///run/moerun/d.sock"\n'
-                      '[[split]]\ndevice = "cuda:1"\nlayer = 2\n')
+    config.write_text(f'model = "m.gguf"\n[[daemon]]\ndevice = "cpu"\nendpoint = "ipc:///run/moerun/d.sock"\n'
+                      f'[[split]]\n{split}')
     result = moerun("systemd", "--config", config, "-o", tmp_path / "units")
     assert result.exit_code == 1
-    assert "[[split]] s0 needs a device and an endpoint to run as a unit" in result.stderr
-
-
-def test_a_shard_named_as_a_daemon_cannot_be_a_unit(moerun, tmp_path):
-    config = tmp_path / "rig.toml"
-    config.write_text('model = "m.gguf"\n[[daemon]]\nname = "gpu"\ndevice = "cpu"\nendpoint = "ipc:///run/moerun/d.sock"\n'
-                      '[[split]]\nname = "gpu"\ndevice = "cuda:1"\nendpoint = "ipc:///run/moerun/s.sock"\nlayer = 2\n')
-    result = moerun("systemd", "--config", config, "-o", tmp_path / "units")
-    assert result.exit_code == 1
-    assert "[[split]] gpu: another daemon or shard has that name" in result.stderr
+    assert message in result.stderr
 
 
 def test_user_runs_every_unit_as_that_user(moerun, tmp_path):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
-from moerun.moe.planner import KV_BYTES_PER_ELEMENT, DeviceBudget, PlanError
+from moerun.moe.planner import KV_BYTES_PER_ELEMENT, DeviceBudget, PlanError, recurrent_state_bytes
 
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
 
@@ -35,7 +35,8 @@ class LayerRange:
 
 
 def layer_bytes(gguf: GGUFFile, spec: ModelSpec, context: int, kv_dtype: str) -> LayerBytes:
-    """Bytes per layer from the tensor index, with K and V for `context` tokens on attention layers."""
+    """Bytes per layer from the tensor index, with K and V for `context` tokens on attention
+    layers and one sequence's recurrent states on DeltaNet layers."""
     per_layer = [0] * spec.n_layers
     parent = 0
     for info in gguf.tensors.values():
@@ -45,8 +46,7 @@ def layer_bytes(gguf: GGUFFile, spec: ModelSpec, context: int, kv_dtype: str) ->
             parent += info.nbytes
     kv = context * spec.n_kv_heads * (spec.head_dim_k + spec.head_dim_v) * KV_BYTES_PER_ELEMENT[kv_dtype]
     for layer in range(spec.n_layers):
-        if not spec.is_recurrent(layer):
-            per_layer[layer] += kv
+        per_layer[layer] += recurrent_state_bytes(spec) if spec.is_recurrent(layer) else kv
     return LayerBytes(tuple(per_layer), parent)
 
 

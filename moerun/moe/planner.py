@@ -37,6 +37,7 @@ class ModelSizes:
     expert_bytes: tuple[int, ...]  # [L] bytes of one routed expert (all its tensors); 0 on dense layers
     non_expert_bytes: int          # every other tensor: embeddings, attention, norms, routers, shared/dense FFNs, head
     kv_bytes_per_token: dict[str, int]  # KV dtype -> K+V bytes per token over all attention layers
+    state_bytes: int = 0           # a sequence's recurrent states (f32) over all DeltaNet layers, whatever its length
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,17 @@ def model_sizes(gguf: GGUFFile, spec: ModelSpec) -> ModelSizes:
         expert_bytes=tuple(nbytes // spec.n_experts for nbytes in expert_tensor_bytes),
         non_expert_bytes=non_expert_bytes,
         kv_bytes_per_token={dtype: kv_elements * size for dtype, size in KV_BYTES_PER_ELEMENT.items()},
+        state_bytes=recurrent_state_bytes(spec) * sum(spec.recurrent_layers),
     )
+
+
+def recurrent_state_bytes(spec: ModelSpec) -> int:
+    """One DeltaNet layer's states of one sequence, f32: the recurrent [HV, DK, DV] and the
+    convolution's last W-1 inputs [W-1, C]; 0 for a model without such layers."""
+    shape = spec.delta_net
+    if shape is None:
+        return 0
+    return 4 * (shape.value_heads * shape.key_dim * shape.value_dim + (shape.conv_kernel - 1) * shape.channels)
 
 
 def plan(request: PlanRequest) -> Plan:
@@ -278,7 +289,8 @@ def _check(request: PlanRequest) -> None:
 
 
 def _kv_bytes(request: PlanRequest, tokens: int) -> int:
-    return request.sizes.kv_bytes_per_token[request.kv_dtype] * tokens
+    """The KV cache of `tokens` and the recurrent states of one sequence."""
+    return request.sizes.kv_bytes_per_token[request.kv_dtype] * tokens + request.sizes.state_bytes
 
 
 def _floor_message(request: PlanRequest, kv_tokens: int, parent_budget: int, floor: int, n_moe: int,

@@ -338,3 +338,23 @@ def test_model_sizes_match_the_files_tensors(tmp_path, arch, ftype, overrides, f
     loaded = load_placement(placement_file, spec, ["cpu"], "fingerprint")
     assert {layer: homes.tolist() for layer, homes in loaded.homes.items()} == \
            {layer: homes.tolist() for layer, homes in result.placement.homes.items()}
+
+
+def test_a_hybrid_models_sizes_count_its_recurrent_states_once_per_sequence(tmp_path):
+    """qwen35moe: KV per token on its attention layer only; the DeltaNet layers' states, f32
+    [HV, DK, DV] and the convolution's last W-1 inputs, reserved once whatever the context."""
+    model = tiny_model("qwen35moe")
+    path = write_gguf(model, tmp_path / "model.gguf", "F32")
+    config = model.config
+    with GGUFFile(path) as file:
+        spec = load_spec(file)
+        sizes = model_sizes(file, spec)
+    channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim \
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    per_layer = 4 * (config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+                     + (config.linear_conv_kernel_dim - 1) * channels)
+    assert sizes.state_bytes == 3 * per_layer                      # layers 0-2 are DeltaNet, 3 attention
+    assert sizes.kv_bytes_per_token["f32"] == 4 * config.num_key_value_heads * 2 * config.head_dim
+    parent = DeviceBudget("parent", 1 << 30, is_parent=True)
+    result = plan(PlanRequest(sizes, parent, (), context=100, kv_dtype="f32", safety_bytes=0, workspace_bytes=0))
+    assert result.kv_reserved_bytes == 100 * sizes.kv_bytes_per_token["f32"] + sizes.state_bytes

@@ -85,8 +85,13 @@ class LayerShards:
         return self.links[0].layers.start
 
     def begin_sequence(self) -> None:
-        """A new sequence (its steps start at position 0): broken shards restart first."""
+        """A new sequence (its steps start at position 0): broken shards restart first, and so
+        do spawned ones whose process ended since the last step (no request need fail for them)."""
         for link in self.links:
+            if link.broken is None and not link.alive():
+                link.broken = "died"
+                link.times_down += 1
+                logger.info(f"layer shard {link.name} died between requests")
             if link.broken is not None:
                 self._restart(link)
         self.sequence += 1

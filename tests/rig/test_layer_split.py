@@ -186,3 +186,14 @@ def test_metrics_show_each_shard(model):
     steps = [line for line in lines if line.startswith(f"moerun_shard_steps_total{labels} ")]
     assert steps and float(steps[0].split()[-1]) == -(-len(PROMPT) // UBATCH)      # one step a prefill chunk
     assert f"moerun_shard_up{labels} 1.0" in lines and f"moerun_shard_failures_total{labels} 0.0" in lines
+
+
+def test_a_shard_that_died_between_requests_is_restarted_before_the_next(model):
+    path, want_logits, _ = model
+    with Runtime(path, ubatch=UBATCH, rig=RigConfig(splits=(("cpu", 2),))) as split:
+        split.logits(PROMPT[:3])
+        link = split.shards.links[0]
+        link.local.process.kill()
+        link.local.process.wait()
+        assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS["f32"]
+        assert (link.times_down, link.restarts) == (1, 1)

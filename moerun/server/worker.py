@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from moerun.engine.runtime import RequestError, RunStats, Runtime
 from moerun.gguf.chat import ChatTemplateError, render_messages
 from moerun.gguf.tokenizer import TokenizerError, TooManyTokens
+from moerun.rig.shards import ShardFailed
 from moerun.server.metrics import ServerMetrics
 from moerun.server.schemas import ApiError, Generation
 from moerun.server.stops import StopMatcher
@@ -221,6 +222,9 @@ class Worker:
         except RequestError as err:
             outcome = "failed"
             job.send(Failed(ApiError(400, str(err))))
+        except ShardFailed as err:                # the shard restarts: the same request may be sent again
+            outcome = "failed"
+            job.send(Failed(ApiError(503, str(err), type="server_error", code="layer_shard_failed")))
         except Exception as err:
             outcome = "failed"
             logger.info(f"generation failed:\n{traceback.format_exc()}")

@@ -152,3 +152,28 @@ def test_generation_errors_become_failed_events(worker):
         return await drain(worker.submit([10**6], generation(max_tokens=2)))   # past the vocabulary
     events = asyncio.run(scenario())
     assert isinstance(events[-1], Failed) and events[-1].error.status == 400
+
+
+def test_a_layer_shard_that_fails_a_request_answers_503_and_the_next_request_is_served(demo_model):
+    """The shard hangs (stopped): the request's step gets no answer within the timeout, the
+    client gets a 503 it may retry (code layer_shard_failed), and the same request then
+    succeeds on the restarted shard."""
+    import signal
+
+    from moerun.rig.settings import RigConfig
+    runtimes = []
+
+    def open_split() -> Runtime:
+        runtimes.append(Runtime(demo_model, rig=RigConfig(splits=(("cpu", 2),), daemon_timeout_s=1)))
+        return runtimes[-1]
+
+    with TestClient(create_app(Worker(open_split), "demo", MAX_BODY)) as client:
+        wait_until(lambda: client.get("/health").status_code == 200)
+        link = runtimes[0].shards.links[0]
+        link.local.process.send_signal(signal.SIGSTOP)
+        failed = client.post("/v1/chat/completions", json=CHAT)
+        assert failed.status_code == 503 and failed.json()["error"]["code"] == "layer_shard_failed"
+        assert "layer shard s0 cpu layers 2-3 did not answer within 1 s" in failed.json()["error"]["message"]
+        retried = client.post("/v1/chat/completions", json=CHAT)
+        assert retried.status_code == 200 and retried.json()["usage"]["completion_tokens"] == 4
+        assert link.restarts == 1

@@ -114,6 +114,9 @@ class ExpertDaemon:
         self._count(len(counts), started, pairs=len(local_ids))
         return out
 
+    def forward(self, sequence: int, start: int, x: np.ndarray) -> np.ndarray:
+        raise ValueError("this daemon serves experts; a layer shard is a daemon started with --layers A:B")
+
     def _count(self, tokens: int, started: float, pairs: int = 0) -> None:
         """One call served, of `tokens` tokens (and `pairs` pairs where counted), since `started`."""
         self.calls += 1

@@ -197,3 +197,12 @@ def test_a_shard_that_died_between_requests_is_restarted_before_the_next(model):
         link.local.process.wait()
         assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS["f32"]
         assert (link.times_down, link.restarts) == (1, 1)
+
+
+def test_an_expert_daemon_refuses_a_forward(model, tmp_path):
+    from tests.support.daemon_fixtures import running_daemons
+    path, _, _ = model
+    with running_daemons(path, 1, tmp_path) as endpoints, DaemonClient(endpoints[0], connect_timeout_s=60) as client:
+        info = client.hello(client_fingerprint(path))
+        with pytest.raises(DaemonError, match="this daemon serves experts; a layer shard is a daemon started with"):
+            client.forward(1, 0, np.ones((1, info["hidden"]), np.float32), "f32", 30)

@@ -186,6 +186,9 @@ SPLIT = {                      # one [[split]] table: a layer shard and the firs
     "listen": Key(endpoint),
     "host": Key(text),
     "layer": Key(integer(1)),
+    "curve_public_key": Key(text, path=True),
+    "curve_secret_key": Key(text, path=True),
+    "curve_authorized_keys": Key(text, path=True),
 }
 TOP_LEVEL_NAMES = (*TOP_LEVEL, *TABLES, "daemon", "split")
 
@@ -239,10 +242,11 @@ class _Reader:
         if "hot" in values and "placement" in values:
             self.problem(("placement",), "give hot or placement, not both")
         if "client_secret_key" not in values and not self.failed(("auth",)):
-            for index, entry in enumerate(values.get("daemon_entries", ())):
-                if entry.curve_public_key:
-                    self.problem(("daemon", index, "curve_public_key"),
-                                 f"[[daemon]] {entry.name}: curve_public_key needs [auth] client_secret_key")
+            for table in ("daemon", "split"):
+                for index, entry in enumerate(values.get(f"{table}_entries", ())):
+                    if entry.curve_public_key:
+                        self.problem((table, index, "curve_public_key"),
+                                     f"[[{table}]] {entry.name}: curve_public_key needs [auth] client_secret_key")
         for rule in rules:
             rule(values, self)
         if self.problems:
@@ -317,6 +321,8 @@ class _Reader:
                 self.problem(where, f"[[split]] {keys['name']} needs the first layer it runs (layer = N)")
             elif keys.get("listen") and not ("device" in keys and "endpoint" in keys):
                 self.problem(where + ("listen",), f"[[split]] {keys['name']}: listen needs a device and an endpoint")
+            elif ("curve_secret_key" in keys) != ("curve_authorized_keys" in keys):
+                self.problem(where, f"[[split]] {keys['name']}: curve_secret_key and curve_authorized_keys go together")
             elif not failed:
                 entries.append(SplitEntry(**keys))
         return tuple(entries)

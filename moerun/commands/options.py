@@ -85,7 +85,7 @@ def fill_from_file(params: dict, values: dict) -> None:
 
 def runtime_options(command):
     """Flags shared by every command that loads a model: context, prefill chunking, the rig,
-    and --config. The command receives them all, plus `daemon_entries` and
+    and --config. The command receives them all, plus `daemon_entries`, `split_entries` and
     `client_secret_key` from the file, to hand to open_runtime(model, **runtime_flags)."""
     @functools.wraps(command)
     @friendly_errors
@@ -94,6 +94,8 @@ def runtime_options(command):
         daemons_from_file = "daemons" in values and not given_on_command_line("daemons")
         fill_from_file(params, values)
         params["daemon_entries"] = values["daemon_entries"] if daemons_from_file else ()
+        splits_from_file = "splits" in values and not given_on_command_line("splits")
+        params["split_entries"] = values["split_entries"] if splits_from_file else ()
         params["client_secret_key"] = values.get("client_secret_key")
         return command(*args, **params)
 
@@ -148,10 +150,11 @@ def runtime_options(command):
 
 def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, kv_dtype, daemons, splits, hot, placement, transport,
                  mode, batch_capacity, payload_dtype, daemon_timeout, require_daemons, threads, pin, daemon_entries,
-                 client_secret_key, prefix_cache: PrefixCache | None = None) -> Runtime:
+                 split_entries, client_secret_key, prefix_cache: PrefixCache | None = None) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
                     require_daemons=require_daemons, device=device, graphs=graphs, kv_dtype=kv_dtype,
                     daemon_entries=daemon_entries, client_secret_key=client_secret_key, threads=threads, pin=pin,
-                    splits=tuple(parse_split(text) for text in splits if text != AUTO), split_auto=AUTO in splits)
+                    splits=tuple(parse_split(text) for text in splits if text != AUTO), split_auto=AUTO in splits,
+                    split_entries=split_entries)
     return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig, prefix_cache=prefix_cache)

@@ -83,12 +83,13 @@ def unit_rules(values: dict, reader) -> None:
             if any(getattr(entry, key) is None and not reader.failed(where + (key,)) for key in ("device", "endpoint")):
                 reader.problem(where, f"[[{table}]] {entry.name} needs a device and an endpoint to run as a unit "
                                       f"(e.g. endpoint = \"ipc:///run/moerun/{entry.name}.sock\")", numbered=False)
-    for index, entry in enumerate(values.get("daemon_entries", ())):
-        keys = (entry.curve_secret_key, entry.curve_authorized_keys)
-        # the unit splits $MOERUN_CURVE_FLAGS at whitespace, so no path may hold any
-        if all(keys) and any(re.search(r"\s", key) for key in keys):
-            reader.problem(("daemon", index), f"[[daemon]] {entry.name}: CURVE key paths in a unit cannot contain "
-                                              f"whitespace", numbered=False)
+    for table in ("daemon", "split"):
+        for index, entry in enumerate(values.get(f"{table}_entries", ())):
+            keys = (entry.curve_secret_key, entry.curve_authorized_keys)
+            # the unit splits $MOERUN_CURVE_FLAGS at whitespace, so no path may hold any
+            if all(keys) and any(re.search(r"\s", key) for key in keys):
+                reader.problem((table, index), f"[[{table}]] {entry.name}: CURVE key paths in a unit cannot contain "
+                                               f"whitespace", numbered=False)
     taken = {entry.name for entry in values.get("daemon_entries", ())}
     for index, entry in enumerate(values.get("split_entries", ())):
         if entry.name in taken:
@@ -138,6 +139,8 @@ def _shard_environment(config_path: Path, model: str, entry: SplitEntry, flags: 
     device, pinning = pinned_device(entry.device, environment={})
     variables = {"MOERUN_MODEL": model, "MOERUN_DEVICE": device, "MOERUN_LISTEN": entry.listen or entry.endpoint,
                  **pinning, "MOERUN_SHARD_FLAGS": " ".join(flags)}
+    if entry.curve_flags:
+        variables["MOERUN_CURVE_FLAGS"] = " ".join(entry.curve_flags)
     where = f" on {entry.host}" if entry.host else ""
     lines = [f"# moerun layer shard {entry.name} ({entry.device}{where}, {' '.join(flags)}) of {config_path}"]
     lines += [f'{name}="{_env_quote(value)}"' for name, value in variables.items()]

@@ -70,11 +70,19 @@ class SplitEntry:
     endpoint: str | None = None          # ipc://… | tcp://…: where the parent reaches it [None: spawned]
     listen: str | None = None            # where it binds when moerun starts it [default: endpoint]
     host: str | None = None              # the host it runs on [default: the parent's]
+    curve_public_key: str | None = None  # its CURVE public key file, for the parent
+    curve_secret_key: str | None = None  # its CURVE secret key file, on its host
+    curve_authorized_keys: str | None = None   # the public key file (or directory) of the parents it serves
 
     @property
     def spec(self) -> str:
         """The shard as --split names it (before the @LAYER): its endpoint, else its device."""
         return self.endpoint or self.device
+
+    @property
+    def curve_flags(self) -> tuple[str, ...]:
+        return () if self.curve_secret_key is None else (
+            "--curve-secret-key", self.curve_secret_key, "--curve-authorized-keys", self.curve_authorized_keys)
 
     def runs_here(self) -> bool:
         return self.host in (None, "localhost", socket.gethostname()) or self.host == socket.getfqdn()
@@ -105,6 +113,7 @@ class RigConfig:
     graphs: bool = True                  # --no-graph: GPU decode steps run eagerly instead of as CUDA graphs
     kv_dtype: str | None = None          # --kv-dtype f16 | f32 of a GPU parent's KV cache; None: f16 (the CPU: f32)
     daemon_entries: tuple[DaemonEntry, ...] = ()   # the config file's [[daemon]] tables behind `daemons`, if any
+    split_entries: tuple[SplitEntry, ...] = ()     # the config file's [[split]] tables behind `splits`, if any
     client_secret_key: str | None = None           # the parent's CURVE secret key file ([auth])
     threads: int | None = None           # the parent's CPU threads [default: its share of this host's CPUs]
     pin: bool = False                    # hold the parent and its CPU daemons to their own cores
@@ -143,6 +152,8 @@ class RigConfig:
              f"was given: give the daemons it was made for, or drop --placement"),
             (not self.daemon_entries or tuple(entry.spec for entry in self.daemon_entries) == self.daemons,
              "the [[daemon]] tables do not match the --daemon list"),
+            (not self.split_entries or tuple((entry.spec, entry.layer) for entry in self.split_entries) == self.splits,
+             "the [[split]] tables do not match the --split list"),
         ]
         for ok, message in checks:
             if not ok:

@@ -21,6 +21,7 @@ import zmq
 
 from moerun.backends.devices import DEVICE_PATTERN
 from moerun.ipc.client import Counters, DaemonClient
+from moerun.ipc.curve import CurveClientKeys
 from moerun.models.spec import ModelSpec
 from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
 from moerun.moe.planner import DeviceBudget
@@ -127,7 +128,8 @@ class LayerShards:
                             *(("--kv-dtype", kv_dtype) if device != "cpu" else ())))
         endpoint = link.local.endpoint if link.local else link.spec
         timeout_s = SHARD_START_TIMEOUT_S if spawned else self.config.daemon_timeout_s
-        link.client = DaemonClient(endpoint, context=self.context, connect_timeout_s=timeout_s)
+        link.client = DaemonClient(endpoint, context=self.context, connect_timeout_s=timeout_s,
+                                   curve=self._curve_keys(link))
         link.client.counters = link.counters
         started = time.monotonic()
         try:
@@ -144,6 +146,14 @@ class LayerShards:
                            f"needs {self.ctx} (start it with --ctx {self.ctx})")
         link.broken = None
         logger.info(f"layer shard {link.name} ready in {time.monotonic() - started:.1f} s")
+
+    def _curve_keys(self, link: ShardLink) -> CurveClientKeys | None:
+        """The CURVE keys for a shard whose [[split]] table names its public key."""
+        entries = self.config.split_entries
+        entry = entries[link.index] if entries else None
+        if entry is None or entry.curve_public_key is None:
+            return None
+        return CurveClientKeys.from_files(self.config.client_secret_key, entry.curve_public_key)
 
     def _restart(self, link: ShardLink) -> None:
         """A spawned shard is stopped (it may only hang) and started again; a connected one greeted again."""

@@ -241,3 +241,42 @@ def test_parent_connects_with_the_keys_its_config_names(model, key_dir, tmp_path
         with pytest.raises(RigError, match=daemon.endpoint):
             Runtime(model, rig=rig_with_keys(daemon.endpoint, key_dir, "stranger", "strangers"))
         daemon.wait_for_log("is not among the authorized keys")
+
+
+SERVE_SHARD = ("import sys; from moerun.daemons.daemon import serve; "
+               "serve(sys.argv[1], 'cpu', sys.argv[2], None, sys.argv[3], sys.argv[4], layers=range(1, 2), ctx=64)")
+
+
+def test_a_layer_shard_across_hosts_takes_the_keys_its_split_table_names(model, key_dir, tmp_path):
+    """A shard on a tcp:// address serves only authorized parents; the parent reads its key from
+    [auth] and the shard's public key from its [[split]] table."""
+    from moerun.engine.runtime import Runtime
+    from moerun.rig.links import RigError
+    from moerun.rig.settings import RigConfig, SplitEntry
+    ids = list(range(1, 20))
+    with Runtime(model, ctx=64) as local:
+        want = local.logits(ids)
+    endpoint = tcp_endpoint()
+    log_path = tmp_path / "shard.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-c", SERVE_SHARD, str(model), endpoint,
+                                    str(key_dir / "daemon" / "daemon.key_secret"), str(key_dir / "parents")],
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    shard = Daemon(endpoint, process, log_path)
+    try:
+        shard.wait_for_log(f"serving {endpoint} (CURVE, 1 authorized parent keys)", timeout_s=60)
+        entry = SplitEntry(name="far", layer=1, endpoint=endpoint,
+                           curve_public_key=str(key_dir / "daemon" / "daemon.key"))
+
+        def rig(parent: str, folder: str) -> RigConfig:
+            return RigConfig(splits=((endpoint, 1),), split_entries=(entry,), daemon_timeout_s=3,
+                             client_secret_key=str(key_dir / folder / f"{parent}.key_secret"))
+        with Runtime(model, ctx=64, rig=rig("parent", "parents")) as split:
+            got = split.logits(ids)
+        assert abs(got - want).max() <= 1e-5 * abs(want).max()
+        with pytest.raises(RigError, match=f"layer shard s0 {endpoint} layers 1-1 did not start"):
+            Runtime(model, ctx=64, rig=rig("stranger", "strangers"))
+        shard.wait_for_log("is not among the authorized keys")
+    finally:
+        process.terminate()
+        process.wait(10)

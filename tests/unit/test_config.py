@@ -34,7 +34,8 @@ def write(tmp_path: Path, text: str, name: str = "rig.toml") -> Path:
 def show(model, **runtime_flags):
     """Print what a command decorated with runtime_options receives."""
     entries = [entry.name for entry in runtime_flags.pop("daemon_entries")]
-    click.echo(json.dumps({"model": model, "entries": entries, **runtime_flags}))
+    split_entries = [entry.name for entry in runtime_flags.pop("split_entries")]
+    click.echo(json.dumps({"model": model, "entries": entries, "split_entries": split_entries, **runtime_flags}))
 
 
 def shown(*args) -> dict:
@@ -443,7 +444,9 @@ def test_split_tables_are_the_split_flags(tmp_path):
     assert values["splits"] == ("cuda:1@24", "tcp://box-2:7071@36")
     assert [(entry.name, entry.layer) for entry in values["split_entries"]] == [("s0", 24), ("s1", 36)]
     assert shown("--config", path)["splits"] == ["cuda:1@24", "tcp://box-2:7071@36"]
-    assert shown("--config", path, "--split", "cpu@2")["splits"] == ["cpu@2"]
+    assert shown("--config", path)["split_entries"] == ["s0", "s1"]
+    flags = shown("--config", path, "--split", "cpu@2")
+    assert flags["splits"] == ["cpu@2"] and flags["split_entries"] == []     # the flags replace the tables
 
 
 @pytest.mark.parametrize("text,message", [

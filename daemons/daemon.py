@@ -1,6 +1,6 @@
 """The daemon process: `moerun daemon --model M --device D --listen ENDPOINT` serves the
 experts a parent assigns it (moerun.rig.daemon_handler), or with `--layers A:B` runs those
-layers as a layer shard (moerun.rig.shard_handler), behind moerun.ipc.server, until SHUTDOWN,
+layers as a layer shard (moerun.daemons.shard), behind moerun.ipc.server, until SHUTDOWN,
 SIGTERM/SIGINT, or the death of the parent that spawned it (whose run directory it then
 removes, the parent being unable to)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from moerun.ipc.server import Server
 from moerun import log
 from moerun.rig.cores import format_cpus, restrict_to_node
 from moerun.rig.daemon_handler import ExpertDaemon
-from moerun.rig.shard_handler import LayerShard
+from moerun.daemons.shard import LayerShard
 from moerun.rig.spawn import remove_orphaned_run_dir
 
 logger = logging.getLogger(__name__)

@@ -234,9 +234,19 @@ class DaemonClient:
     def forward(self, sequence: int, start: int, x: np.ndarray, dtype: str, timeout_s: float,
                 alive: Callable[[], bool] | None = None) -> np.ndarray:
         """A layer shard's step: x f32 [T, H] at positions start.. of `sequence` (start 0 begins
-        it) -> f32 [T, H] after the shard's last layer; both ways in the payload dtype."""
+        it) -> f32 [T, H] after the shard's last layer: through the attached arena (the reply
+        f32), else in ZeroMQ frames (both ways in the payload dtype)."""
         tokens, hidden = x.shape
         request_id = self._next_id()
+        if self._shared is not None:
+            self.counters.calls += 1
+            started = time.perf_counter()
+            try:
+                out = self._shared.forward(request_id, sequence, start, x, dtype, timeout_s, alive)
+            finally:
+                self.counters.wait_seconds += time.perf_counter() - started
+            self.last_heard = time.monotonic()
+            return out
         header = p.forward_header(request_id, sequence, start, dtype, tokens, hidden)
         payload = p.encode_payload(x, dtype)
         started = time.perf_counter()

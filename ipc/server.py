@@ -191,6 +191,11 @@ class Server:
         session = self._session
         session.last_seen = time.monotonic()
         request_id = shm.request_id(slot.buffer)
+        if shm.request_op(slot.buffer) == shm.OP_FORWARD:
+            self._serve_forward_slot(slot, layout, request_id)
+            fence()
+            slot.reply.set(sequence)
+            return
         try:
             layer, dtype, tokens, pairs, padded = shm.read_request_header(slot.buffer, layout)
             self._require_ready()
@@ -209,6 +214,22 @@ class Server:
             shm.write_error_header(slot.buffer, *self._error_reply(request_id, e))
         fence()
         slot.reply.set(sequence)
+
+    def _serve_forward_slot(self, slot: Slot, layout: ArenaLayout, request_id: int) -> None:
+        """A layer shard's FORWARD in a slot: x [T, H] in, the f32 state after its layers out."""
+        try:
+            sequence, start, dtype, tokens = shm.read_forward_header(slot.buffer, layout)
+            x = slot.request_frames(dtype, tokens, 0)[0]
+            started = time.perf_counter()
+            try:
+                out = self.handler.forward(sequence, start, x)
+            except ValueError as e:
+                raise ProtocolError(p.BAD_REQUEST, f"forward: {e}") from None
+            slot.write_result(out)
+            shm.write_result_header(slot.buffer, request_id, 0, tokens, layout.hidden,
+                                    (time.perf_counter() - started) * 1e6)
+        except Exception as e:  # noqa: BLE001 - any failure becomes an error reply
+            shm.write_error_header(slot.buffer, *self._error_reply(request_id, e))
 
     # -- the socket ---------------------------------------------------------------------------
 

@@ -69,6 +69,28 @@ class SharedChannel:
         self.counters.bytes_sent += (shm.REQUEST.size
                                      + tokens * layout.hidden * p.WIRE_ITEMSIZE[dtype] + 8 * pairs)
 
+    def forward(self, request_id: int, sequence: int, start: int, x: np.ndarray, dtype: str, timeout_s: float,
+                alive: Callable[[], bool] | None) -> np.ndarray:
+        """A layer shard's step through a slot: x [T, H] in `dtype` -> the f32 [T, H] reply."""
+        tokens, hidden = x.shape
+        layout = self.arena.layout
+        if tokens > layout.batch_capacity or hidden != layout.hidden:
+            raise ValueError(f"x [{tokens}, {hidden}] does not fit the arena's batch capacity "
+                             f"{layout.batch_capacity} (hidden {layout.hidden})")
+        self._raise_if_detached()
+        deadline = time.monotonic() + timeout_s
+        index = self._free_slot(timeout_s, alive)
+        slot = self.arena.slots[index]
+        slot.write_x(dtype, x)
+        shm.write_forward_header(slot.buffer, request_id, sequence, start, dtype, tokens, hidden)
+        fence()
+        slot.request_seq = slot.request_seq + 1
+        self.arena.doorbell.ring()
+        self._busy[index] = True
+        self.in_flight[request_id] = (index, tokens, hidden)
+        self.counters.bytes_sent += shm.FORWARD_REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype]
+        return self.wait(request_id, deadline, alive)
+
     def collect(self, request_id: int, deadline: float, alive: Callable[[], bool] | None) -> None:
         """Wait for the daemon's answer to a posted request; its result stays where the
         daemon put it. Raises DaemonError for an error reply."""

@@ -108,7 +108,7 @@ class ArenaLayout:
 # each a fixed little-endian struct read or written in one call. The frames sit at fixed places
 # in the slot, so the headers carry no frame table. Control messages stay msgpack over ZeroMQ.
 
-OP_COMPUTE, OP_RESULT, OP_ERROR, OP_COMPUTE_PADDED = 1, 2, 3, 4
+OP_COMPUTE, OP_RESULT, OP_ERROR, OP_COMPUTE_PADDED, OP_FORWARD = 1, 2, 3, 4, 5
 COMPUTE_OPS = (OP_COMPUTE, OP_COMPUTE_PADDED)
 DTYPES = tuple(p.DTYPE_CODES)                   # a payload dtype's code is its position
 ERROR_CODES = (p.BAD_FRAME, p.VERSION_MISMATCH, p.FINGERPRINT_MISMATCH, p.BUSY, p.NO_SESSION,
@@ -119,7 +119,10 @@ ERROR_NUMBERS = {code: number for number, code in enumerate(ERROR_CODES, start=1
 REQUEST = struct.Struct("<IIQiIIII")
 # version, op, request id, layer, tokens T, hidden H, error number, compute_us, message bytes
 REPLY = struct.Struct("<IIQiIIIdI")
+# a layer shard's FORWARD: version, op, request id, sequence, start, dtype code, tokens T, hidden H
+FORWARD_REQUEST = struct.Struct("<IIQQQIII")
 REQUEST_ID = struct.Struct("<Q")
+REQUEST_OP = struct.Struct("<I")
 REQUEST_ID_OFFSET = REQUEST_HEADER_OFFSET + 8
 MESSAGE_OFFSET = REPLY_HEADER_OFFSET + REPLY.size
 MAX_MESSAGE_BYTES = 4 * p.MAX_ERROR_MESSAGE      # UTF-8 of MAX_ERROR_MESSAGE characters
@@ -137,6 +140,32 @@ def write_request_header(slot_buffer, request_id: int, layer: int, dtype: str, t
 def request_id(slot_buffer) -> int:
     """The request id, readable whatever else the header holds (every reply echoes it)."""
     return REQUEST_ID.unpack_from(slot_buffer, REQUEST_ID_OFFSET)[0]
+
+
+def request_op(slot_buffer) -> int:
+    """The op of the request in a slot: a compute (1, 4) or a layer shard's FORWARD (5)."""
+    return REQUEST_OP.unpack_from(slot_buffer, REQUEST_HEADER_OFFSET + 4)[0]
+
+
+def write_forward_header(slot_buffer, request_id: int, sequence: int, start: int, dtype: str, tokens: int,
+                         hidden: int) -> None:
+    """A FORWARD request: x [T, H] in `dtype` in the x frame, at positions start.. of `sequence`."""
+    FORWARD_REQUEST.pack_into(slot_buffer, REQUEST_HEADER_OFFSET, p.PROTOCOL_VERSION, OP_FORWARD, request_id,
+                              sequence, start, p.DTYPE_CODES[dtype], tokens, hidden)
+
+
+def read_forward_header(slot_buffer, layout: ArenaLayout) -> tuple[int, int, str, int]:
+    """(sequence, start, dtype, T) of the FORWARD header in a slot, checked against the arena;
+    raises ProtocolError (version_mismatch, bad_request)."""
+    version, _, _, sequence, start, dtype, tokens, hidden = FORWARD_REQUEST.unpack_from(
+        slot_buffer, REQUEST_HEADER_OFFSET)
+    if version != p.PROTOCOL_VERSION:
+        raise p.version_mismatch(version, "parent", "daemon")
+    if dtype >= len(DTYPES) or hidden != layout.hidden or not 1 <= tokens <= layout.batch_capacity:
+        raise ProtocolError(p.BAD_REQUEST, f"forward with dtype code {dtype}, {tokens} tokens and hidden {hidden}: "
+                                           f"expected a dtype code below {len(DTYPES)}, 1..{layout.batch_capacity} "
+                                           f"tokens and hidden {layout.hidden}")
+    return sequence, start, DTYPES[dtype], tokens
 
 
 def read_request_header(slot_buffer, layout: ArenaLayout) -> tuple[int, str, int, int, bool]:
@@ -252,6 +281,10 @@ class Slot:
         x = self._x[dtype][:tokens]
         return (x if dtype == "f32" else x.astype(np.float32), self._counts[:tokens],
                 self._local_ids[:pairs], self._weights[:pairs])
+
+    def write_x(self, dtype: str, x: np.ndarray) -> None:
+        """Parent side: x [T, H] alone (a layer shard's FORWARD), encoded as `dtype`."""
+        self._x[dtype][:len(x)] = x
 
     def write_result(self, out: np.ndarray) -> None:
         """Daemon side: the f32 [T, H] result, at DATA_OFFSET."""

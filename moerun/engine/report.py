@@ -29,7 +29,8 @@ def stats_document(runtime: Runtime, run: RunStats, **extra) -> dict:
         counters = link.counters
         daemons.append({
             "name": link.name, "spec": link.spec, "endpoint": link.client.endpoint if link.client else None,
-            "transport": "stream", "state": "up" if link.broken is None else f"down: {link.broken}",
+            "transport": link.client.transport if link.client else "stream",
+            "state": "up" if link.broken is None else f"down: {link.broken}",
             "calls": counters.calls, "mib_sent": counters.bytes_sent / MIB,
             "mib_received": counters.bytes_received / MIB, "parent_wait_ms": counters.wait_seconds * 1e3,
             "daemon_compute_ms": counters.compute_seconds * 1e3, "fallback_calls": 0,

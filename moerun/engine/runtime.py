@@ -96,7 +96,7 @@ class Runtime:
                                           split_auto=False)
             if rig.splits:
                 self.shards = LayerShards(rig, self.gguf.path, self.gguf.fingerprint(), self.spec,
-                                          self.kv_pool or self.ctx)
+                                          self.kv_pool or self.ctx, ubatch)
             if rig.daemons:
                 self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=self.kv_pool or self.ctx,
                                cpus=self.cpus)

@@ -1,5 +1,5 @@
 """Layer shards as the parent sees them (--split SPEC@LAYER): the layers from each boundary to
-the next run in a shard process (`moerun daemon --layers A:B`, moerun.rig.shard_handler),
+the next run in a shard process (`moerun daemon --layers A:B`, moerun.daemons.shard),
 spawned here on cpu, cuda:N or hip:N, or reached at an ipc:// or tcp:// endpoint; the parent
 keeps the embedding, the layers before the first boundary and the head. A step's hidden
 state [T, H] goes through the shards in order over their sockets, in the rig's payload dtype.
@@ -22,6 +22,7 @@ import zmq
 from moerun.backends.devices import DEVICE_PATTERN
 from moerun.ipc.client import Counters, DaemonClient
 from moerun.ipc.curve import CurveClientKeys
+from moerun.ipc.protocol import MAX_BATCH_CAPACITY
 from moerun.models.spec import ModelSpec
 from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
 from moerun.moe.planner import DeviceBudget
@@ -60,14 +61,17 @@ class ShardLink:
 
 
 class LayerShards:
-    def __init__(self, config: RigConfig, model_path: str | Path, fingerprint: str, spec: ModelSpec, ctx: int):
-        """ctx: the positions each shard's KV cache holds (the parent's)."""
+    def __init__(self, config: RigConfig, model_path: str | Path, fingerprint: str, spec: ModelSpec, ctx: int,
+                 chunk: int):
+        """ctx: the positions each shard's KV cache holds (the parent's); chunk: the most tokens
+        one step carries (the parent's prefill chunk), which a shard's arena holds."""
         boundaries = [layer for _, layer in config.splits]
         for layer in boundaries:
             if layer >= spec.n_layers:
                 raise RigError(f"--split …@{layer}: the model has layers 0..{spec.n_layers - 1}")
         ends = [*boundaries[1:], spec.n_layers]
         self.config, self.model_path, self.fingerprint, self.ctx = config, model_path, fingerprint, ctx
+        self.chunk, self.hidden = chunk, spec.hidden
         self.links = [ShardLink(i, shard_spec, range(layer, end))
                       for i, ((shard_spec, layer), end) in enumerate(zip(config.splits, ends))]
         self.sequence = 0
@@ -144,8 +148,21 @@ class LayerShards:
         if info.get("ctx", 0) < self.ctx:
             raise RigError(f"layer shard {link.name} at {endpoint} holds {info.get('ctx')} positions, the parent "
                            f"needs {self.ctx} (start it with --ctx {self.ctx})")
+        self._attach(link)
         link.broken = None
-        logger.info(f"layer shard {link.name} ready in {time.monotonic() - started:.1f} s")
+        logger.info(f"layer shard {link.name} ready in {time.monotonic() - started:.1f} s "
+                    f"({link.client.transport} transport)")
+
+    def _attach(self, link: ShardLink) -> None:
+        """A shard on this host takes its steps through a shared arena of one slot (a doorbell
+        each way instead of a socket round trip), unless --transport stream."""
+        if self.config.transport == "stream" or not link.client.same_host() or self.chunk > MAX_BATCH_CAPACITY:
+            return
+        try:
+            link.client.attach_shared(batch_capacity=self.chunk, hidden=self.hidden, max_pairs_per_token=1, slots=1,
+                                      alive=link.alive)
+        except DAEMON_FAILURES as err:
+            raise RigError(f"layer shard {link.name} could not map the shared arena: {err}") from None
 
     def _curve_keys(self, link: ShardLink) -> CurveClientKeys | None:
         """The CURVE keys for a shard whose [[split]] table names its public key."""

@@ -49,15 +49,27 @@ def test_shards_give_the_all_local_logits_and_tokens(model, boundaries):
         logits = split.logits(PROMPT)
         tokens = list(split.generate(PROMPT[:5], 64, GREEDY))
         calls = [link.client.counters.calls for link in split.shards.links]
+        transports = {link.client.transport for link in split.shards.links}
     assert relative_error(logits, want_logits) <= BOUNDS["f32"]
     assert tokens == want_tokens
     assert calls == [calls[0]] * len(boundaries) and calls[0] >= 64
+    assert transports == {"shared"}                     # shards on this host: a slot of a shared arena
 
 
+def test_the_socket_transport_gives_the_same(model):
+    path, want_logits, want_tokens = model
+    with Runtime(path, ubatch=UBATCH, rig=RigConfig(splits=(("cpu", 1), ("cpu", 3)), transport="stream")) as split:
+        assert {link.client.transport for link in split.shards.links} == {"stream"}
+        assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS["f32"]
+        assert list(split.generate(PROMPT[:5], 64, GREEDY)) == want_tokens
+
+
+@pytest.mark.parametrize("transport", ["shared", "stream"])
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
-def test_payload_dtypes_stay_within_their_bounds(model, dtype):
+def test_payload_dtypes_stay_within_their_bounds(model, dtype, transport):
     path, want_logits, _ = model
-    with Runtime(path, ubatch=UBATCH, rig=RigConfig(splits=(("cpu", 2),), payload_dtype=dtype)) as split:
+    rig = RigConfig(splits=(("cpu", 2),), payload_dtype=dtype, transport=transport)
+    with Runtime(path, ubatch=UBATCH, rig=rig) as split:
         assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS[dtype]
 
 

@@ -1,7 +1,8 @@
 """A layer shard: the daemon process started with a layer range (`moerun daemon --layers A:B`)
 runs those layers for one parent at a time — their attention with its own KV cache, norms,
 routers and every expert of them — taking the hidden state [T, H] at some positions of a
-sequence and giving back the state after its last layer (FORWARD in moerun.ipc.server).
+sequence and giving back the state after its last layer (FORWARD in moerun.ipc.server, over
+its socket or, from a parent on this host, through the slots of a shared arena).
 It holds one sequence: position 0 starts one, every other step must continue it exactly
 (a shard that restarted, or missed a step, says so and the parent starts over).
 
@@ -82,8 +83,12 @@ class LayerShard:
     def compute(self, layer, x, counts, local_ids, weights) -> np.ndarray:
         raise ValueError("a layer shard takes FORWARD requests, not COMPUTE (start an expert daemon without --layers)")
 
-    def attach(self, arena: Arena, transport: str, header: dict):
-        raise ValueError("a layer shard takes the hidden state over its socket; it maps no arena")
+    def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, None, None]:
+        """A parent on this host: its FORWARD requests come through the arena's slots."""
+        if transport != "shared":
+            raise ValueError(f"a layer shard takes the hidden state through shared memory or its socket, "
+                             f"not the {transport} transport")
+        return {}, None, None
 
     def release(self) -> None:
         self.cache, self.sequence = None, None

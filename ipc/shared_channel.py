@@ -42,13 +42,8 @@ class SharedChannel:
         slot = self.arena.slots[index]
         slot.write_request_frames(dtype, x, counts, local_ids, weights)
         shm.write_request_header(slot.buffer, request_id, layer, dtype, tokens, pairs, hidden)
-        fence()
-        slot.request_seq = slot.request_seq + 1
-        self.arena.doorbell.ring()
-        self._busy[index] = True
-        self.in_flight[request_id] = (index, tokens, hidden)
-        self.counters.bytes_sent += (shm.REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype]
-                                     + 4 * tokens + 8 * pairs)
+        self._ring(index, request_id, tokens,
+                   shm.REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype] + 4 * tokens + 8 * pairs)
 
     def post(self, index: int, request_id: int, layer: int, dtype: str, tokens: int) -> None:
         """A padded request whose frames are already in idle slot `index` (a GPU parent
@@ -61,13 +56,8 @@ class SharedChannel:
         pairs = tokens * layout.max_pairs_per_token
         shm.write_request_header(slot.buffer, request_id, layer, dtype, tokens, pairs,
                                    layout.hidden, padded=True)
-        fence()
-        slot.request_seq = slot.request_seq + 1
-        self.arena.doorbell.ring()
-        self._busy[index] = True
-        self.in_flight[request_id] = (index, tokens, layout.hidden)
-        self.counters.bytes_sent += (shm.REQUEST.size
-                                     + tokens * layout.hidden * p.WIRE_ITEMSIZE[dtype] + 8 * pairs)
+        self._ring(index, request_id, tokens,
+                   shm.REQUEST.size + tokens * layout.hidden * p.WIRE_ITEMSIZE[dtype] + 8 * pairs)
 
     def forward(self, request_id: int, sequence: int, start: int, x: np.ndarray, dtype: str, timeout_s: float,
                 alive: Callable[[], bool] | None) -> np.ndarray:
@@ -83,13 +73,18 @@ class SharedChannel:
         slot = self.arena.slots[index]
         slot.write_x(dtype, x)
         shm.write_forward_header(slot.buffer, request_id, sequence, start, dtype, tokens, hidden)
+        self._ring(index, request_id, tokens, shm.FORWARD_REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype])
+        return self.wait(request_id, deadline, alive)
+
+    def _ring(self, index: int, request_id: int, tokens: int, sent_bytes: int) -> None:
+        """The request written into slot `index` goes out: its sequence word, then the doorbell."""
+        slot = self.arena.slots[index]
         fence()
         slot.request_seq = slot.request_seq + 1
         self.arena.doorbell.ring()
         self._busy[index] = True
-        self.in_flight[request_id] = (index, tokens, hidden)
-        self.counters.bytes_sent += shm.FORWARD_REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype]
-        return self.wait(request_id, deadline, alive)
+        self.in_flight[request_id] = (index, tokens, self.arena.layout.hidden)
+        self.counters.bytes_sent += sent_bytes
 
     def collect(self, request_id: int, deadline: float, alive: Callable[[], bool] | None) -> None:
         """Wait for the daemon's answer to a posted request; its result stays where the

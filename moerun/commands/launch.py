@@ -29,7 +29,7 @@ from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.rig.cores import share_host
 from moerun.rig.links import RigError
-from moerun.rig.settings import RigConfig, SplitEntry, shard_flags
+from moerun.rig.settings import DaemonEntry, RigConfig, SplitEntry, shard_flags
 from moerun.rig.spawn import (
     LocalDaemon,
     make_run_dir,
@@ -66,7 +66,7 @@ def launch(ctx, config_file, workload_flags):
         entries = () if _overridden(command, "daemons") else values.get("daemon_entries", ())
         splits = () if _overridden(command, "splits") else values.get("split_entries", ())
         model = command.params["model"] or values.get("model")
-        if model is None and any(entry.endpoint and entry.device and entry.runs_here() for entry in (*entries, *splits)):
+        if model is None and any(map(_starts_here, (*entries, *splits))):
             from moerun.writers.demo import demo_model_path
             model = demo_model_path()
         # the parent divides the host's CPUs the same way when it starts: these daemons are in its split
@@ -75,8 +75,9 @@ def launch(ctx, config_file, workload_flags):
         cpus = share_host(rig)
         to_start = [ToStart(entry.name, entry.device, entry.listen or entry.endpoint,
                             (*entry.curve_flags, *entry.node_flags), cpus.spawn_settings(i))
-                    for i, entry in enumerate(entries) if entry.endpoint and entry.device and entry.runs_here()]
-        to_start += _shards_to_start(splits, model, _setting(command, values, "kv_pool") or _setting(command, values, "ctx"))
+                    for i, entry in enumerate(entries) if _starts_here(entry)]
+        context = _setting(command, values, "kv_pool") or _setting(command, values, "ctx")
+        to_start += _shards_to_start(splits, model, context)
         with StartedDaemons(to_start, model):
             workload.invoke(command)
 
@@ -91,6 +92,11 @@ class ToStart:
     cpu_settings: dict                 # spawn_daemon's threads and cpus
 
 
+def _starts_here(entry: DaemonEntry | SplitEntry) -> bool:
+    """A daemon or shard with a device and an endpoint on this host: launch starts it."""
+    return bool(entry.endpoint and entry.device and entry.runs_here())
+
+
 def _overridden(command: click.Context, name: str) -> bool:
     return command.get_parameter_source(name) is ParameterSource.COMMANDLINE
 
@@ -98,7 +104,7 @@ def _overridden(command: click.Context, name: str) -> bool:
 def _shards_to_start(splits: tuple[SplitEntry, ...], model, ctx: int | None) -> list[ToStart]:
     """The [[split]] shards with a device and an endpoint on this host, with their layers
     (to the next table's first, the last to the model's end) and the run's context."""
-    here = [entry for entry in splits if entry.endpoint and entry.device and entry.runs_here()]
+    here = [entry for entry in splits if _starts_here(entry)]
     if not here:
         return []
     with GGUFFile(model) as gguf:

@@ -5,9 +5,10 @@ needs no host action per layer in a captured step: pack_remote writes the reques
 slot, ring_slot the header and the slot's request sequence word (which the daemon spins on),
 the parent's hot experts run, await_slot spins on the reply's sequence word, and
 add_reply_rows adds the reply in. The host only opens the step (a sleeping daemon is woken:
-the device cannot) and watches it finish (rousing a daemon that fell asleep between layers): a daemon that died has its waits aborted, one that
-failed a request (an error reply, or none within --daemon-timeout) is marked down, and the
-step runs again eagerly without it (StepRetry).
+the device cannot) and watches it finish (rousing a daemon that fell asleep between layers):
+a daemon that died has its waits aborted, one that failed a request (an error reply, or none
+within --daemon-timeout) is marked down, and the step runs again eagerly without it
+(StepRetry).
 
 Per daemon the kernels count, in a pinned array the host reads after each step: request ids
 rung, failures, nanoseconds the parent's stream waited, and the daemon's compute time.

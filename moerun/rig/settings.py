@@ -127,7 +127,8 @@ class RigConfig:
         for spec, layer in self.splits:
             if not (DEVICE_PATTERN.match(spec) or ENDPOINT.match(spec)) or layer < 1:
                 raise ConfigError(f"--split {spec}@{layer}: expected SPEC@LAYER with SPEC cpu, cuda:N, hip:N, "
-                                  f"ipc://PATH or tcp://HOST:PORT and LAYER >= 1 (the parent runs the layers before it)")
+                                  f"ipc://PATH or tcp://HOST:PORT and LAYER >= 1 (the parent runs the layers "
+                                  f"before it)")
         if self.split_auto and self.splits:
             raise ConfigError("--split auto places every boundary itself: give it alone")
         layers = [layer for _, layer in self.splits]

@@ -81,7 +81,8 @@ DAEMON_SERIES = [
 
 # the same for each layer shard (a ShardLink)
 SHARD_SERIES = [
-    (CounterMetricFamily, "moerun_shard_steps", "FORWARD steps sent to the layer shard", lambda link: link.counters.calls),
+    (CounterMetricFamily, "moerun_shard_steps", "FORWARD steps sent to the layer shard",
+     lambda link: link.counters.calls),
     (CounterMetricFamily, "moerun_shard_sent_bytes", "Hidden-state bytes sent to the layer shard",
      lambda link: link.counters.bytes_sent),
     (CounterMetricFamily, "moerun_shard_received_bytes", "Hidden-state bytes received from the layer shard",

@@ -6,6 +6,7 @@ so the rest of the command line works without them.
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 from functools import partial
 from pathlib import Path
@@ -16,12 +17,15 @@ from moerun.commands.options import (
     DEMO_DAEMONS,
     MODEL_HELP,
     friendly_errors,
+    given_on_command_line,
     model_or_demo,
     open_runtime,
     runtime_options,
 )
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.units import parse_bytes
+
+logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long before they are cut
 
@@ -82,6 +86,12 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     budget = parse_bytes(prefix_cache_budget, "--prefix-cache-budget")
     if prefix_cache_dir is not None and not prefix_cache_slots:
         raise click.ClickException("--prefix-cache-dir needs --prefix-cache-slots of at least 1")
+    if runtime_flags["splits"] and prefix_cache_slots:
+        if given_on_command_line("prefix_cache_slots") or prefix_cache_dir is not None:
+            raise click.ClickException("--split: prefix snapshots do not reach the layer shards' KV caches yet; "
+                                       "drop --prefix-cache-slots and --prefix-cache-dir, or --split")
+        logger.info("prefix snapshots are off with --split: the layer shards' KV caches are not snapshotted yet")
+        prefix_cache_slots = 0
     prefix_cache = (PrefixCache(prefix_cache_slots, snapshot_interval, prefix_cache_dir, budget)
                     if prefix_cache_slots else None)
     worker = Worker(partial(open_runtime, model, prefix_cache=prefix_cache, **runtime_flags),

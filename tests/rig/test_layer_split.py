@@ -218,3 +218,10 @@ def test_an_expert_daemon_refuses_a_forward(model, tmp_path):
         info = client.hello(client_fingerprint(path))
         with pytest.raises(DaemonError, match="this daemon serves experts; a layer shard is a daemon started with"):
             client.forward(1, 0, np.ones((1, info["hidden"]), np.float32), "f32", 30)
+
+
+def test_serve_with_shards_refuses_prefix_snapshots_asked_for(moerun, model):
+    path, _, _ = model
+    result = moerun("serve", "-m", path, "--port", "0", "--split", "cpu@2", "--prefix-cache-slots", "2")
+    assert result.exit_code == 1
+    assert "--split: prefix snapshots do not reach the layer shards' KV caches yet" in result.stderr

@@ -234,7 +234,7 @@ def _per_repetition(before: dict, after: dict, compute_before: dict, compute_aft
 def _rig_settings(rig: Rig) -> dict:
     config = rig.config
     return {"transport": [link.transport for link in rig.links], "mode": config.mode,
-            "payload_dtype": config.payload_dtype, "hot": config.hot}
+            "payload_dtype": config.expert_payload_dtype, "hot": config.hot}
 
 
 def _model_facts(runtime: Runtime) -> ModelFacts:

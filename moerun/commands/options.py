@@ -133,8 +133,9 @@ def runtime_options(command):
                      help=f"batched: a whole prefill chunk per call; stream: {STREAM_SLICE_TOKENS} tokens per call."),
         click.option("--batch-capacity", type=click.IntRange(1, MAX_BATCH_CAPACITY), default=1024,
                      show_default=True, help="Most prefill tokens per daemon call in batched mode."),
-        click.option("--payload-dtype", type=click.Choice(tuple(PAYLOAD_DTYPES)), default="f32", show_default=True,
-                     help="Activations sent to daemons (replies are f32)."),
+        click.option("--payload-dtype", type=click.Choice(tuple(PAYLOAD_DTYPES)), default=None,
+                     help="Activations sent to daemons (replies are f32) and hidden states to layer shards "
+                          "[default: f32; bf16 between a GPU parent and a GPU shard]."),
         click.option("--daemon-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
                      show_default=True, help="Seconds a daemon may take per call before the parent computes "
                                              "its experts itself."),

@@ -45,7 +45,7 @@ class CpuDispatcher:
         self.local_ids = {(home, layer): placement.local_ids(layer, home)
                           for layer in self.homes for home in (PARENT, *range(placement.n_daemons))}
         self.tokens_per_call = rig.config.tokens_per_call
-        self.payload_dtype = rig.config.payload_dtype
+        self.payload_dtype = rig.config.expert_payload_dtype
         self.timeout_s = rig.config.daemon_timeout_s
         self.require_daemons = rig.config.require_daemons
 

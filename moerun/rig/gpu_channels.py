@@ -132,7 +132,7 @@ class Channel:
     def __init__(self, backend, rig, link: DaemonLink):
         self.backend, self.rig, self.link = backend, rig, link
         self.session = link.session
-        self.dtype, self.timeout_s = rig.config.payload_dtype, rig.config.daemon_timeout_s
+        self.dtype, self.timeout_s = rig.config.expert_payload_dtype, rig.config.daemon_timeout_s
         self.outstanding: dict[int, RemoteCall] = {}          # slot -> call posted there, not collected
 
     def _talk(self, call: RemoteCall, request, posting: bool = False) -> bool:

@@ -101,7 +101,7 @@ class DeviceRings:
     def _fold(self) -> set[int]:
         """The step's counts into each link's counters; the links with failures."""
         spec, words = self.backend.spec, self.words
-        payload_bytes = p.WIRE_ITEMSIZE[self.rig.config.payload_dtype]      # a captured step: one token a call
+        payload_bytes = p.WIRE_ITEMSIZE[self.rig.config.expert_payload_dtype]      # a captured step: one token a call
         failed = set()
         for link in self.rig.links:
             base = 1 + DAEMON_WORDS * link.index

@@ -106,7 +106,7 @@ class RigConfig:
     transport: str = "auto"
     mode: str = "auto"
     batch_capacity: int = 1024
-    payload_dtype: str = "f32"
+    payload_dtype: str | None = None     # activations to daemons and shards; None: f32, bf16 between GPU and GPU shard
     daemon_timeout_s: float = 30.0
     require_daemons: bool = False
     device: str = "cpu"                  # the parent's: cpu | cuda:N | hip:N
@@ -141,7 +141,8 @@ class RigConfig:
              "--kv-dtype f16: the CPU parent keeps its KV cache in f32; give it for a GPU parent (--device cuda:N)"),
             (self.transport in RIG_TRANSPORTS, f"--transport must be one of {', '.join(RIG_TRANSPORTS)}"),
             (self.mode in MODES, f"--mode must be one of {', '.join(MODES)}"),
-            (self.payload_dtype in PAYLOAD_DTYPES, f"--payload-dtype must be one of {', '.join(PAYLOAD_DTYPES)}"),
+            (self.payload_dtype in (None, *PAYLOAD_DTYPES),
+             f"--payload-dtype must be one of {', '.join(PAYLOAD_DTYPES)}"),
             (1 <= self.batch_capacity <= MAX_BATCH_CAPACITY,
              f"--batch-capacity must be between 1 and {MAX_BATCH_CAPACITY} (got {self.batch_capacity})"),
             (self.daemon_timeout_s > 0, f"--daemon-timeout must be > 0 (got {self.daemon_timeout_s})"),
@@ -164,6 +165,17 @@ class RigConfig:
     def kv_cache_dtype(self) -> str:
         """The parent's KV cache elements: --kv-dtype, else its device's own."""
         return self.kv_dtype or default_kv_dtype(self.device)
+
+    @property
+    def expert_payload_dtype(self) -> str:
+        """The activations sent to expert daemons: --payload-dtype, else f32."""
+        return self.payload_dtype or "f32"
+
+    def shard_payload_dtype(self, shard: str) -> str:
+        """The hidden state to and from a layer shard on `shard` (a device, or an endpoint):
+        --payload-dtype, else bf16 between a GPU parent and a shard spawned on a GPU, else f32."""
+        both_gpus = self.device != "cpu" and DEVICE_PATTERN.match(shard) is not None and shard != "cpu"
+        return self.payload_dtype or ("bf16" if both_gpus else "f32")
 
     @property
     def tokens_per_call(self) -> int:

@@ -51,6 +51,7 @@ class ShardLink:
     restarts: int = 0
     times_down: int = 0
     counters: Counters = field(default_factory=Counters)    # its clients' calls, bytes and waits, over restarts
+    dtype: str = "f32"                 # the hidden state's payload dtype
 
     @property
     def name(self) -> str:
@@ -72,7 +73,7 @@ class LayerShards:
         ends = [*boundaries[1:], spec.n_layers]
         self.config, self.model_path, self.fingerprint, self.ctx = config, model_path, fingerprint, ctx
         self.chunk, self.hidden = chunk, spec.hidden
-        self.links = [ShardLink(i, shard_spec, range(layer, end))
+        self.links = [ShardLink(i, shard_spec, range(layer, end), dtype=config.shard_payload_dtype(shard_spec))
                       for i, ((shard_spec, layer), end) in enumerate(zip(config.splits, ends))]
         self.sequence = 0
         self.context = zmq.Context()
@@ -103,12 +104,12 @@ class LayerShards:
 
     def forward(self, x: np.ndarray, start: int) -> np.ndarray:
         """x f32 [T, H] at positions start.. of the current sequence through every shard -> [T, H]."""
-        timeout_s, dtype = self.config.daemon_timeout_s, self.config.payload_dtype
+        timeout_s = self.config.daemon_timeout_s
         for link in self.links:
             if link.broken is not None:
                 raise ShardFailed(self._failure(link))
             try:
-                x = link.client.forward(self.sequence, start, x, dtype, timeout_s, link.alive)
+                x = link.client.forward(self.sequence, start, x, link.dtype, timeout_s, link.alive)
             except DAEMON_FAILURES as err:
                 link.broken = failure_reason(err, timeout_s)
                 link.times_down += 1

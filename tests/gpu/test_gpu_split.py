@@ -43,7 +43,7 @@ def all_local(model):
 def test_shards_on_the_same_gpu_give_the_all_local_logits_and_tokens(model, all_local, boundaries):
     want_logits, want_tokens = all_local
     device = gpu_device()
-    rig = RigConfig(device=device, splits=tuple((device, layer) for layer in boundaries))
+    rig = RigConfig(device=device, splits=tuple((device, layer) for layer in boundaries), payload_dtype="f32")
     with Runtime(model, ubatch=512, rig=rig) as split:
         logits = split.logits(PROMPT)
         tokens = list(split.generate(PROMPT[:8], 64, GREEDY))
@@ -51,10 +51,19 @@ def test_shards_on_the_same_gpu_give_the_all_local_logits_and_tokens(model, all_
     assert tokens == want_tokens
 
 
+def test_between_gpus_the_hidden_state_goes_as_bf16_unless_asked(model, all_local):
+    want_logits, _ = all_local
+    device = gpu_device()
+    with Runtime(model, ubatch=512, rig=RigConfig(device=device, splits=((device, 1),))) as split:
+        assert split.shards.links[0].dtype == "bf16"
+        assert relative_error(split.logits(PROMPT), want_logits) <= 2e-2
+
+
 def test_a_gpu_shard_killed_mid_request(model, all_local):
     want_logits, want_tokens = all_local
     device = gpu_device()
-    with Runtime(model, ubatch=512, rig=RigConfig(device=device, splits=((device, 1),))) as split:
+    rig = RigConfig(device=device, splits=((device, 1),), payload_dtype="f32")
+    with Runtime(model, ubatch=512, rig=rig) as split:
         link = split.shards.links[0]
         with pytest.raises(ShardFailed, match="died: the request fails"):
             for n, _ in enumerate(split.generate(PROMPT[:8], 64, GREEDY)):

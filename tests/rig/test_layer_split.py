@@ -225,3 +225,13 @@ def test_serve_with_shards_refuses_prefix_snapshots_asked_for(moerun, model):
     result = moerun("serve", "-m", path, "--port", "0", "--split", "cpu@2", "--prefix-cache-slots", "2")
     assert result.exit_code == 1
     assert "--split: prefix snapshots do not reach the layer shards' KV caches yet" in result.stderr
+
+
+def test_the_hidden_states_payload_dtype_by_default_and_when_asked():
+    assert RigConfig(splits=(("cpu", 2),)).shard_payload_dtype("cpu") == "f32"
+    gpu = RigConfig(device="cuda:0", splits=(("cuda:1", 2),))
+    assert gpu.shard_payload_dtype("cuda:1") == "bf16"                   # GPU to GPU
+    assert gpu.shard_payload_dtype("cpu") == "f32"
+    assert gpu.shard_payload_dtype("tcp://box:7071") == "f32"            # what runs there is not known
+    assert RigConfig(device="cuda:0", payload_dtype="f16").shard_payload_dtype("cuda:1") == "f16"
+    assert gpu.expert_payload_dtype == "f32"

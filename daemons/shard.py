@@ -1,6 +1,7 @@
 """A layer shard: the daemon process started with a layer range (`moerun daemon --layers A:B`)
 runs those layers for one parent at a time — their attention with its own KV cache, norms,
-routers and every expert of them — taking the hidden state [T, H] at some positions of a
+routers and every expert of them (or, with expert daemons of its own, its hot ones, the cold
+ones on those daemons as a parent's are) — taking the hidden state [T, H] at some positions of a
 sequence and giving back the state after its last layer (FORWARD in moerun.ipc.server, over
 its socket or, from a parent on this host, through the slots of a shared arena).
 It holds one sequence: position 0 starts one, every other step must continue it exactly
@@ -21,6 +22,10 @@ from moerun.gguf.reader import GGUFFile
 from moerun.ipc.shm import Arena
 from moerun.models import load_spec
 from moerun.moe.executor import LocalExecutor
+from moerun.moe.placement import PARENT
+from moerun.rig.cores import HostShares, share_host
+from moerun.rig.settings import RigConfig
+from moerun.rig.supervisor import Rig
 from moerun.units import available_host_bytes
 
 EXPERT_CACHE_BYTES = 4 << 30        # the float32 experts kept where the CPU kernels cannot read a type
@@ -30,8 +35,12 @@ class LayerShard:
     """The Handler behind moerun.ipc.server.Server for layers `layers` of one model file."""
 
     def __init__(self, model_path: str, device: str, layers: range, ctx: int, threads: int | None = None,
-                 kv_dtype: str = "f16"):
+                 kv_dtype: str = "f16", experts: RigConfig | None = None):
+        """experts: the shard's own expert daemons (its --daemon and --hot), for its layers' cold
+        experts as a parent's; None: it computes every expert of its layers."""
         self.gguf = GGUFFile(model_path)
+        self.rig: Rig | None = None
+        self.cpus: HostShares | None = None
         try:
             self.spec = load_spec(self.gguf)
             if not 1 <= layers.start < layers.stop <= self.spec.n_layers:
@@ -39,12 +48,22 @@ class LayerShard:
                                  f"1 <= A < B <= {self.spec.n_layers} (the parent keeps layer 0 on)")
             self.device, self.layers, self.ctx = device, layers, ctx
             self._fingerprint = self.gguf.fingerprint()
+            if experts is not None and experts.daemons:
+                self.cpus = share_host(experts)          # this host's CPUs, with the shard's CPU daemons
+                self.cpus.apply_to_parent()
+                threads = self.cpus.parent.threads
             self.backend = open_backend(device, self.spec, graphs=False, threads=threads, kv_dtype=kv_dtype)
-            weights = load_weights(self.gguf, self.spec, self.backend, None, EXPERT_CACHE_BYTES, layers=layers,
+            if self.cpus is not None:
+                self.rig = Rig(experts, self.gguf, self.spec, self.backend, kv_tokens=ctx, cpus=self.cpus,
+                               layers=layers)
+            held = self.rig.placement.experts_of(PARENT) if self.rig else None
+            weights = load_weights(self.gguf, self.spec, self.backend, held, EXPERT_CACHE_BYTES, layers=layers,
                                    ends=False)
-            self.model = MoEModel(self.spec, self.backend, weights, LocalExecutor(weights.experts))
+            executor = (self.rig.executor(weights.experts, EXPERT_CACHE_BYTES) if self.rig
+                        else LocalExecutor(weights.experts))
+            self.model = MoEModel(self.spec, self.backend, weights, executor)
         except BaseException:
-            self.gguf.close()
+            self.close()
             raise
         self.cache = None
         self.sequence: int | None = None
@@ -94,6 +113,18 @@ class LayerShard:
         self.cache, self.sequence = None, None
 
     def stats(self) -> dict:
+        moe = self.model.moe_stats()
         return {"calls": self.calls, "tokens": self.tokens, "compute_seconds": self.compute_seconds,
                 "layers": [self.layers.start, self.layers.stop],
-                "positions": 0 if self.cache is None else self.cache.length}
+                "positions": 0 if self.cache is None else self.cache.length,
+                "routed_pairs": moe.routed_pairs, "remote_pairs": moe.remote_pairs,
+                "expert_daemons": len(self.rig.links) if self.rig else 0}
+
+    def close(self) -> None:
+        """Stop the expert daemons it spawned; release the model file."""
+        if self.rig is not None:
+            self.rig.close()
+            self.rig = None
+        if self.cpus is not None:
+            self.cpus.release()
+        self.gguf.close()

@@ -5,6 +5,7 @@ import click
 
 from moerun.commands.options import MODEL_HELP, friendly_errors, model_or_demo
 from moerun.ipc.sockets import ENDPOINT
+from moerun.rig.settings import RigConfig
 
 
 class LayerRange(click.ParamType):
@@ -39,15 +40,22 @@ class LayerRange(click.ParamType):
               help="A layer shard's KV cache, in positions (the parent's --ctx).")
 @click.option("--kv-dtype", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
               help="A layer shard's KV cache type on a GPU.")
+@click.option("--daemon", "expert_daemons", multiple=True, metavar="SPEC",
+              help="A layer shard's own expert daemon for its cold experts, as the parent's --daemon. Repeatable.")
+@click.option("--hot", type=click.IntRange(min=0), default=None,
+              help="With --daemon: experts 0..N-1 of each of the shard's layers stay on it [default: experts per token].")
 @click.option("--parent-pid", type=int, default=None, hidden=True)
 @friendly_errors
 def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, threads, numa_node, layers, ctx, kv_dtype,
-           parent_pid):
+           expert_daemons, hot, parent_pid):
     """Serve experts of MODEL to one parent at a time (it starts with none: the parent assigns
     them), or with --layers run a range of its layers as a layer shard."""
     from moerun.daemons.daemon import serve
     if not ENDPOINT.match(listen):
         raise click.BadParameter(f"expected ipc://PATH or tcp://HOST:PORT, got {listen!r}", param_hint="--listen")
+    if (expert_daemons or hot is not None) and layers is None:
+        raise click.UsageError("--daemon and --hot are a layer shard's (--layers A:B): an expert daemon has none")
+    experts = RigConfig(daemons=expert_daemons, hot=hot, device=device, threads=threads) if expert_daemons else None
     serve(model_or_demo(model), device, listen, parent_pid, curve_secret_key, curve_authorized_keys, threads,
-          numa_node, layers, ctx, kv_dtype)
+          numa_node, layers, ctx, kv_dtype, experts)
 

@@ -97,11 +97,11 @@ class Runtime:
             if rig.splits:
                 self.shards = LayerShards(rig, self.gguf.path, self.gguf.fingerprint(), self.spec,
                                           self.kv_pool or self.ctx, ubatch)
+            layers = range(self.shards.first_layer) if self.shards else None
             if rig.daemons:
                 self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=self.kv_pool or self.ctx,
-                               cpus=self.cpus)
+                               cpus=self.cpus, layers=layers)
             held = self.rig.placement.experts_of(PARENT) if self.rig else None
-            layers = range(self.shards.first_layer) if self.shards else None
             weights = load_weights(self.gguf, self.spec, self.backend, held, expert_cache_bytes, layers=layers)
             executor = (self.rig.executor(weights.experts, expert_cache_bytes) if self.rig
                         else LocalExecutor(weights.experts))

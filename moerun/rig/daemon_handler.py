@@ -184,6 +184,9 @@ class ExpertDaemon:
         self.gpu.compute_slot(index, layer, dtype, tokens)
         self._count(tokens, started)
 
+    def close(self) -> None:
+        self.gguf.close()
+
     def release(self) -> None:
         self.assigned.clear()
         self.store = self.slot_server = None

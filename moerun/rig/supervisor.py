@@ -74,9 +74,11 @@ logger = logging.getLogger(__name__)
 
 class Rig:
     def __init__(self, config: RigConfig, gguf: GGUFFile, spec: ModelSpec, backend: Backend, kv_tokens: int,
-                 cpus: HostShares):
+                 cpus: HostShares, layers: range | None = None):
         """backend: the parent's; a GPU parent attaches the daemons' arenas for its kernels. cpus:
-        the threads (and with --pin the cores) of the parent and of each CPU daemon spawned here."""
+        the threads (and with --pin the cores) of the parent and of each CPU daemon spawned here.
+        layers: the layers whose experts this process computes (the others run on layer shards,
+        or this process is one); None: all."""
         self.config = config
         self.cpus = cpus
         self.backend = backend
@@ -84,6 +86,7 @@ class Rig:
         self.gguf = gguf
         self.spec = spec
         self.kv_tokens = kv_tokens
+        self.layers = layers
         self.model_path = gguf.path
         self.fingerprint = gguf.fingerprint()
         self.placement = None if config.placement == AUTO else _placement(config, spec, self.fingerprint)
@@ -124,8 +127,8 @@ class Rig:
         self._greet_all()
         if self.placement is None:
             self.placement = self._auto_placement(gguf)
-        if self.config.splits:                      # the layers from the first boundary on run on layer shards
-            self.placement = self.placement.within(range(self.config.splits[0][1]))
+        if self.layers is not None:                 # the other layers run in other processes
+            self.placement = self.placement.within(self.layers)
         for link in self.links:
             if not self.placement.experts_of(link.index):
                 why = f"--hot {self.config.hot} keeps" if self.config.hot is not None else "this placement keeps"

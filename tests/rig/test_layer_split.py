@@ -103,11 +103,11 @@ def test_a_shard_killed_mid_request_fails_it_and_the_next_request_is_right(model
 
 
 @contextlib.contextmanager
-def shard_by_hand(path, folder, layers: str, ctx: int):
-    """`moerun daemon --layers A:B --ctx N` on an endpoint of its own; yields the endpoint."""
+def shard_by_hand(path, folder, layers: str, ctx: int, *flags: str):
+    """`moerun daemon --layers A:B --ctx N [flags]` on an endpoint of its own; yields the endpoint."""
     endpoint = f"ipc://{folder}/shard.sock"
     process = subprocess.Popen([sys.executable, "-m", "moerun", "daemon", "-m", str(path), "--layers", layers,
-                                "--ctx", str(ctx), "--listen", endpoint], stdin=subprocess.DEVNULL)
+                                "--ctx", str(ctx), "--listen", endpoint, *flags], stdin=subprocess.DEVNULL)
     try:
         wait_for_socket(folder / "shard.sock", process)
         yield endpoint
@@ -235,3 +235,21 @@ def test_the_hidden_states_payload_dtype_by_default_and_when_asked():
     assert gpu.shard_payload_dtype("tcp://box:7071") == "f32"            # what runs there is not known
     assert RigConfig(device="cuda:0", payload_dtype="f16").shard_payload_dtype("cuda:1") == "f16"
     assert gpu.expert_payload_dtype == "f32"
+
+
+def test_a_shard_with_expert_daemons_of_its_own(model, tmp_path):
+    """`moerun daemon --layers 2:4 --daemon cpu --hot 1`: the shard keeps one expert of each of
+    its layers and sends the others' pairs to its own daemon, as a parent does."""
+    path, want_logits, want_tokens = model
+    with shard_by_hand(path, tmp_path, "2:4", 512, "--daemon", "cpu", "--hot", "1") as endpoint:
+        with Runtime(path, ctx=512, ubatch=UBATCH, rig=RigConfig(splits=((endpoint, 2),))) as split:
+            assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS["f32"]
+            assert list(split.generate(PROMPT[:5], 16, GREEDY)) == want_tokens[:16]
+            stats = split.shards.links[0].client.stats()
+    assert stats["expert_daemons"] == 1 and stats["remote_pairs"] > 0
+
+
+def test_expert_daemon_flags_are_a_shards(moerun, model):
+    path, _, _ = model
+    result = moerun("daemon", "-m", path, "--listen", "ipc:///tmp/never.sock", "--daemon", "cpu")
+    assert result.exit_code == 2 and "--daemon and --hot are a layer shard's (--layers A:B)" in result.stderr

@@ -105,6 +105,14 @@ device = matching(DEVICE_PATTERN, "cpu, cuda:N or hip:N")
 endpoint = matching(ENDPOINT, "ipc://PATH or tcp://HOST:PORT")
 
 
+def daemon_specs(value: object) -> tuple[str, ...]:
+    """A list of --daemon values (a [[split]]'s own expert daemons)."""
+    if not isinstance(value, list) or not all(isinstance(spec, str) and (DEVICE_PATTERN.match(spec)
+                                                                          or ENDPOINT.match(spec)) for spec in value):
+        raise ValueError("must be a list of daemons: cpu, cuda:N, hip:N, ipc://PATH or tcp://HOST:PORT")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class Key:
     """A key sets the parameter of its own name (the flag with - for _)."""
@@ -189,6 +197,8 @@ SPLIT = {                      # one [[split]] table: a layer shard and the firs
     "curve_public_key": Key(text, path=True),
     "curve_secret_key": Key(text, path=True),
     "curve_authorized_keys": Key(text, path=True),
+    "daemons": Key(daemon_specs),
+    "hot": Key(integer(0)),
 }
 TOP_LEVEL_NAMES = (*TOP_LEVEL, *TABLES, "daemon", "split")
 
@@ -323,6 +333,8 @@ class _Reader:
                 self.problem(where + ("listen",), f"[[split]] {keys['name']}: listen needs a device and an endpoint")
             elif ("curve_secret_key" in keys) != ("curve_authorized_keys" in keys):
                 self.problem(where, f"[[split]] {keys['name']}: curve_secret_key and curve_authorized_keys go together")
+            elif "hot" in keys and not keys.get("daemons"):
+                self.problem(where + ("hot",), f"[[split]] {keys['name']}: hot is for a shard with daemons")
             elif not failed:
                 entries.append(SplitEntry(**keys))
         return tuple(entries)

@@ -112,7 +112,7 @@ def _shards_to_start(splits: tuple[SplitEntry, ...], model, ctx: int | None) -> 
     ctx = ctx or min(spec.context_train, DEFAULT_CONTEXT)
     ends = [*(entry.layer for entry in splits[1:]), spec.n_layers]
     return [ToStart(entry.name, entry.device, entry.listen or entry.endpoint,
-                    (*shard_flags(range(entry.layer, end), ctx), *entry.curve_flags), {})
+                    (*shard_flags(range(entry.layer, end), ctx), *entry.expert_flags, *entry.curve_flags), {})
             for entry, end in zip(splits, ends) if entry in here]
 
 

@@ -132,7 +132,7 @@ def _shard_flags(values: dict, splits: tuple[SplitEntry, ...]) -> list[tuple[str
         spec = load_spec(gguf)
     ctx = values.get("kv_pool") or values.get("ctx") or min(spec.context_train, DEFAULT_CONTEXT)
     ends = [*(entry.layer for entry in splits[1:]), spec.n_layers]
-    return [shard_flags(range(entry.layer, end), ctx) for entry, end in zip(splits, ends)]
+    return [(*shard_flags(range(entry.layer, end), ctx), *entry.expert_flags) for entry, end in zip(splits, ends)]
 
 
 def _shard_environment(config_path: Path, model: str, entry: SplitEntry, flags: tuple[str, ...]) -> str:

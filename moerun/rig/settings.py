@@ -73,6 +73,8 @@ class SplitEntry:
     curve_public_key: str | None = None  # its CURVE public key file, for the parent
     curve_secret_key: str | None = None  # its CURVE secret key file, on its host
     curve_authorized_keys: str | None = None   # the public key file (or directory) of the parents it serves
+    daemons: tuple[str, ...] = ()        # its own expert daemons (moerun daemon --layers A:B --daemon SPEC)
+    hot: int | None = None               # with daemons: its hot experts per layer (--hot)
 
     @property
     def spec(self) -> str:
@@ -83,6 +85,12 @@ class SplitEntry:
     def curve_flags(self) -> tuple[str, ...]:
         return () if self.curve_secret_key is None else (
             "--curve-secret-key", self.curve_secret_key, "--curve-authorized-keys", self.curve_authorized_keys)
+
+    @property
+    def expert_flags(self) -> tuple[str, ...]:
+        """The `moerun daemon` flags that give it its own expert daemons, if it has them."""
+        daemons = tuple(flag for spec in self.daemons for flag in ("--daemon", spec))
+        return daemons + (("--hot", str(self.hot)) if self.hot is not None else ())
 
     def runs_here(self) -> bool:
         return self.host in (None, "localhost", socket.gethostname()) or self.host == socket.getfqdn()

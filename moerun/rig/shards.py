@@ -27,7 +27,7 @@ from moerun.models.spec import ModelSpec
 from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
 from moerun.moe.planner import DeviceBudget
 from moerun.rig.links import DAEMON_FAILURES, RigError, failure_reason
-from moerun.rig.settings import RigConfig, default_kv_dtype
+from moerun.rig.settings import RigConfig, SplitEntry, default_kv_dtype, shard_flags
 from moerun.rig.spawn import LocalDaemon, make_run_dir, remove_run_dir, spawn_daemon
 
 SHARD_START_TIMEOUT_S = 300.0        # a spawned shard loads its layers before it answers HELLO
@@ -129,7 +129,7 @@ class LayerShards:
             link.local = spawn_daemon(
                 link.spec, self.model_path, f"ipc://{self.run_dir}/shard-{link.index}.sock",
                 self.run_dir / f"shard-{link.index}.log",
-                extra_args=("--layers", f"{link.layers.start}:{link.layers.stop}", "--ctx", str(self.ctx),
+                extra_args=(*shard_flags(link.layers, self.ctx), *self._expert_flags(link),
                             *(("--kv-dtype", kv_dtype) if device != "cpu" else ())))
         endpoint = link.local.endpoint if link.local else link.spec
         timeout_s = SHARD_START_TIMEOUT_S if spawned else self.config.daemon_timeout_s
@@ -167,11 +167,20 @@ class LayerShards:
 
     def _curve_keys(self, link: ShardLink) -> CurveClientKeys | None:
         """The CURVE keys for a shard whose [[split]] table names its public key."""
-        entries = self.config.split_entries
-        entry = entries[link.index] if entries else None
+        entry = self._entry(link)
         if entry is None or entry.curve_public_key is None:
             return None
         return CurveClientKeys.from_files(self.config.client_secret_key, entry.curve_public_key)
+
+    def _expert_flags(self, link: ShardLink) -> tuple[str, ...]:
+        """A spawned shard's own expert daemons, as its [[split]] table gives them."""
+        entry = self._entry(link)
+        return () if entry is None else entry.expert_flags
+
+    def _entry(self, link: ShardLink) -> SplitEntry | None:
+        """The shard's [[split]] table; None when the shards came from flags."""
+        entries = self.config.split_entries
+        return entries[link.index] if entries else None
 
     def _restart(self, link: ShardLink) -> None:
         """A spawned shard is stopped (it may only hang) and started again; a connected one greeted again."""

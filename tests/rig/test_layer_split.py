@@ -253,3 +253,16 @@ def test_expert_daemon_flags_are_a_shards(moerun, model):
     path, _, _ = model
     result = moerun("daemon", "-m", path, "--listen", "ipc:///tmp/never.sock", "--daemon", "cpu")
     assert result.exit_code == 2 and "--daemon and --hot are a layer shard's (--layers A:B)" in result.stderr
+
+
+def test_a_split_table_gives_a_spawned_shard_its_own_expert_daemons(model, tmp_path):
+    from moerun.config import load_config_file
+    path, want_logits, _ = model
+    config = tmp_path / "rig.toml"
+    config.write_text('[[split]]\ndevice = "cpu"\nlayer = 2\ndaemons = ["cpu"]\nhot = 1\n')
+    entries = load_config_file(config)["split_entries"]
+    rig = RigConfig(splits=(("cpu", 2),), split_entries=entries)
+    with Runtime(path, ubatch=UBATCH, rig=rig) as split:
+        assert relative_error(split.logits(PROMPT), want_logits) <= BOUNDS["f32"]
+        stats = split.shards.links[0].client.stats()
+    assert stats["expert_daemons"] == 1 and stats["remote_pairs"] > 0

@@ -459,3 +459,13 @@ def test_split_tables_are_the_split_flags(tmp_path):
 def test_a_bad_split_table_is_an_error(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load_config_file(write(tmp_path, text))
+
+
+def test_a_split_tables_expert_daemons_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="hot is for a shard with daemons"):
+        load_config_file(write(tmp_path, '[[split]]\ndevice = "cpu"\nlayer = 2\nhot = 1\n'))
+    with pytest.raises(ConfigError, match="must be a list of daemons"):
+        load_config_file(write(tmp_path, '[[split]]\ndevice = "cpu"\nlayer = 2\ndaemons = ["gpu7"]\n'))
+    entry, = load_config_file(write(tmp_path, '[[split]]\ndevice = "cpu"\nlayer = 2\ndaemons = ["cpu", "cuda:1"]\n'
+                                              'hot = 3\n'))["split_entries"]
+    assert entry.expert_flags == ("--daemon", "cpu", "--daemon", "cuda:1", "--hot", "3")

@@ -96,8 +96,8 @@ class LayerShard:
         return out
 
     def assign(self, experts, progress) -> None:
-        raise ValueError(f"a layer shard runs every expert of its layers {self.layers.start}..{self.layers.stop - 1} "
-                         f"itself; it takes no ASSIGN")
+        raise ValueError(f"a layer shard holds the experts of its layers {self.layers.start}..{self.layers.stop - 1} "
+                         f"itself (or gives them to daemons of its own); it takes no ASSIGN")
 
     def compute(self, layer, x, counts, local_ids, weights) -> np.ndarray:
         raise ValueError("a layer shard takes FORWARD requests, not COMPUTE (start an expert daemon without --layers)")

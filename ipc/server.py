@@ -188,48 +188,39 @@ class Server:
     def _serve_slot(self, index: int, slot: Slot, layout: ArenaLayout) -> None:
         sequence = slot.request_seq
         fence()
-        session = self._session
-        session.last_seen = time.monotonic()
+        self._session.last_seen = time.monotonic()
         request_id = shm.request_id(slot.buffer)
-        if shm.request_op(slot.buffer) == shm.OP_FORWARD:
-            self._serve_forward_slot(slot, layout, request_id)
-            fence()
-            slot.reply.set(sequence)
-            return
+        forward = shm.request_op(slot.buffer) == shm.OP_FORWARD
+        serve = self._serve_forward_slot if forward else self._serve_compute_slot
         try:
-            layer, dtype, tokens, pairs, padded = shm.read_request_header(slot.buffer, layout)
-            self._require_ready()
-            if padded and session.slot_compute is not None:
-                compute_us = self._run_in_place(session.slot_compute, index, layer, dtype, tokens)
-            else:
-                request = p.ComputeRequest(layer, *slot.request_frames(dtype, tokens, pairs))
-                if padded:
-                    request = _ragged(request, layout.max_pairs_per_token)
-                p.check_counts(request.counts, len(request.local_ids))
-                out, compute_us = self._run_compute(request)
-                slot.write_result(out)
-            shm.write_result_header(slot.buffer, request_id, layer, tokens, layout.hidden,
-                                      compute_us)
+            serve(index, slot, layout, request_id)
         except Exception as e:  # noqa: BLE001 - any failure becomes an error reply
             shm.write_error_header(slot.buffer, *self._error_reply(request_id, e))
         fence()
         slot.reply.set(sequence)
 
-    def _serve_forward_slot(self, slot: Slot, layout: ArenaLayout, request_id: int) -> None:
-        """A layer shard's FORWARD in a slot: x [T, H] in, the f32 state after its layers out."""
-        try:
-            sequence, start, dtype, tokens = shm.read_forward_header(slot.buffer, layout)
-            x = slot.request_frames(dtype, tokens, 0)[0]
-            started = time.perf_counter()
-            try:
-                out = self.handler.forward(sequence, start, x)
-            except ValueError as e:
-                raise ProtocolError(p.BAD_REQUEST, f"forward: {e}") from None
+    def _serve_compute_slot(self, index: int, slot: Slot, layout: ArenaLayout, request_id: int) -> None:
+        """A COMPUTE in slot `index`: the result and its header written there."""
+        session = self._session
+        layer, dtype, tokens, pairs, padded = shm.read_request_header(slot.buffer, layout)
+        self._require_ready()
+        if padded and session.slot_compute is not None:
+            compute_us = self._run_in_place(session.slot_compute, index, layer, dtype, tokens)
+        else:
+            request = p.ComputeRequest(layer, *slot.request_frames(dtype, tokens, pairs))
+            if padded:
+                request = _ragged(request, layout.max_pairs_per_token)
+            p.check_counts(request.counts, len(request.local_ids))
+            out, compute_us = self._run_compute(request)
             slot.write_result(out)
-            shm.write_result_header(slot.buffer, request_id, 0, tokens, layout.hidden,
-                                    (time.perf_counter() - started) * 1e6)
-        except Exception as e:  # noqa: BLE001 - any failure becomes an error reply
-            shm.write_error_header(slot.buffer, *self._error_reply(request_id, e))
+        shm.write_result_header(slot.buffer, request_id, layer, tokens, layout.hidden, compute_us)
+
+    def _serve_forward_slot(self, index: int, slot: Slot, layout: ArenaLayout, request_id: int) -> None:
+        """A layer shard's FORWARD in slot `index`: x [T, H] in, the f32 state after its layers out."""
+        sequence, start, dtype, tokens = shm.read_forward_header(slot.buffer, layout)
+        out, compute_us = self._run_forward(sequence, start, slot.request_frames(dtype, tokens, 0)[0])
+        slot.write_result(out)
+        shm.write_result_header(slot.buffer, request_id, 0, tokens, layout.hidden, compute_us)
 
     # -- the socket ---------------------------------------------------------------------------
 
@@ -390,14 +381,18 @@ class Server:
     def _forward(self, peer: bytes, header: dict, frames: list) -> None:
         self._owned_session(peer)
         request = p.parse_forward(header, frames, hidden=self.hidden, max_tokens=self.batch_capacity_max)
-        start = time.perf_counter()
-        try:
-            out = self.handler.forward(request.sequence, request.start, request.x)
-        except ValueError as e:
-            raise ProtocolError(p.BAD_REQUEST, f"forward: {e}") from None
-        compute_us = (time.perf_counter() - start) * 1e6
+        out, compute_us = self._run_forward(request.sequence, request.start, request.x)
         self._send(peer, p.hidden_header(header["id"], *out.shape, request.dtype, compute_us),
                    p.encode_payload(out, request.dtype))
+
+    def _run_forward(self, sequence: int, start: int, x: np.ndarray) -> tuple[np.ndarray, float]:
+        """A layer shard's f32 [T, H] state after its layers, and its time in µs."""
+        started = time.perf_counter()
+        try:
+            out = self.handler.forward(sequence, start, x)
+        except ValueError as e:
+            raise ProtocolError(p.BAD_REQUEST, f"forward: {e}") from None
+        return out, (time.perf_counter() - started) * 1e6
 
     def _require_ready(self) -> None:
         if not self._session.ready:

@@ -29,7 +29,7 @@ from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.rig.cores import share_host
 from moerun.rig.links import RigError
-from moerun.rig.settings import DaemonEntry, RigConfig, SplitEntry, shard_flags
+from moerun.rig.settings import ProcessEntry, RigConfig, SplitEntry, shard_flags
 from moerun.rig.spawn import (
     LocalDaemon,
     make_run_dir,
@@ -92,7 +92,7 @@ class ToStart:
     cpu_settings: dict                 # spawn_daemon's threads and cpus
 
 
-def _starts_here(entry: DaemonEntry | SplitEntry) -> bool:
+def _starts_here(entry: ProcessEntry) -> bool:
     """A daemon or shard with a device and an endpoint on this host: launch starts it."""
     return bool(entry.endpoint and entry.device and entry.runs_here())
 

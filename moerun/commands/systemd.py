@@ -24,7 +24,7 @@ from moerun.engine.runtime import DEFAULT_CONTEXT
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.rig.cores import HostShares, format_cpus, share_host
-from moerun.rig.settings import DaemonEntry, RigConfig, SplitEntry, shard_flags
+from moerun.rig.settings import DaemonEntry, ProcessEntry, RigConfig, SplitEntry, shard_flags
 from moerun.rig.spawn import BLAS_THREAD_VARIABLES, pinned_device
 
 DAEMON_TEMPLATE = "moerun-daemon@.service"
@@ -187,8 +187,7 @@ def _cpu_affinity(cpus: HostShares, index: int) -> str:
     return f"# {cpus.describe()}\n[Service]\nCPUAffinity={format_cpus(share.cpus)}\n"
 
 
-def _parent_unit(config_path: Path, values: dict, entries: tuple[DaemonEntry | SplitEntry, ...],
-                 user_line: str) -> str:
+def _parent_unit(config_path: Path, values: dict, entries: tuple[ProcessEntry, ...], user_line: str) -> str:
     workload = values.get("workload", "generate")
     local = " ".join(f"moerun-daemon@{entry.name}.service" for entry in entries if entry.runs_here())
     remote = any(not entry.runs_here() for entry in entries)

@@ -1,8 +1,9 @@
 """Runtime: one loaded model and the loops that drive it — chunked prefill, decode, logits for
-every position — with their timing. It opens the backend, starts the layer shards (--split) and the rig when daemons are
-asked for (they load their experts first, all at once), loads the parent's weights (only
-its own layers and experts), builds the expert executor and hands it to the model. With a prefix cache,
-generation resumes from the longest snapshot of its prompt and takes new ones (engine/prefix_cache.py).
+every position — with their timing. It opens the backend, starts the layer shards (--split)
+and the rig when daemons are asked for (they load their experts first, all at once), loads
+the parent's weights (only its own layers and experts), builds the expert executor and hands
+it to the model. With a prefix cache, generation resumes from the longest snapshot of its
+prompt and takes new ones (engine/prefix_cache.py).
 
 Shape legend: T prompt tokens, V vocab.
 """
@@ -91,16 +92,16 @@ class Runtime:
             self.cpus.apply_to_parent()
             self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs, threads=self.cpus.parent.threads,
                                         kv_dtype=rig.kv_cache_dtype)
+            positions = self.kv_pool or self.ctx           # a sequence's KV cache, here and on every shard
             if rig.split_auto:
-                rig = dataclasses.replace(rig, splits=auto_splits(self.gguf, self.spec, rig, self.kv_pool or self.ctx),
+                rig = dataclasses.replace(rig, splits=auto_splits(self.gguf, self.spec, rig, positions),
                                           split_auto=False)
             if rig.splits:
-                self.shards = LayerShards(rig, self.gguf.path, self.gguf.fingerprint(), self.spec,
-                                          self.kv_pool or self.ctx, ubatch)
+                self.shards = LayerShards(rig, self.gguf.path, self.gguf.fingerprint(), self.spec, positions, ubatch)
             layers = range(self.shards.first_layer) if self.shards else None
             if rig.daemons:
-                self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=self.kv_pool or self.ctx,
-                               cpus=self.cpus, layers=layers)
+                self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=positions, cpus=self.cpus,
+                               layers=layers)
             held = self.rig.placement.experts_of(PARENT) if self.rig else None
             weights = load_weights(self.gguf, self.spec, self.backend, held, expert_cache_bytes, layers=layers)
             executor = (self.rig.executor(weights.experts, expert_cache_bytes) if self.rig

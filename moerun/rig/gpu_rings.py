@@ -154,7 +154,7 @@ class DeviceRings:
         if not link.up or arena is None:
             return True
         deadline = time.monotonic() + self.rig.config.daemon_timeout_s
-        while any(slot.pending() for slot in arena.slots):
+        while arena.any_pending():
             if time.monotonic() >= deadline or not link.alive():
                 return False
             time.sleep(0.0001)

@@ -23,8 +23,34 @@ class ConfigError(ValueError):
     """A flag or config-file value moerun cannot use; the message names the flag or key."""
 
 
+class ProcessEntry:
+    """What a [[daemon]] and a [[split]] table share: a `moerun daemon` process with a device
+    and/or an endpoint, on a host, perhaps with CURVE keys."""
+    device: str | None
+    endpoint: str | None
+    host: str | None
+    curve_secret_key: str | None
+    curve_authorized_keys: str | None
+
+    @property
+    def spec(self) -> str:
+        """The process as --daemon or --split names it: the endpoint to connect to, else the device to spawn on."""
+        return self.endpoint or self.device
+
+    @property
+    def curve_flags(self) -> tuple[str, ...]:
+        """The `moerun daemon` flags that give it its CURVE keys, if it has them."""
+        if self.curve_secret_key is None:
+            return ()
+        return ("--curve-secret-key", self.curve_secret_key, "--curve-authorized-keys", self.curve_authorized_keys)
+
+    def runs_here(self) -> bool:
+        """Whether it runs on this host: no host given, localhost, or this host's name."""
+        return self.host in (None, "localhost", socket.gethostname()) or self.host == socket.getfqdn()
+
+
 @dataclass(frozen=True)
-class DaemonEntry:
+class DaemonEntry(ProcessEntry):
     """One [[daemon]] table of a config file."""
     name: str
     device: str | None = None            # cpu | cuda:N | hip:N: the device it computes on
@@ -40,29 +66,13 @@ class DaemonEntry:
     numa_node: int | None = None         # a CPU daemon held to this NUMA node's CPUs
 
     @property
-    def spec(self) -> str:
-        """The daemon as --daemon names it: the endpoint to connect to, else the device to spawn on."""
-        return self.endpoint or self.device
-
-    @property
-    def curve_flags(self) -> tuple[str, ...]:
-        """The `moerun daemon` flags that give it its CURVE keys, if it has them."""
-        if self.curve_secret_key is None:
-            return ()
-        return ("--curve-secret-key", self.curve_secret_key, "--curve-authorized-keys", self.curve_authorized_keys)
-
-    @property
     def node_flags(self) -> tuple[str, ...]:
         """The `moerun daemon` flags that hold it to its NUMA node, if it has one."""
         return () if self.numa_node is None else ("--numa-node", str(self.numa_node))
 
-    def runs_here(self) -> bool:
-        """Whether it runs on this host: no host given, localhost, or this host's name."""
-        return self.host in (None, "localhost", socket.gethostname()) or self.host == socket.getfqdn()
-
 
 @dataclass(frozen=True)
-class SplitEntry:
+class SplitEntry(ProcessEntry):
     """One [[split]] table of a config file: a layer shard and the first layer it runs."""
     name: str
     layer: int
@@ -77,23 +87,10 @@ class SplitEntry:
     hot: int | None = None               # with daemons: its hot experts per layer (--hot)
 
     @property
-    def spec(self) -> str:
-        """The shard as --split names it (before the @LAYER): its endpoint, else its device."""
-        return self.endpoint or self.device
-
-    @property
-    def curve_flags(self) -> tuple[str, ...]:
-        return () if self.curve_secret_key is None else (
-            "--curve-secret-key", self.curve_secret_key, "--curve-authorized-keys", self.curve_authorized_keys)
-
-    @property
     def expert_flags(self) -> tuple[str, ...]:
         """The `moerun daemon` flags that give it its own expert daemons, if it has them."""
         daemons = tuple(flag for spec in self.daemons for flag in ("--daemon", spec))
         return daemons + (("--hot", str(self.hot)) if self.hot is not None else ())
-
-    def runs_here(self) -> bool:
-        return self.host in (None, "localhost", socket.gethostname()) or self.host == socket.getfqdn()
 
 
 def shard_flags(layers: range, ctx: int) -> tuple[str, ...]:

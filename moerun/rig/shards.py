@@ -2,7 +2,8 @@
 the next run in a shard process (`moerun daemon --layers A:B`, moerun.daemons.shard),
 spawned here on cpu, cuda:N or hip:N, or reached at an ipc:// or tcp:// endpoint; the parent
 keeps the embedding, the layers before the first boundary and the head. A step's hidden
-state [T, H] goes through the shards in order over their sockets, in the rig's payload dtype.
+state [T, H] goes through the shards in order: through a one-slot shared arena to a shard on
+this host, over its socket to one elsewhere, in each shard's payload dtype.
 
 A shard that dies or stops answering fails the step in flight with ShardFailed (its KV cache
 is gone with it, so the request cannot go on); the next sequence restarts it (a spawned one
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from moerun.backends.devices import DEVICE_PATTERN
+from moerun.backends.devices import DEVICE_PATTERN, gpu_module, parse_device
 from moerun.ipc.client import Counters, DaemonClient
 from moerun.ipc.curve import CurveClientKeys
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY
@@ -214,7 +215,6 @@ class LayerShards:
 def auto_splits(gguf, spec: ModelSpec, config: RigConfig, context: int) -> tuple[tuple[str, int], ...]:
     """--split auto: the parent's GPU and the others of its platform on this host, their layer
     ranges by free memory (moerun.moe.layer_split); () when every layer fits the parent."""
-    from moerun.backends.devices import gpu_module, parse_device
     parent = parse_device(config.device)
     if parent.platform == "cpu":
         raise RigError("--split auto spreads the layers over this host's GPUs, and the parent runs on the CPU: "

@@ -102,6 +102,15 @@ def size(value: object) -> str:
 
 
 device = matching(DEVICE_PATTERN, "cpu, cuda:N or hip:N")
+
+
+def stream_threshold(value: object) -> str:
+    """A number of tokens (>= 1), auto or off, as the flag's text."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return str(value)
+    if value in ("auto", "off"):
+        return value
+    raise ValueError("must be a number of tokens (>= 1), \"auto\" or \"off\"")
 endpoint = matching(ENDPOINT, "ipc://PATH or tcp://HOST:PORT")
 
 
@@ -133,6 +142,8 @@ TOP_LEVEL = {
     "mode": Key(one_of(*MODES)),
     "payload_dtype": Key(one_of(*PAYLOAD_DTYPES)),
     "batch_capacity": Key(integer(1, MAX_BATCH_CAPACITY)),
+    "stream_threshold": Key(stream_threshold),
+    "expert_cache": Key(size),
     "daemon_timeout": Key(number(above=0)),
     "require_daemons": Key(boolean),
     "threads": Key(integer(1)),

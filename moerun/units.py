@@ -26,3 +26,10 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def format_bytes(nbytes: int) -> str:
+    """25769803776 -> '24.00 GiB', 3145728 -> '3.0 MiB'."""
+    if abs(nbytes) >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"

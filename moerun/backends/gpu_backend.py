@@ -133,6 +133,7 @@ class GpuBackend:
         self.recorder = None                # set while a decode step is captured
         self.graph_step = False             # a decode step is being captured or replayed
         self.step_guard = None              # the rig's: opens a captured step, watches it finish (gpu_graphs.py)
+        self.before_step = None             # the rig's: called before every step, outside any capture
         self._kv_buffers: dict[int, tuple[list, list]] = {}
         self._uploader: Uploader | None = None
         self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)
@@ -214,6 +215,8 @@ class GpuBackend:
     # -- the step
     def run_step(self, forward: Forward, ids: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
         with self.stream:
+            if self.before_step is not None:
+                self.before_step()
             if len(ids) == 1 and self.graphs_enabled and graph_key is not None:
                 return self._graphs.step(forward, int(ids[0]), start, graph_key)
             return self.to_host(forward(self.upload_ids(ids), self.positions(start, len(ids))))

@@ -51,6 +51,37 @@ class LayerExperts:
         """Device bytes of expert 0's up rows; expert e at + e * expert_bytes."""
         return self.up_stack.data[self.up_first_row * self.up_stack.row_bytes:]
 
+    @property
+    def stacks(self) -> list[DeviceMatrix]:
+        """One stack per GGUF tensor, in spec.expert_tensor_names order."""
+        if self.up_stack is self.gate_up:
+            return [self.gate_up, self.down]
+        return [self.gate_up, self.up_stack, self.down]
+
+    @property
+    def n_experts(self) -> int:
+        return self.down.experts
+
+
+def layer_experts(stacks: list[DeviceMatrix], ffn: int) -> LayerExperts:
+    """LayerExperts over one stack per GGUF tensor: [gate_up, down] (fused) or [gate, up, down]."""
+    if len(stacks) == 2:
+        gate_up, down = stacks
+        return LayerExperts(gate_up, gate_up, ffn, down)
+    gate, up, down = stacks
+    return LayerExperts(gate, up, 0, down)
+
+
+def with_room(cupy, experts: LayerExperts, extra: int) -> LayerExperts:
+    """A copy of `experts` whose stacks hold `extra` more experts after the ones held (room for
+    experts copied in later), the held ones in their places."""
+    grown = []
+    for stack in experts.stacks:
+        data = cupy.empty((stack.experts + extra) * stack.expert_bytes, cupy.uint8)
+        data[:stack.data.size] = stack.data
+        grown.append(DeviceMatrix(data, stack.kind, stack.rows, stack.cols, stack.experts + extra))
+    return layer_experts(grown, experts.up_first_row)
+
 
 class GpuExperts:
     """Routed experts on the device, by layer; ids are local ids (the position among the
@@ -69,7 +100,11 @@ class GpuExperts:
         """x [T, H], ids/weights [T, K] on the device -> [T, H] (plus `residual` [T, H], added by the
         kernel that writes the output), queued on the stream now; written into `out` when given (a
         daemon's reply buffer)."""
-        experts = self.layers[layer]
+        return self.compute_with(self.layers[layer], x, ids, weights, out, residual)
+
+    def compute_with(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None = None,
+                     residual: Any | None = None) -> Any:
+        """As compute, over the stacks `experts` (ids: positions in them)."""
         if ids.shape[0] <= MAX_GEMV_TOKENS:
             return self._few_tokens(experts, x, ids, weights, out, residual)
         return self._grouped(experts, x, ids, weights, out, residual)
@@ -142,15 +177,11 @@ class GpuExperts:
 
 def load_experts(uploader: Uploader, spec: ModelSpec, layer: int, experts: list[int] | None = None) -> LayerExperts:
     """One layer's expert stacks: every expert, or only `experts` (stacked in that order)."""
-    mats = [uploader.matrix(name, experts) for name in spec.expert_tensor_names(layer)]
-    if spec.fused_gate_up:
-        gate_up, down = mats
-        return LayerExperts(gate_up, gate_up, spec.expert_ff, down)
-    gate, up, down = mats
-    if gate.kind != up.kind:
-        raise ValueError(f"layer {layer}: expert gate ({gate.kind}) and up ({up.kind}) tensors of different "
-                         "types are not supported on the GPU")
-    return LayerExperts(gate, up, 0, down)
+    stacks = [uploader.matrix(name, experts) for name in spec.expert_tensor_names(layer)]
+    if not spec.fused_gate_up and stacks[0].kind != stacks[1].kind:
+        raise ValueError(f"layer {layer}: expert gate ({stacks[0].kind}) and up ({stacks[1].kind}) tensors of "
+                         "different types are not supported on the GPU")
+    return layer_experts(stacks, spec.expert_ff)
 
 
 class TileLayout:

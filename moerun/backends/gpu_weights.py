@@ -50,6 +50,33 @@ class DeviceMatrix:
         return self.rows, self.cols
 
 
+def stored_tensor(gguf: GGUFFile, name: str, experts: list[int] | None,
+                  converted: set[str]) -> tuple[np.ndarray, str, int, int, int]:
+    """The tensor's bytes in a type the kernels read (uint8 [E', N, row bytes]), that type,
+    N, K and E' (the experts taken: all, or `experts` in that order). A type the kernels do not
+    read is dequantized to f16 and its name added to `converted`."""
+    info = gguf.tensor(name)
+    shape = (1, *info.shape) if len(info.shape) == 1 else info.shape
+    n_experts, rows, cols = (1, *shape) if len(shape) == 2 else shape
+    if cols % UNIT:
+        raise ValueError(f"tensor '{name}' has rows of {cols} weights; the GPU kernels need a multiple of {UNIT}")
+    kind = KERNEL_TYPES.get(info.ggml_type)
+    if kind is None:
+        converted.add(info.ggml_type.name)
+        kind = "f16"
+        if experts is None:
+            values = gguf.dequantize(name).reshape(n_experts, rows, cols)
+        else:                                                              # only those experts' pages
+            values = np.stack([gguf.dequantize_expert(name, e) for e in experts])
+        stored = values.astype(np.float16).view(np.uint8)
+    else:
+        assert info.nbytes == n_experts * rows * row_nbytes(info.ggml_type, cols)
+        stored = gguf.raw(name).reshape(n_experts, rows, -1).view(np.uint8)
+        if experts is not None:
+            stored = stored[np.asarray(experts)]                           # copies those experts only
+    return stored, kind, rows, cols, n_experts if experts is None else len(experts)
+
+
 class Uploader:
     """Copies bytes host -> device through two pinned buffers used in turn, so the
     CPU fills one while the GPU reads the other."""
@@ -66,14 +93,14 @@ class Uploader:
     def matrix(self, name: str, experts: list[int] | None = None) -> DeviceMatrix:
         """The tensor as a DeviceMatrix: 1-D tensors become one row; 3-D ones an expert
         stack, of every expert or of `experts` only, in that order."""
-        stored, kind, rows, cols, n_experts = self._stored(name, experts)
+        stored, kind, rows, cols, n_experts = stored_tensor(self.gguf, name, experts, self.converted)
         return DeviceMatrix(self.bytes(stored.reshape(-1)), kind, rows, cols, n_experts)
 
     def host_matrix(self, name: str, device_index: int) -> DeviceMatrix:
         """A 2-D tensor as a DeviceMatrix whose bytes stay in mapped page-locked host memory:
         the kernels read its rows across the bus, and it takes no device memory."""
         cupy = self.cupy
-        stored, kind, rows, cols, _ = self._stored(name, None)
+        stored, kind, rows, cols, _ = stored_tensor(self.gguf, name, None, self.converted)
         stored = np.ascontiguousarray(stored.reshape(-1))
         runtime = cupy.cuda.runtime
         pinned = cupy.cuda.PinnedMemory(stored.size, runtime.hostAllocMapped | runtime.hostAllocPortable)
@@ -82,30 +109,6 @@ class Uploader:
         data = cupy.ndarray((stored.size,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
         self.progress(stored.size)
         return DeviceMatrix(data, kind, rows, cols)
-
-    def _stored(self, name: str, experts: list[int] | None) -> tuple[np.ndarray, str, int, int, int]:
-        """The tensor's bytes in a type the kernels read (uint8 [E', N, row bytes]), that type,
-        N, K and E' (the experts taken)."""
-        info = self.gguf.tensor(name)
-        shape = (1, *info.shape) if len(info.shape) == 1 else info.shape
-        n_experts, rows, cols = (1, *shape) if len(shape) == 2 else shape
-        if cols % UNIT:
-            raise ValueError(f"tensor '{name}' has rows of {cols} weights; the GPU kernels need a multiple of {UNIT}")
-        kind = KERNEL_TYPES.get(info.ggml_type)
-        if kind is None:
-            self.converted.add(info.ggml_type.name)
-            kind = "f16"
-            if experts is None:
-                values = self.gguf.dequantize(name).reshape(n_experts, rows, cols)
-            else:                                                              # only those experts' pages
-                values = np.stack([self.gguf.dequantize_expert(name, e) for e in experts])
-            stored = values.astype(np.float16).view(np.uint8)
-        else:
-            assert info.nbytes == n_experts * rows * row_nbytes(info.ggml_type, cols)
-            stored = self.gguf.raw(name).reshape(n_experts, rows, -1).view(np.uint8)
-            if experts is not None:
-                stored = stored[np.asarray(experts)]                           # copies those experts only
-        return stored, kind, rows, cols, n_experts if experts is None else len(experts)
 
     def bytes(self, source: np.ndarray) -> Any:
         """A device copy of the uint8 array `source`."""

@@ -29,3 +29,13 @@ def device_memory_used(backend: Backend) -> int:
     with cupy.cuda.Device(backend.device_index):
         free, total = cupy.cuda.runtime.memGetInfo()
     return total - free
+
+
+def device_memory_free(backend: Backend) -> int:
+    """Bytes free on a GPU backend's device now (the CPU backend: none of this applies, raises)."""
+    if backend.kind == "CPU":
+        raise ValueError("the CPU backend's memory is the host's: see moerun.units.available_host_bytes")
+    cupy = backend.cupy
+    with cupy.cuda.Device(backend.device_index):
+        free, _ = cupy.cuda.runtime.memGetInfo()
+    return free

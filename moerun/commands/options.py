@@ -18,6 +18,7 @@ from moerun.gguf.tokenizer import TokenizerError
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, DaemonError
 from moerun.rig.links import RigError
 from moerun.rig.settings import AUTO, MODES, RIG_TRANSPORTS, STREAM_SLICE_TOKENS, RigConfig, parse_split
+from moerun.units import parse_bytes
 
 DEMO_DAEMONS = ("cpu", "cpu")   # `moerun run` and `serve` run the built-in demo with two CPU expert daemons
 MODEL_HELP = "GGUF model file [default: the built-in demo model]."
@@ -136,6 +137,11 @@ def runtime_options(command):
         click.option("--payload-dtype", type=click.Choice(tuple(PAYLOAD_DTYPES)), default=None,
                      help="Activations sent to daemons (replies are f32) and hidden states to layer shards "
                           "[default: f32; bf16 between a GPU parent and a GPU shard]."),
+        click.option("--stream-threshold", default=AUTO, show_default=True, metavar="N|auto|off",
+                     help="A GPU parent computes the CPU daemons' experts itself, from copies streamed to the GPU, "
+                          "for prefill chunks of at least N tokens; auto: N by measuring both at start-up."),
+        click.option("--expert-cache", default="0", show_default=True, metavar="SIZE",
+                     help="A GPU parent's device memory for the host-RAM experts routing favours now, e.g. 8GiB."),
         click.option("--daemon-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
                      show_default=True, help="Seconds a daemon may take per call before the parent computes "
                                              "its experts itself."),
@@ -150,12 +156,14 @@ def runtime_options(command):
 
 
 def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, kv_dtype, daemons, splits, hot, placement, transport,
-                 mode, batch_capacity, payload_dtype, daemon_timeout, require_daemons, threads, pin, daemon_entries,
-                 split_entries, client_secret_key, prefix_cache: PrefixCache | None = None) -> Runtime:
+                 mode, batch_capacity, payload_dtype, stream_threshold, expert_cache, daemon_timeout, require_daemons,
+                 threads, pin, daemon_entries, split_entries, client_secret_key,
+                 prefix_cache: PrefixCache | None = None) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
                     require_daemons=require_daemons, device=device, graphs=graphs, kv_dtype=kv_dtype,
                     daemon_entries=daemon_entries, client_secret_key=client_secret_key, threads=threads, pin=pin,
                     splits=tuple(parse_split(text) for text in splits if text != AUTO), split_auto=AUTO in splits,
-                    split_entries=split_entries)
+                    split_entries=split_entries, stream_threshold=stream_threshold,
+                    expert_cache_bytes=parse_bytes(expert_cache, "--expert-cache"))
     return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig, prefix_cache=prefix_cache)

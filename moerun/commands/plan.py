@@ -28,6 +28,7 @@ from moerun.moe.planner import (
     PlanRequest,
     explain,
     model_sizes,
+    stream_scratch_bound,
 )
 from moerun.moe.planner import plan as make_plan
 from moerun.rig.settings import ConfigError, default_kv_dtype
@@ -77,6 +78,11 @@ def _plan_values(config_file: str) -> dict:
               help="Routing counts from `moerun profile` [default: every expert counts the same].")
 @click.option("--safety", default="512MiB", show_default=True, help="Memory kept free on every device.")
 @click.option("--workspace", default="256MiB", show_default=True, help="Scratch memory per device.")
+@click.option("--expert-cache", default="0", show_default=True, metavar="SIZE",
+              help="A GPU parent's expert cache (as `moerun run --expert-cache`), reserved on it.")
+@click.option("--stream-threshold", type=click.Choice(("auto", "off")), default="auto", show_default=True,
+              help="auto: a GPU parent with a CPU daemon keeps room for prefill streaming's two layer buffers "
+                   "when experts go to the daemons; off: it will not stream.")
 @click.option("--split", "splits", multiple=True, metavar="DEVICE=SIZE",
               help="A device for a layer shard and its memory, e.g. cuda:1=80GiB: print the layer ranges of a "
                    "layer split over the parent's device and these (what --split auto does) instead of placing "
@@ -85,8 +91,8 @@ def _plan_values(config_file: str) -> dict:
               help="Placement JSON to write (required unless --split).")
 @plan_config
 @friendly_errors
-def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotness, safety, workspace, splits,
-         output):
+def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotness, safety, workspace, expert_cache,
+         stream_threshold, splits, output):
     """Place every routed expert on the parent or a daemon within the devices' memory, or with
     --split the model's layers over devices."""
     model = model_or_demo(model)
@@ -106,13 +112,18 @@ def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotnes
     budgets = [_device_budget(spec, "--daemon") for spec in daemons]
     if cpu_size is not None:
         budgets.append(("cpu", parse_bytes(cpu_size, "--cpu")))
+    on_gpu = parent_name != "cpu"
+    streams = on_gpu and stream_threshold != "off" and any(name == "cpu" for name, _ in budgets)
     with GGUFFile(model) as gguf:
         spec = load_spec(gguf)
+        sizes = model_sizes(gguf, spec)
         request = PlanRequest(
-            sizes=model_sizes(gguf, spec), parent=DeviceBudget(f"parent {parent_name}", parent_bytes, is_parent=True),
+            sizes=sizes, parent=DeviceBudget(f"parent {parent_name}", parent_bytes, is_parent=True),
             daemons=tuple(DeviceBudget(name, size) for name, size in budgets), context=ctx, kv_dtype=kv_dtype,
             kv_pool=kv_pool, routing_counts=read_hotness(hotness, spec) if hotness else None,
-            safety_bytes=parse_bytes(safety, "--safety"), workspace_bytes=parse_bytes(workspace, "--workspace"))
+            safety_bytes=parse_bytes(safety, "--safety"), workspace_bytes=parse_bytes(workspace, "--workspace"),
+            expert_cache_bytes=parse_bytes(expert_cache, "--expert-cache") if on_gpu else 0,
+            stream_scratch_bytes=stream_scratch_bound(sizes) if streams else 0)
         result = make_plan(request)
         write_atomic(Path(output), result.placement.to_json(gguf.fingerprint()).encode() + b"\n")
     click.echo(explain(result))

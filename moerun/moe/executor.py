@@ -12,7 +12,7 @@ Shape legend: T tokens, H hidden, K experts per token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from moerun.backends.protocol import Array, Experts
@@ -24,6 +24,13 @@ class RemoteCounts:
     remote_layer_calls: int = 0        # MoE layer calls that sent some pair to a daemon
     remote_pairs: int = 0              # routed pairs sent to a daemon
     fallback_pairs: int = 0            # of those, computed by the parent after a daemon failed
+    host_pairs: int = 0                # routed pairs to experts homed in host RAM (on CPU daemons), GPU parent
+    cache_hits: int = 0                # of those, computed from the parent's expert cache
+    streamed_pairs: int = 0            # of those, computed by the parent from a streamed layer
+    cache_swaps: int = 0               # experts copied into the expert cache
+    cache_bytes_in: int = 0            # their bytes
+    streamed_layers: int = 0           # prefill layer calls that streamed their host experts
+    streamed_bytes: int = 0            # bytes copied for them
 
 
 @dataclass
@@ -33,19 +40,26 @@ class MoEStats:
     routed_pairs: int = 0              # (token, expert) pairs routed
     remote_pairs: int = 0              # of those, sent to a daemon
     fallback_pairs: int = 0            # of those, computed by the parent after a daemon failed
+    host: RemoteCounts = field(default_factory=RemoteCounts)   # the host-RAM experts' counts (GPU parent)
 
     @classmethod
     def of(cls, moe_layer_calls: int, routed_pairs: int, remote: RemoteCounts) -> MoEStats:
         return cls(moe_layer_calls, moe_layer_calls - remote.remote_layer_calls, routed_pairs,
-                   remote.remote_pairs, remote.fallback_pairs)
+                   remote.remote_pairs, remote.fallback_pairs, remote)
 
     def to_dict(self) -> dict:
+        host = self.host
         return {
             "moe_layer_calls": self.moe_layer_calls, "hot_only_layer_calls": self.hot_only_layer_calls,
             "hot_only_layer_share": self.hot_only_layer_calls / self.moe_layer_calls if self.moe_layer_calls else 0.0,
             "routed_pairs": self.routed_pairs, "remote_pairs": self.remote_pairs,
             "remote_pair_share": self.remote_pairs / self.routed_pairs if self.routed_pairs else 0.0,
             "fallback_pairs": self.fallback_pairs,
+            "host_pairs": host.host_pairs, "cache_hits": host.cache_hits,
+            "cache_hit_rate": host.cache_hits / host.host_pairs if host.host_pairs else 0.0,
+            "cache_swaps": host.cache_swaps, "cache_bytes_in": host.cache_bytes_in,
+            "streamed_pairs": host.streamed_pairs, "streamed_layers": host.streamed_layers,
+            "streamed_bytes": host.streamed_bytes,
         }
 
 

@@ -9,7 +9,7 @@ Shape legend: L layers, E experts, K experts per token, D daemons.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import numpy as np
@@ -18,6 +18,7 @@ from moerun.backends.protocol import KV_DTYPES
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 from moerun.moe.placement import PARENT, Placement
+from moerun.units import format_bytes
 
 KV_BYTES_PER_ELEMENT = {name: np.dtype(dtype).itemsize for name, dtype in KV_DTYPES.items()}   # what the backends keep
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.weight")
@@ -58,6 +59,8 @@ class PlanRequest:
     routing_counts: np.ndarray | None = None   # [L, E] routed pairs from `moerun profile`; None = uniform
     safety_bytes: int = 512 << 20
     workspace_bytes: int = 256 << 20
+    expert_cache_bytes: int = 0                # the parent's expert cache (--expert-cache), reserved on it
+    stream_scratch_bytes: int = 0              # prefill streaming's buffers, reserved when experts go elsewhere
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,21 @@ def recurrent_state_bytes(spec: ModelSpec) -> int:
     return 4 * (shape.value_heads * shape.key_dim * shape.value_dim + (shape.conv_kernel - 1) * shape.channels)
 
 
+def stream_scratch_bound(sizes: ModelSizes) -> int:
+    """The most prefill streaming's two buffers can take: two layers' worth of every expert."""
+    return 2 * sizes.n_experts * max(sizes.expert_bytes)
+
+
 def plan(request: PlanRequest) -> Plan:
-    """Choose the KV reservation and a home for every routed expert (rules: docs/planner.md)."""
+    """Choose the KV reservation and a home for every routed expert (rules: docs/planner.md).
+    The streaming buffers are reserved only when experts do not all fit on the parent without them."""
+    if request.stream_scratch_bytes:
+        try:
+            alone = plan(replace(request, stream_scratch_bytes=0))
+            if all(np.all(homes == PARENT) for homes in alone.placement.homes.values()):
+                return alone
+        except PlanError:
+            pass
     _check(request)
     weights = _traffic_weights(request)
     context, pool = request.context, request.kv_pool
@@ -165,8 +181,8 @@ def _place(request: PlanRequest, weights: np.ndarray, kv_tokens: int) -> _Placed
     """Floor first, then the parent and the daemons, in order of traffic per byte, with KV for kv_tokens."""
     sizes = request.sizes
     moe = [layer for layer, is_moe in enumerate(sizes.moe_layers) if is_moe]
-    parent_reserved = (sizes.non_expert_bytes + _kv_bytes(request, kv_tokens)
-                       + request.workspace_bytes + request.safety_bytes)
+    parent_reserved = (sizes.non_expert_bytes + _kv_bytes(request, kv_tokens) + request.workspace_bytes
+                       + request.safety_bytes + request.expert_cache_bytes + request.stream_scratch_bytes)
     daemon_reserved = request.workspace_bytes + request.safety_bytes
     parent_budget = request.parent.capacity_bytes - parent_reserved
     daemon_budgets = [max(0, daemon.capacity_bytes - daemon_reserved) for daemon in request.daemons]
@@ -251,12 +267,12 @@ def _report(request: PlanRequest, weights: np.ndarray, placed: _Placed, rule: st
 def explain(plan: Plan) -> str:
     """The table `moerun plan` prints: per device bytes, experts and traffic share; the KV rule; the pool."""
     header = ("device", "capacity", "reserved", "expert budget", "expert bytes", "experts", "traffic")
-    rows = [(d.name, _size(d.capacity_bytes), _size(d.reserved_bytes), _size(d.budget_bytes), _size(d.used_bytes),
+    rows = [(d.name, format_bytes(d.capacity_bytes), format_bytes(d.reserved_bytes), format_bytes(d.budget_bytes), format_bytes(d.used_bytes),
              str(d.n_experts), f"{100 * d.traffic_share:.1f}%") for d in plan.devices]
     name_width = max(len(row[0]) for row in [header, *rows])
     lines = [f"{row[0]:<{name_width}}" + "".join(f"{cell:>14}" for cell in row[1:]) for row in [header, *rows]]
     lines.append(f"KV cache: {plan.kv_reserved_tokens} tokens at {plan.kv_dtype} "
-                 f"({_size(plan.kv_reserved_bytes)}) reserved on the parent; rule: {plan.kv_rule}")
+                 f"({format_bytes(plan.kv_reserved_bytes)}) reserved on the parent; rule: {plan.kv_rule}")
     if plan.pool_redundant:
         lines.append("The bounded KV pool is redundant: full-context KV and every expert fit on the parent; "
                      "--kv-pool can be left out.")
@@ -297,25 +313,27 @@ def _floor_message(request: PlanRequest, kv_tokens: int, parent_budget: int, flo
                    floor_bytes: int) -> str:
     sizes = request.sizes
     short = floor_bytes - parent_budget
-    return (f"the parent ({_size(request.parent.capacity_bytes)}) cannot hold the non-expert weights "
-            f"({_size(sizes.non_expert_bytes)}), KV for {kv_tokens} tokens at {request.kv_dtype} "
-            f"({_size(_kv_bytes(request, kv_tokens))}), workspace ({_size(request.workspace_bytes)}), "
-            f"safety margin ({_size(request.safety_bytes)}) and the floor of {floor} experts in each of "
-            f"{n_moe} MoE layers ({_size(floor_bytes)}): {_size(short)} ({short:,} bytes) short. "
+    return (f"the parent ({format_bytes(request.parent.capacity_bytes)}) cannot hold the non-expert weights "
+            f"({format_bytes(sizes.non_expert_bytes)}), KV for {kv_tokens} tokens at {request.kv_dtype} "
+            f"({format_bytes(_kv_bytes(request, kv_tokens))}), workspace ({format_bytes(request.workspace_bytes)}), "
+            f"safety margin ({format_bytes(request.safety_bytes)}){_extras(request)} and the floor of {floor} experts in "
+            f"each of {n_moe} MoE layers ({format_bytes(floor_bytes)}): {format_bytes(short)} ({short:,} bytes) short. "
             f"Lower --ctx, set --kv-pool, use a smaller --kv-dtype, or use a parent device with more memory.")
+
+
+def _extras(request: PlanRequest) -> str:
+    """The expert cache and streaming buffers in a list of reservations, if any."""
+    return "".join(f", {what} ({format_bytes(nbytes)})" for what, nbytes in (
+        ("expert cache", request.expert_cache_bytes), ("prefill streaming buffers", request.stream_scratch_bytes))
+        if nbytes)
 
 
 def _homeless_message(request: PlanRequest, homeless: list[int], parent_budget: int,
                       daemon_budgets: list[int]) -> str:
     missing = sum(homeless)
-    budgets = ", ".join(f"{daemon.name} {_size(budget)}"
+    budgets = ", ".join(f"{daemon.name} {format_bytes(budget)}"
                         for daemon, budget in zip(request.daemons, daemon_budgets, strict=True))
-    return (f"{len(homeless)} experts ({_size(missing)}, {missing:,} bytes) have no room: the parent's expert "
-            f"budget ({_size(parent_budget)}) and the daemons' ({budgets or 'no --daemon given'}) are full. "
+    return (f"{len(homeless)} experts ({format_bytes(missing)}, {missing:,} bytes) have no room: the parent's expert "
+            f"budget ({format_bytes(parent_budget)}) and the daemons' ({budgets or 'no --daemon given'}) are full. "
             f"Add a --daemon, or free parent memory (lower --ctx, set --kv-pool, use a smaller --kv-dtype).")
 
-
-def _size(nbytes: int) -> str:
-    if abs(nbytes) >= 1 << 30:
-        return f"{nbytes / (1 << 30):.2f} GiB"
-    return f"{nbytes / (1 << 20):.1f} MiB"

@@ -8,6 +8,10 @@ meanwhile on its stream; the finish collects each reply and adds it in. Kernels 
 graph segments of a captured decode step, the posting and collecting between them; a daemon
 behind the pinned arena is rung and awaited there by kernels too (moerun.rig.gpu_rings), so a
 step with only such daemons is one graph.
+A big prefill chunk may compute the CPU daemons' experts here instead, from copies of their
+layers (moerun.rig.expert_stream), and an expert cache may hold the host-RAM experts routing
+favours now beside the hot ones (moerun.rig.expert_cache); the routing tables say where each
+expert is computed at each step (moerun.rig.routing_tables).
 A daemon that fails is marked down and its pairs computed here on the CPU from the mmap
 (in a replayed step: the step runs again eagerly, which rewrites the same cache rows).
 Its counts stay on the device (a replayed step adds to them too) until counts() reads them.
@@ -22,10 +26,12 @@ import numpy as np
 
 from moerun.backends.gpu_experts import GpuExperts
 from moerun.backends.gpu_graphs import StepRetry
-from moerun.backends.gpu_kernels import BLOCK
+from moerun.backends.gpu_kernels import BLOCK, pointer
 from moerun.backends.numpy_backend import CpuExperts
 from moerun.moe.executor import RemoteCounts
 from moerun.moe.placement import PARENT
+from moerun.rig.expert_cache import ExpertCache
+from moerun.rig.expert_stream import STREAMED_PAIRS, PrefillStreamer, probe_pair_seconds
 from moerun.rig.gpu_channels import (
     ArenaChannel,
     GpuAttachments,
@@ -33,28 +39,54 @@ from moerun.rig.gpu_channels import (
     RemoteCall,
 )
 from moerun.rig.gpu_rings import DeviceRings
+from moerun.rig.host_experts import HostExperts
 from moerun.rig.links import DaemonLink
+from moerun.rig.routing_tables import RoutingTables
+from moerun.rig.settings import AUTO
+
+REMOTE_PAIRS, REMOTE_LAYERS, HOST_PAIRS, CACHE_HITS = range(4)     # the counters before STREAMED_PAIRS
 
 
 class GpuDispatcher:
     def __init__(self, backend, experts: GpuExperts, rig, gpu: GpuAttachments, fallback: CpuExperts):
         """experts: the parent's own (local ids); fallback: every expert on the CPU (global ids)."""
         self.backend, self.experts, self.rig, self.gpu, self.fallback = backend, experts, rig, gpu, fallback
-        cupy = backend.cupy
-        placement = rig.placement
-        self.homes = placement.homes
-        self.parent_local = {layer: cupy.asarray(placement.local_ids(layer, PARENT)) for layer in self.homes}  # [E]
-        self.daemon_local = {(link.index, layer): cupy.asarray(placement.local_ids(layer, link.index))
-                             for link in rig.links for layer in self.homes}
-        self.counters = cupy.zeros(2, cupy.uint64)    # remote pairs, layer calls with some remote
+        cupy, config, placement = backend.cupy, rig.config, rig.placement
+        self.held = {layer: int(np.count_nonzero(homes == PARENT)) for layer, homes in placement.homes.items()}
+        self.host_links = {link.index for link in rig.links if link.client.info.get("device") == "cpu"}
+        wanted = config.expert_cache_bytes > 0 or config.stream_tokens is not None
+        host = (HostExperts(cupy, rig.gguf, backend.spec, placement.homes, self.host_links)
+                if wanted and self.host_links else None)
+        if host is not None and not host.layers:
+            host = None
+        self.tables = RoutingTables(backend, placement, [link.index for link in rig.links], host)
+        self.counters = cupy.zeros(STREAMED_PAIRS + 1, cupy.uint64)    # see REMOTE_PAIRS..STREAMED_PAIRS
         self.fallback_pairs = 0
         self._channels: dict[int, Any] = {}
         self.rings = backend.step_guard = DeviceRings(backend, rig)
+        self.cache = self.streamer = None
+        if host is not None and config.expert_cache_bytes > 0:
+            self.cache = ExpertCache(backend, experts, host, self.tables, config.expert_cache_bytes)
+            backend.before_step = self.cache.before_step
+        if host is not None and config.stream_tokens is not None:
+            threshold = None if config.stream_tokens == AUTO else config.stream_tokens
+            pair_seconds = None if threshold is not None else probe_pair_seconds(
+                [link for link in rig.links if link.index in self.host_links], placement.experts_of,
+                backend.spec.hidden, backend.spec.n_experts_used, config.expert_payload_dtype,
+                config.daemon_timeout_s)
+            self.streamer = PrefillStreamer(backend, experts, host, self.tables, self.counters, threshold,
+                                            pair_seconds)
 
     def counts(self) -> RemoteCounts:
-        remote_pairs, remote_layers = (int(n) for n in self.backend.to_host(self.counters))
-        return RemoteCounts(remote_layer_calls=remote_layers, remote_pairs=remote_pairs,
-                            fallback_pairs=self.fallback_pairs)
+        counted = [int(n) for n in self.backend.to_host(self.counters)]
+        cache, streamer = self.cache, self.streamer
+        return RemoteCounts(remote_layer_calls=counted[REMOTE_LAYERS],
+                            remote_pairs=counted[REMOTE_PAIRS] - counted[STREAMED_PAIRS],
+                            fallback_pairs=self.fallback_pairs, host_pairs=counted[HOST_PAIRS],
+                            cache_hits=counted[CACHE_HITS], streamed_pairs=counted[STREAMED_PAIRS],
+                            cache_swaps=cache.swaps if cache else 0, cache_bytes_in=cache.bytes_in if cache else 0,
+                            streamed_layers=streamer.layers_streamed if streamer else 0,
+                            streamed_bytes=streamer.bytes_streamed if streamer else 0)
 
     def graph_key(self) -> tuple | None:
         """What a captured step depends on: every link up, in its current session."""
@@ -70,7 +102,12 @@ class GpuDispatcher:
         backend, cupy = self.backend, self.backend.cupy
         n_tokens = ids.shape[0]
         pending = PendingRemote(self, layer, x, ids, weights, residual)
+        streamed = self.streamer is not None and self.streamer.streams(layer, n_tokens)
+        if streamed:
+            self.streamer.prefetch(layer)
         for link in self.rig.links:
+            if streamed and link.index in self.host_links:
+                continue                          # its experts of this layer are computed here
             channel = self._channel(link)
             if channel is None:
                 pending.calls.append(RemoteCall(None, layer, 0, n_tokens, failed=True, link=link))
@@ -87,10 +124,17 @@ class GpuDispatcher:
                     backend.cut(lambda call=call: self._post(call))
                 pending.calls.append(call)
         parent_ids = cupy.empty_like(ids)
-        backend.kernels.launch("split_parent_ids", (1,), (BLOCK,), (ids, np.int32(ids.size), self.parent_local[layer],
-                                                             parent_ids, self.counters))
+        tables = self.tables.on_device
+        host_index = tables["host_index"].get(layer)
+        counts = self.cache.routed_counts(layer) if self.cache is not None else None
+        n_hot = self.cache.n_hot.get(layer, self.held[layer]) if self.cache is not None else self.held[layer]
+        backend.kernels.launch("split_parent_ids", (1,), (BLOCK,), (
+            ids, np.int32(ids.size), tables["parent"][layer], parent_ids, self.counters,
+            pointer(host_index), np.int32(n_hot), pointer(counts)))
         if self.experts.layers.get(layer) is not None:
             pending.hot = self.experts.compute(layer, x, parent_ids, weights)
+        if streamed:
+            pending.hot = self.streamer.compute(layer, x, ids, weights, pending.hot)
         return pending
 
     def _channel(self, link: DaemonLink):
@@ -112,7 +156,7 @@ class GpuDispatcher:
         x_to, ids_to, weights_to = call.channel.destinations(call)
         backend.kernels.elementwise("pack_remote", call.tokens * spec.hidden, (
             x, ids, weights, np.int32(call.row0), np.int32(call.tokens), np.int32(spec.hidden),
-            np.int32(spec.n_experts_used), self.daemon_local[(call.link.index, call.layer)],
+            np.int32(spec.n_experts_used), self.tables.on_device["daemon"][(call.link.index, call.layer)],
             np.int32(call.channel.payload_code), np.uint64(x_to), np.uint64(ids_to), np.uint64(weights_to)))
 
     def _post(self, call: RemoteCall) -> None:
@@ -153,7 +197,7 @@ class GpuDispatcher:
         cupy = self.backend.cupy
         rows = slice(call.row0, call.row0 + call.tokens)
         host_ids = self.backend.to_host(ids[rows])
-        mask = self.homes[call.layer][host_ids] == call.link.index                     # [T, K]
+        mask = self.tables.daemon[(call.link.index, call.layer)][host_ids] >= 0          # [T, K]
         self.fallback_pairs += int(mask.sum())
         call.link.fallback_calls += 1
         out = self.fallback.compute(call.layer, self.backend.to_host(x[rows]), np.where(mask, host_ids, -1),

@@ -14,6 +14,7 @@ from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, TRANSPORTS
 from moerun.ipc.sockets import ENDPOINT
 
 AUTO = "auto"                    # --transport, --mode auto: the first that fits; --placement auto: plan at start-up
+OFF = "off"                      # --stream-threshold off: never stream prefill experts
 RIG_TRANSPORTS = (AUTO, *TRANSPORTS)
 MODES = (AUTO, "batched", "stream")
 STREAM_SLICE_TOKENS = 4          # --mode stream: prefill tokens per call per daemon
@@ -124,6 +125,9 @@ class RigConfig:
     pin: bool = False                    # hold the parent and its CPU daemons to their own cores
     splits: tuple[tuple[str, int], ...] = ()   # (shard, first layer): --split SPEC@LAYER, boundaries ascending
     split_auto: bool = False             # --split auto: layer ranges over this host's GPUs by their free memory
+    stream_threshold: str = AUTO         # a GPU parent's prefill chunks of this many tokens compute the CPU
+                                         # daemons' experts from copies: N, auto (by measurement) or off
+    expert_cache_bytes: int = 0          # --expert-cache: a GPU parent's device memory for host-RAM experts
 
     def __post_init__(self) -> None:
         for spec in self.daemons:
@@ -151,6 +155,9 @@ class RigConfig:
             (1 <= self.batch_capacity <= MAX_BATCH_CAPACITY,
              f"--batch-capacity must be between 1 and {MAX_BATCH_CAPACITY} (got {self.batch_capacity})"),
             (self.daemon_timeout_s > 0, f"--daemon-timeout must be > 0 (got {self.daemon_timeout_s})"),
+            (self.stream_threshold in (AUTO, OFF) or (self.stream_threshold.isdigit() and int(self.stream_threshold) >= 1),
+             f"--stream-threshold must be a number of tokens (>= 1), auto or off (got {self.stream_threshold!r})"),
+            (self.expert_cache_bytes >= 0, f"--expert-cache must be >= 0 (got {self.expert_cache_bytes})"),
             (self.hot is None or self.hot >= 0, f"--hot must be >= 0 (got {self.hot})"),
             (self.threads is None or self.threads >= 1, f"--threads must be >= 1 (got {self.threads})"),
             (not (self.hot is not None and self.placement), "give --hot or --placement, not both"),
@@ -181,6 +188,13 @@ class RigConfig:
         --payload-dtype, else bf16 between a GPU parent and a shard spawned on a GPU, else f32."""
         both_gpus = self.device != "cpu" and DEVICE_PATTERN.match(shard) is not None and shard != "cpu"
         return self.payload_dtype or ("bf16" if both_gpus else "f32")
+
+    @property
+    def stream_tokens(self) -> int | str | None:
+        """--stream-threshold as the dispatcher takes it: tokens, AUTO, or None (off)."""
+        if self.stream_threshold == OFF:
+            return None
+        return AUTO if self.stream_threshold == AUTO else int(self.stream_threshold)
 
     @property
     def tokens_per_call(self) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 import zmq
 
 from moerun.backends.devices import DEVICE_PATTERN, BackendUnavailable
+from moerun.backends.memory import device_memory_free
 from moerun.backends.numpy_backend import CpuExperts, expert_store
 from moerun.backends.protocol import Backend, Experts
 from moerun.gguf.reader import GGUFFile
@@ -36,6 +37,7 @@ from moerun.moe.planner import (
     explain,
     model_sizes,
     plan,
+    stream_scratch_bound,
 )
 from moerun.rig.cores import HostShares
 from moerun.rig.cpu_dispatch import CpuDispatcher
@@ -150,16 +152,24 @@ class Rig:
         return CurveClientKeys.from_files(self.config.client_secret_key, entry.curve_public_key)
 
     def _auto_placement(self, gguf: GGUFFile) -> Placement:
-        """--placement auto: plan from the memory each process can have now. The parent and
-        the CPU daemons on this host share its available RAM equally; other daemons report
-        their own free memory in HELLO."""
+        """--placement auto: plan from the memory each process can have now. A GPU parent has
+        its device's free memory, less its expert cache and (with CPU daemons) the prefill
+        streaming's buffers; a CPU parent and the CPU daemons on this host share its available
+        RAM equally; other daemons report their own free memory in HELLO."""
         local_cpu = [link for link in self.links if link.client.info.get("device") == "cpu" and link.client.same_host()]
         host_share = available_host_bytes() // (1 + len(local_cpu))
         daemons = tuple(DeviceBudget(link.spec, host_share if link in local_cpu else int(link.client.info["free_bytes"]))
                         for link in self.links)
-        request = PlanRequest(sizes=model_sizes(gguf, self.spec), parent=DeviceBudget("parent cpu", host_share, True),
-                              daemons=daemons, context=self.kv_tokens,
-                              kv_dtype=self.config.kv_cache_dtype)
+        on_gpu = self.backend.kind != "CPU"
+        parent = DeviceBudget(f"parent {self.backend.name}", device_memory_free(self.backend) if on_gpu else host_share,
+                              True)
+        sizes = model_sizes(gguf, self.spec)
+        streams = on_gpu and self.config.stream_tokens is not None and any(
+            link.client.info.get("device") == "cpu" for link in self.links)
+        request = PlanRequest(sizes=sizes, parent=parent, daemons=daemons, context=self.kv_tokens,
+                              kv_dtype=self.config.kv_cache_dtype,
+                              expert_cache_bytes=self.config.expert_cache_bytes if on_gpu else 0,
+                              stream_scratch_bytes=stream_scratch_bound(sizes) if streams else 0)
         try:
             result = plan(request)
         except PlanError as err:

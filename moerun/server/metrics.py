@@ -131,6 +131,20 @@ class RuntimeCollector:
         yield CounterMetricFamily("moerun_moe_remote_pairs", "Routed pairs sent to a daemon", value=moe.remote_pairs)
         yield CounterMetricFamily("moerun_moe_fallback_pairs", "Routed pairs the parent computed after a daemon failed",
                                   value=moe.fallback_pairs)
+        for name, text, value in HOST_SERIES:
+            yield CounterMetricFamily(name, text, value=value(moe.host))
+
+
+HOST_SERIES = (      # name, help, value of the host-RAM experts' counts (a GPU parent with CPU daemons)
+    ("moerun_moe_host_pairs", "Routed pairs to experts homed in host RAM", lambda c: c.host_pairs),
+    ("moerun_expert_cache_hits", "Of those, computed from the parent's expert cache", lambda c: c.cache_hits),
+    ("moerun_expert_cache_swaps", "Experts copied into the expert cache", lambda c: c.cache_swaps),
+    ("moerun_expert_cache_bytes_in", "Bytes copied into the expert cache", lambda c: c.cache_bytes_in),
+    ("moerun_stream_pairs", "Routed pairs computed by the parent from a streamed prefill layer",
+     lambda c: c.streamed_pairs),
+    ("moerun_stream_layers", "Prefill layer calls that streamed their host-RAM experts", lambda c: c.streamed_layers),
+    ("moerun_stream_bytes", "Bytes copied to the GPU for streamed prefill layers", lambda c: c.streamed_bytes),
+)
 
 
 def prefix_cache_series(cache: PrefixCache | None):

@@ -12,27 +12,61 @@ __device__ __forceinline__ u16 float_to_bf16_bits(float value) {   // round to n
 }
 
 // ids [T, K] global -> the parent's local ids (-1: the expert is on a daemon), counting into
-// counters [2] the remote pairs and the layer calls with some pair remote. One block.
+// counters [5] the pairs not on the parent, the layer calls with some such pair, and where the
+// layer has experts homed in host RAM (host_index non-null: >= 0 for those, [E]) the pairs
+// routed to them and those of them the parent holds in its cache slots (local ids >= n_hot);
+// routed_counts (non-null, [E]) counts every pair by expert. One block.
 extern "C" __global__ void split_parent_ids(const int* __restrict__ ids, int n_pairs,
                                             const int* __restrict__ parent_local,
                                             int* __restrict__ local_ids,
-                                            unsigned long long* __restrict__ counters) {
+                                            unsigned long long* __restrict__ counters,
+                                            const int* __restrict__ host_index, int n_hot,
+                                            unsigned int* __restrict__ routed_counts) {
     wait_for_previous_grid();
-    __shared__ int remote_pairs;
-    if (threadIdx.x == 0) remote_pairs = 0;
+    __shared__ int sums[3];                                        // remote, host, cached
+    if (threadIdx.x < 3) sums[threadIdx.x] = 0;
     __syncthreads();
-    int remote = 0;
+    int remote = 0, host = 0, cached = 0;
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
-        int local = parent_local[ids[p]];
+        int expert = ids[p];
+        int local = parent_local[expert];
         local_ids[p] = local;
         remote += local < 0;
+        if (host_index != nullptr && host_index[expert] >= 0) {
+            host += 1;
+            cached += local >= n_hot;
+        }
+        if (routed_counts != nullptr) atomicAdd(&routed_counts[expert], 1u);
     }
-    if (remote) atomicAdd(&remote_pairs, remote);
+    if (remote) atomicAdd(&sums[0], remote);
+    if (host) atomicAdd(&sums[1], host);
+    if (cached) atomicAdd(&sums[2], cached);
     __syncthreads();
     if (threadIdx.x == 0) {
-        counters[0] += (unsigned long long)remote_pairs;
-        counters[1] += remote_pairs != 0;
+        counters[0] += (unsigned long long)sums[0];
+        counters[1] += sums[0] != 0;
+        counters[2] += (unsigned long long)sums[1];
+        counters[3] += (unsigned long long)sums[2];
     }
+}
+
+// ids [T, K] global -> table[id] (-1: not in the table), counting the pairs found into
+// *found. One block.
+extern "C" __global__ void map_ids(const int* __restrict__ ids, int n_pairs, const int* __restrict__ table,
+                                   int* __restrict__ mapped, unsigned long long* __restrict__ found) {
+    wait_for_previous_grid();
+    __shared__ int sum;
+    if (threadIdx.x == 0) sum = 0;
+    __syncthreads();
+    int count = 0;
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        int value = table[ids[p]];
+        mapped[p] = value;
+        count += value >= 0;
+    }
+    if (count) atomicAdd(&sum, count);
+    __syncthreads();
+    if (threadIdx.x == 0) *found += (unsigned long long)sum;
 }
 
 // A daemon's request for rows [row0, row0 + T): x f32 [*, H] -> the payload dtype, ids [*, K]

@@ -1,0 +1,118 @@
+"""A GPU parent's copy of the experts that live in host RAM (those homed on CPU daemons), in
+page-locked memory and in the GPU's stored layout, so that the copy engine brings a layer's
+whole set (prefill streaming, moerun.rig.expert_stream) or one expert (the expert cache,
+moerun.rig.expert_cache) to the device at the bus's full speed.
+
+A layer's host experts are stacked in ascending global id; an expert's position in that stack
+is its host index. Shape legend: E experts, N host experts of a layer.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from moerun.backends.gpu_weights import KERNEL_TYPES, DeviceMatrix, stored_tensor
+from moerun.gguf.reader import GGUFFile
+from moerun.models.spec import ModelSpec
+from moerun.units import format_bytes
+
+FILL_THREADS = 8
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HostStack:
+    """One GGUF tensor's host experts of a layer."""
+    data: np.ndarray                   # page-locked uint8 [N, expert_bytes]
+    kind: str                          # kernel suffix: q4_k, f16, ...
+    rows: int
+    cols: int
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.data.shape[1]
+
+
+@dataclass
+class HostLayer:
+    ids: np.ndarray                    # int32 [N] global ids, ascending
+    index: np.ndarray                  # int32 [E] global id -> host index (-1: not in host RAM)
+    stacks: list[HostStack]            # per GGUF tensor, in spec.expert_tensor_names order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(stack.data.nbytes for stack in self.stacks)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(stack.expert_bytes for stack in self.stacks)
+
+
+class HostExperts:
+    def __init__(self, cupy, gguf: GGUFFile, spec: ModelSpec, homes: dict[int, np.ndarray], host_homes: set[int]):
+        """homes: the placement's home per expert by MoE layer; host_homes: the daemons whose
+        experts are in host RAM (the CPU daemons)."""
+        self.cupy = cupy
+        self._pinned = []
+        self.converted: set[str] = set()
+        self.layers: dict[int, HostLayer] = {}
+        jobs = []
+        for layer, layer_homes in sorted(homes.items()):
+            ids = np.flatnonzero(np.isin(layer_homes, sorted(host_homes))).astype(np.int32)
+            if not len(ids):
+                continue
+            index = np.full(len(layer_homes), -1, np.int32)
+            index[ids] = np.arange(len(ids), dtype=np.int32)
+            stacks = [self._stack(gguf, name, len(ids)) for name in spec.expert_tensor_names(layer)]
+            self.layers[layer] = HostLayer(ids, index, stacks)
+            jobs += [(gguf, name, ids, stack) for name, stack in zip(spec.expert_tensor_names(layer), stacks)]
+        with ThreadPoolExecutor(FILL_THREADS) as pool:
+            list(pool.map(lambda job: self._fill(*job), jobs))
+        if self.layers:
+            logger.info(f"{sum(len(h.ids) for h in self.layers.values())} experts of the CPU daemons in page-locked "
+                        f"host memory for the GPU ({format_bytes(self.nbytes)})")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers.values())
+
+    def _stack(self, gguf: GGUFFile, name: str, n_experts: int) -> HostStack:
+        info = gguf.tensor(name)
+        all_experts, rows, cols = info.shape
+        kind = KERNEL_TYPES.get(info.ggml_type, "f16")                   # others are converted to f16
+        expert_bytes = info.nbytes // all_experts if info.ggml_type in KERNEL_TYPES else 2 * rows * cols
+        nbytes = n_experts * expert_bytes
+        pinned = self.cupy.cuda.PinnedMemory(nbytes)
+        self._pinned.append(pinned)
+        data = np.frombuffer(self.cupy.cuda.PinnedMemoryPointer(pinned, 0), np.uint8, count=nbytes)
+        return HostStack(data.reshape(n_experts, expert_bytes), kind, rows, cols)
+
+    def _fill(self, gguf: GGUFFile, name: str, ids: np.ndarray, stack: HostStack) -> None:
+        if gguf.tensor(name).ggml_type in KERNEL_TYPES:
+            raw = gguf.raw(name).view(np.uint8).reshape(-1, stack.expert_bytes)      # [E, expert bytes]
+            np.take(raw, ids, axis=0, out=stack.data)
+        else:
+            stored, *_ = stored_tensor(gguf, name, ids.tolist(), self.converted)
+            stack.data[:] = stored.reshape(len(ids), -1)
+
+    def copy_layer(self, layer: int, into: list, stream) -> None:
+        """Every host expert of `layer` into device buffers (uint8, one per tensor), queued on `stream`."""
+        for stack, target in zip(self.layers[layer].stacks, into):
+            target.data.copy_from_host_async(stack.data.ctypes.data, stack.data.nbytes, stream)
+
+    def copy_expert(self, layer: int, index: int, into: list[DeviceMatrix], position: int, stream) -> None:
+        """Host expert `index` of `layer` into expert `position` of device stacks (one per tensor)."""
+        for stack, target in zip(self.layers[layer].stacks, into):
+            size = stack.expert_bytes
+            target.data[position * size:(position + 1) * size].data.copy_from_host_async(
+                stack.data[index].ctypes.data, size, stream)
+
+    def device_stacks(self, layer: int, buffers: list) -> list[DeviceMatrix]:
+        """`layer`'s stacks as DeviceMatrix views of device buffers (uint8, one per tensor)."""
+        n_experts = len(self.layers[layer].ids)
+        return [DeviceMatrix(buffer[:stack.data.nbytes], stack.kind, stack.rows, stack.cols, n_experts)
+                for stack, buffer in zip(self.layers[layer].stacks, buffers)]

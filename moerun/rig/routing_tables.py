@@ -1,0 +1,55 @@
+"""The tables a GPU parent's MoE layers route by, on the device and mirrored on the host: each
+global expert id -> the parent's local id (its hot experts, then the expert cache's slots;
+-1: elsewhere), -> each daemon's local id (-1: not sent there), and -> the host index of the
+experts a streamed prefill chunk computes from the copied layer (-1: not streamed). The kernels
+read them inside captured steps; the expert cache moves an expert between its daemon and a
+cache slot by rewriting them between steps, in stream order.
+Shape legend: E experts.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from moerun.moe.placement import PARENT, Placement
+from moerun.rig.host_experts import HostExperts
+
+
+class RoutingTables:
+    def __init__(self, backend, placement: Placement, daemons: list[int], host: HostExperts | None):
+        self.backend = backend
+        self.homes = placement.homes
+        self._home_local = {layer: np.zeros(len(homes), np.int32) for layer, homes in self.homes.items()}
+        self.parent = {layer: placement.local_ids(layer, PARENT) for layer in self.homes}           # [E]
+        self.daemon = {(index, layer): placement.local_ids(layer, index) for index in daemons for layer in self.homes}
+        for (index, layer), local in self.daemon.items():
+            self._home_local[layer] = np.where(local >= 0, local, self._home_local[layer])
+        host_layers = host.layers if host is not None else {}
+        self.host_index = {layer: host_layer.index for layer, host_layer in host_layers.items()}    # [E], fixed
+        self.streamed = {layer: index.copy() for layer, index in self.host_index.items()}           # [E]
+        cupy = backend.cupy
+        self.on_device = {name: {key: cupy.asarray(table) for key, table in tables.items()}
+                          for name, tables in {**self._mirrors(), "host_index": self.host_index}.items()}
+
+    def _mirrors(self) -> dict[str, dict]:
+        """The tables that change, by name."""
+        return {"parent": self.parent, "daemon": self.daemon, "streamed": self.streamed}
+
+    def hold(self, layer: int, expert: int, local: int) -> None:
+        """`expert` (homed on a daemon) is computed by the parent at its local id `local` from now."""
+        self.parent[layer][expert] = local
+        self.daemon[(int(self.homes[layer][expert]), layer)][expert] = -1
+        self.streamed[layer][expert] = -1
+
+    def release(self, layer: int, expert: int) -> None:
+        """`expert` goes back to its daemon (and to the streamed chunks) from now."""
+        self.parent[layer][expert] = -1
+        self.daemon[(int(self.homes[layer][expert]), layer)][expert] = self._home_local[layer][expert]
+        self.streamed[layer][expert] = self.host_index[layer][expert]
+
+    def upload(self, layer: int) -> None:
+        """`layer`'s tables to the device, after the work already queued on the backend's stream."""
+        stream = self.backend.stream
+        for name, tables in self._mirrors().items():
+            for key, table in tables.items():
+                if key == layer or (isinstance(key, tuple) and key[1] == layer):
+                    self.on_device[name][key].set(table, stream=stream)

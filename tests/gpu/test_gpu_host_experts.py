@@ -1,0 +1,105 @@
+"""A GPU parent with the experts of a CPU daemon in host RAM: prefill chunks that stream those
+experts to the GPU and compute them there, and the expert cache that keeps the ones routing
+favours on the GPU, against the same model all on the GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moerun.engine.runtime import Runtime
+from moerun.engine.sampler import SamplingParams
+from moerun.gguf.reader import GGUFFile
+from moerun.models import load_spec
+from moerun.moe.planner import model_sizes
+from moerun.rig.settings import RigConfig
+from moerun.writers.bench_model import MIXES, PRESETS, write_bench_model
+from tests.support.gpu import INT_GEMV_BOUND, gpu_device
+
+pytestmark = pytest.mark.gpu
+HOT = 2                          # of the tiny model's 8 experts per layer: 6 in host RAM, 12 over its 2 layers
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+def with_cpu_daemon(**settings) -> RigConfig:
+    return RigConfig(device=gpu_device(), daemons=("cpu",), hot=HOT, daemon_timeout_s=60, require_daemons=True,
+                     **settings)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_bench_model(tmp_path_factory.mktemp("host") / "tiny.gguf", PRESETS["tiny"], MIXES["q4_k_m"], seed=7)
+
+
+@pytest.fixture(scope="module")
+def all_local(model):
+    """The all-GPU figures: logits of a 40-token prompt in chunks of 512 and of 8, greedy tokens."""
+    ids = np.random.default_rng(4).integers(0, 800, 40).tolist()
+    figures = {"ids": ids}
+    for ubatch in (8, 512):
+        with Runtime(model, ubatch=ubatch, rig=RigConfig(device=gpu_device())) as local:
+            figures[ubatch] = local.logits(ids)
+            if ubatch == 8:
+                figures["tokens"] = list(local.generate(ids[:8], 24, GREEDY))
+    return figures
+
+
+@pytest.mark.parametrize("ubatch, bound", [(8, INT_GEMV_BOUND), (512, 1e-3)], ids=["gemv", "tiles"])
+def test_streamed_prefill_computes_the_daemons_experts_on_the_gpu(model, all_local, ubatch, bound):
+    """Every chunk streams (threshold 2): the daemon gets no call, every host pair is streamed."""
+    with Runtime(model, ubatch=ubatch, rig=with_cpu_daemon(stream_threshold="2")) as streamed:
+        got = streamed.logits(all_local["ids"])
+        stats = streamed.moe_stats()
+        calls = streamed.rig.links[0].client.counters.calls
+    assert relative_error(got, all_local[ubatch]) <= bound
+    assert calls == 0 and stats.remote_pairs == 0 and stats.fallback_pairs == 0
+    assert stats.host.streamed_pairs == stats.host.host_pairs > 0
+    assert stats.host.streamed_layers == 2 * -(-40 // ubatch)
+
+
+def test_streamed_prefill_then_decode_on_the_daemon_gives_the_same_tokens(model, all_local):
+    with Runtime(model, ubatch=8, rig=with_cpu_daemon(stream_threshold="2")) as streamed:
+        tokens = list(streamed.generate(all_local["ids"][:8], 24, GREEDY))
+        stats = streamed.moe_stats()
+    assert tokens == all_local["tokens"]
+    assert stats.host.streamed_pairs > 0 and stats.remote_pairs > 0
+    assert stats.host.host_pairs == stats.host.streamed_pairs + stats.remote_pairs
+
+
+@pytest.mark.parametrize("cached", [1, 6, 12], ids=["one-expert", "one-layer", "every-host-expert"])
+def test_an_expert_cache_of_any_size_changes_no_logit_or_token(model, all_local, cached):
+    """A cache of one expert (smaller than a layer's), of a layer's worth, and of every host
+    expert: decode fills it from the routing counts; its hits run on the GPU with the hot experts,
+    the rest still go to the daemon; logits and greedy tokens stay the all-local ones."""
+    with GGUFFile(model) as gguf:
+        expert_bytes = model_sizes(gguf, load_spec(gguf)).expert_bytes[0]
+    rig = with_cpu_daemon(stream_threshold="off", expert_cache_bytes=cached * expert_bytes)
+    with Runtime(model, ubatch=8, rig=rig) as runtime:
+        tokens = list(runtime.generate(all_local["ids"][:8], 24, GREEDY))
+        got = runtime.logits(all_local["ids"])          # a prefill through the filled cache
+        stats = runtime.moe_stats()
+        cache = runtime.model.executor.cache
+    assert tokens == all_local["tokens"]
+    assert relative_error(got, all_local[8]) <= INT_GEMV_BOUND
+    assert sum(cache.slots.values()) == cached
+    assert cache.swaps > 0 and stats.host.cache_hits > 0
+    assert stats.host.host_pairs == stats.host.cache_hits + stats.remote_pairs
+    if cached == 12:                                     # room for every host expert: none ever leaves
+        assert cache.swaps <= 12
+
+
+def test_auto_threshold_measures_the_copy_and_the_daemon(model, all_local):
+    """auto: a probe request to the daemon and a timed copy give every host layer a threshold;
+    streaming and the cache together still give the all-local logits."""
+    with GGUFFile(model) as gguf:
+        expert_bytes = model_sizes(gguf, load_spec(gguf)).expert_bytes[0]
+    with Runtime(model, ubatch=512, rig=with_cpu_daemon(expert_cache_bytes=3 * expert_bytes)) as runtime:
+        thresholds = runtime.model.executor.streamer.tokens
+        got = runtime.logits(all_local["ids"])
+        probes = runtime.rig.links[0].client.counters.calls
+    assert sorted(thresholds) == [0, 1] and all(t >= 2 for t in thresholds.values())
+    assert probes >= 3
+    assert relative_error(got, all_local[512]) <= 1e-3

@@ -1,0 +1,97 @@
+"""The pure rules behind prefill streaming and the expert cache: slots per layer, which experts
+swap in, the automatic threshold, the flags, and what the planner reserves for them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moerun.moe.placement import PARENT
+from moerun.moe.planner import DeviceBudget, ModelSizes, PlanError, PlanRequest, plan, stream_scratch_bound
+from moerun.rig.expert_cache import SWAP_MARGIN, cache_slots, choose_swaps
+from moerun.rig.expert_stream import auto_threshold
+from moerun.rig.settings import AUTO, ConfigError, RigConfig
+
+GiB = 1 << 30
+
+
+def test_slots_go_round_the_layers_while_the_budget_lasts():
+    assert cache_slots(5 * 100, {0: 100, 1: 100, 2: 100}, {0: 4, 1: 4, 2: 4}) == {0: 2, 1: 2, 2: 1}
+
+
+def test_a_budget_below_one_expert_per_layer_gives_some_layers_a_slot():
+    assert cache_slots(250, {0: 100, 1: 100, 2: 100, 3: 100}, {0: 8, 1: 8, 2: 8, 3: 8}) == {0: 1, 1: 1}
+
+
+def test_slots_stop_at_a_layers_host_experts_and_fit_bigger_experts_last():
+    assert cache_slots(10_000, {0: 100, 1: 300}, {0: 2, 1: 3}) == {0: 2, 1: 3}
+    assert cache_slots(350, {0: 100, 1: 300}, {0: 2, 1: 3}) == {0: 2}     # 300 never fits after the first 100
+
+
+def test_empty_slots_take_the_best_routed_experts_first():
+    scores = np.array([0.0, 5.0, 1.0, 9.0])
+    assert choose_swaps(scores, np.array([-1, -1, -1])) == [(0, 3), (1, 1), (2, 2)]   # never-routed 0 stays out
+
+
+def test_a_resident_leaves_only_for_a_clearly_better_newcomer():
+    scores = np.array([10.0, 4.0, 4.9, 5.1])
+    resident = np.array([0, 1])                       # expert 1 is the worst resident (4.0)
+    assert choose_swaps(scores, resident) == [(1, 3)]  # 5.1 > 1.25 * 4.0; 4.9 is not
+    assert choose_swaps(np.array([10.0, 4.0, 4.0 * SWAP_MARGIN]), resident) == []
+
+
+def test_a_full_cache_of_the_best_experts_stays():
+    assert choose_swaps(np.array([3.0, 2.0, 1.0]), np.array([0, 1])) == []
+
+
+@pytest.mark.parametrize("copy_s, token_s, want", [(4e-3, 1e-4, 40), (1e-6, 1e-3, 2), (4e-3, 3e-4, 14)])
+def test_auto_threshold_is_where_the_daemons_time_reaches_the_copys(copy_s, token_s, want):
+    assert auto_threshold(copy_s, token_s) == want
+
+
+@pytest.mark.parametrize("value, tokens", [("auto", AUTO), ("off", None), ("32", 32)])
+def test_stream_threshold_values(value, tokens):
+    assert RigConfig(stream_threshold=value).stream_tokens == tokens
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "sometimes", "1.5"])
+def test_a_bad_stream_threshold_names_the_flag(value):
+    with pytest.raises(ConfigError, match="--stream-threshold"):
+        RigConfig(stream_threshold=value)
+
+
+def test_a_negative_expert_cache_names_the_flag():
+    with pytest.raises(ConfigError, match="--expert-cache"):
+        RigConfig(expert_cache_bytes=-1)
+
+
+def sizes(layers: int = 4, experts: int = 8, expert_bytes: int = 64 << 20) -> ModelSizes:
+    return ModelSizes(n_layers=layers, n_experts=experts, n_experts_used=2, moe_layers=(True,) * layers,
+                      expert_bytes=(expert_bytes,) * layers, non_expert_bytes=GiB,
+                      kv_bytes_per_token={"f16": 1024, "f32": 2048})
+
+
+def request(parent_gib: float, **reserve) -> PlanRequest:
+    return PlanRequest(sizes=sizes(), parent=DeviceBudget("parent cuda:0", int(parent_gib * GiB), True),
+                       daemons=(DeviceBudget("cpu", 64 * GiB),), context=1024, **reserve)
+
+
+def test_the_streaming_buffers_are_not_reserved_when_every_expert_fits_without_them():
+    scratch = stream_scratch_bound(sizes())
+    assert scratch == 2 * 8 * (64 << 20)
+    result = plan(request(4.0, stream_scratch_bytes=scratch))          # 2 GiB of experts fit beside 1 GiB
+    assert all(np.all(homes == PARENT) for homes in result.placement.homes.values())
+    assert result.devices[0].reserved_bytes < scratch + GiB
+
+
+def test_the_streaming_buffers_are_reserved_once_experts_go_to_a_daemon():
+    without = plan(request(3.5))
+    with_scratch = plan(request(3.5, stream_scratch_bytes=stream_scratch_bound(sizes())))
+    assert with_scratch.devices[0].reserved_bytes - without.devices[0].reserved_bytes == stream_scratch_bound(sizes())
+    assert with_scratch.devices[0].n_experts < without.devices[0].n_experts
+
+
+def test_the_expert_cache_is_reserved_on_the_parent_and_named_when_it_does_not_fit():
+    cached = plan(request(3.0, expert_cache_bytes=GiB // 2))
+    assert cached.devices[0].n_experts == plan(request(3.0)).devices[0].n_experts - 8
+    with pytest.raises(PlanError, match=r"expert cache \(2.00 GiB\)"):
+        plan(request(3.0, expert_cache_bytes=2 * GiB))

@@ -104,6 +104,15 @@ def size(value: object) -> str:
 device = matching(DEVICE_PATTERN, "cpu, cuda:N or hip:N")
 
 
+def gpu_reads(value: object) -> str:
+    """A share from 0 to 1, auto or off, as the flag's text."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
+        return str(value)
+    if value in ("auto", "off"):
+        return value
+    raise ValueError("must be a share from 0 to 1, \"auto\" or \"off\"")
+
+
 def stream_threshold(value: object) -> str:
     """A number of tokens (>= 1), auto or off, as the flag's text."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
@@ -144,6 +153,7 @@ TOP_LEVEL = {
     "batch_capacity": Key(integer(1, MAX_BATCH_CAPACITY)),
     "stream_threshold": Key(stream_threshold),
     "expert_cache": Key(size),
+    "gpu_reads": Key(gpu_reads),
     "daemon_timeout": Key(number(above=0)),
     "require_daemons": Key(boolean),
     "threads": Key(integer(1)),

@@ -27,8 +27,9 @@ With --daemon, each test also reports the rig's daemons together, per timed repe
 tg test's figures include its 1-token prompt): IPC calls, MiB sent and received, the parent's wait
 in ms, and the compute ms the daemons report (STATS; "-" / null when one does not answer).
 The table adds the columns calls, MiB, wait ms, daemon ms; the JSON adds to each test
-"daemons": {calls, mib, wait_ms, daemon_ms, remote_pair_share, cache_hit_rate, streamed_pair_share} and
-"rig": {transport (one per daemon), mode, payload_dtype, hot, stream_threshold, expert_cache_bytes}.
+"daemons": {calls, mib, wait_ms, daemon_ms, remote_pair_share, cache_hit_rate, streamed_pair_share,
+read_pair_share} and "rig": {transport (one per daemon), mode, payload_dtype, hot, stream_threshold,
+expert_cache_bytes, gpu_reads}.
 """
 from __future__ import annotations
 
@@ -196,7 +197,7 @@ def _rig_counts(runtime: Runtime) -> dict[str, float]:
             "bytes": sum(c.bytes_sent + c.bytes_received for c in counters),
             "wait_seconds": sum(c.wait_seconds for c in counters),
             "routed_pairs": moe["routed_pairs"], "remote_pairs": moe["remote_pairs"], "host_pairs": moe["host_pairs"],
-            "cache_hits": moe["cache_hits"], "streamed_pairs": moe["streamed_pairs"]}
+            "cache_hits": moe["cache_hits"], "streamed_pairs": moe["streamed_pairs"], "read_pairs": moe["read_pairs"]}
 
 
 def _daemon_compute_seconds(rig: Rig) -> dict[tuple[int, int], float | None]:
@@ -231,6 +232,7 @@ def _per_repetition(before: dict, after: dict, compute_before: dict, compute_aft
         "remote_pair_share": delta["remote_pairs"] / delta["routed_pairs"] if delta["routed_pairs"] else 0.0,
         "cache_hit_rate": delta["cache_hits"] / delta["host_pairs"] if delta["host_pairs"] else 0.0,
         "streamed_pair_share": delta["streamed_pairs"] / delta["host_pairs"] if delta["host_pairs"] else 0.0,
+        "read_pair_share": delta["read_pairs"] / delta["host_pairs"] if delta["host_pairs"] else 0.0,
     }
 
 
@@ -238,7 +240,8 @@ def _rig_settings(rig: Rig) -> dict:
     config = rig.config
     return {"transport": [link.transport for link in rig.links], "mode": config.mode,
             "payload_dtype": config.expert_payload_dtype, "hot": config.hot,
-            "stream_threshold": config.stream_threshold, "expert_cache_bytes": config.expert_cache_bytes}
+            "stream_threshold": config.stream_threshold, "expert_cache_bytes": config.expert_cache_bytes,
+            "gpu_reads": config.gpu_reads}
 
 
 def _model_facts(runtime: Runtime) -> ModelFacts:

@@ -142,6 +142,10 @@ def runtime_options(command):
                           "for prefill chunks of at least N tokens; auto: N by measuring both at start-up."),
         click.option("--expert-cache", default="0", show_default=True, metavar="SIZE",
                      help="A GPU parent's device memory for the host-RAM experts routing favours now, e.g. 8GiB."),
+        click.option("--gpu-reads", default=AUTO, show_default=True, metavar="SHARE|auto|off",
+                     help="The share (0 to 1) of the CPU daemons' experts a GPU parent multiplies itself, reading "
+                          "their weights in host RAM across the bus, while the daemons compute the rest; auto: the "
+                          "share that balances both, measured at start-up."),
         click.option("--daemon-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
                      show_default=True, help="Seconds a daemon may take per call before the parent computes "
                                              "its experts itself."),
@@ -156,7 +160,8 @@ def runtime_options(command):
 
 
 def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, kv_dtype, daemons, splits, hot, placement, transport,
-                 mode, batch_capacity, payload_dtype, stream_threshold, expert_cache, daemon_timeout, require_daemons,
+                 mode, batch_capacity, payload_dtype, stream_threshold, expert_cache, gpu_reads, daemon_timeout,
+                 require_daemons,
                  threads, pin, daemon_entries, split_entries, client_secret_key,
                  prefix_cache: PrefixCache | None = None) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
@@ -165,5 +170,5 @@ def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, kv_dtype, daemons,
                     daemon_entries=daemon_entries, client_secret_key=client_secret_key, threads=threads, pin=pin,
                     splits=tuple(parse_split(text) for text in splits if text != AUTO), split_auto=AUTO in splits,
                     split_entries=split_entries, stream_threshold=stream_threshold,
-                    expert_cache_bytes=parse_bytes(expert_cache, "--expert-cache"))
+                    expert_cache_bytes=parse_bytes(expert_cache, "--expert-cache"), gpu_reads=gpu_reads)
     return Runtime(model, ctx=ctx, kv_pool=kv_pool, ubatch=ubatch, rig=rig, prefix_cache=prefix_cache)

@@ -56,8 +56,8 @@ def stats_table(doc: dict, width: int | None = None) -> str:
     if doc.get("host_pairs"):
         lines.append(f"host:    {doc['host_pairs']} pairs to experts in host RAM: {doc['cache_hit_rate']:.1%} from the "
                      f"expert cache ({doc['cache_swaps']} swaps, {doc['cache_bytes_in'] / 2**20:.0f} MiB in), "
-                     f"{doc['streamed_pairs']} streamed ({doc['streamed_layers']} layer calls, "
-                     f"{doc['streamed_bytes'] / 2**30:.2f} GiB copied)")
+                     f"{doc['read_pairs']} read in place by the GPU, {doc['streamed_pairs']} streamed "
+                     f"({doc['streamed_layers']} layer calls, {doc['streamed_bytes'] / 2**30:.2f} GiB copied)")
     if doc["daemons"]:
         lines += ["", _daemon_table(doc["daemons"], width)]
     if "seed" in doc:

@@ -27,6 +27,7 @@ class RemoteCounts:
     host_pairs: int = 0                # routed pairs to experts homed in host RAM (on CPU daemons), GPU parent
     cache_hits: int = 0                # of those, computed from the parent's expert cache
     streamed_pairs: int = 0            # of those, computed by the parent from a streamed layer
+    read_pairs: int = 0                # of those, computed by the parent reading the weights in host RAM in place
     cache_swaps: int = 0               # experts copied into the expert cache
     cache_bytes_in: int = 0            # their bytes
     streamed_layers: int = 0           # prefill layer calls that streamed their host experts
@@ -58,7 +59,7 @@ class MoEStats:
             "host_pairs": host.host_pairs, "cache_hits": host.cache_hits,
             "cache_hit_rate": host.cache_hits / host.host_pairs if host.host_pairs else 0.0,
             "cache_swaps": host.cache_swaps, "cache_bytes_in": host.cache_bytes_in,
-            "streamed_pairs": host.streamed_pairs, "streamed_layers": host.streamed_layers,
+            "streamed_pairs": host.streamed_pairs, "read_pairs": host.read_pairs, "streamed_layers": host.streamed_layers,
             "streamed_bytes": host.streamed_bytes,
         }
 

@@ -29,7 +29,7 @@ from moerun.rig.links import DaemonLink
 from moerun.rig.routing_tables import RoutingTables
 from moerun.units import format_bytes
 
-PROBE_TOKENS = 64          # tokens of the probe request to a CPU daemon
+PROBE_TOKENS = 64          # tokens of a prefill-sized probe request to a CPU daemon
 PROBE_ROUNDS = 3           # the first one pays the daemon's page faults: the fastest counts
 STREAMED_PAIRS = 4         # the dispatcher's counter of pairs computed from a streamed layer
 
@@ -42,11 +42,11 @@ def auto_threshold(copy_seconds: float, token_seconds: float) -> int:
 
 
 def probe_pair_seconds(links: list[DaemonLink], experts_of, hidden: int, top_k: int, dtype: str,
-                       timeout_s: float) -> float | None:
-    """The CPU daemons' seconds per routed pair of a prefill-sized request (the fastest daemon's,
-    divided among them: they compute at once); None when none answered."""
+                       timeout_s: float, tokens: int = PROBE_TOKENS) -> float | None:
+    """The CPU daemons' seconds per routed pair of a request of `tokens` tokens, round trip (the
+    fastest daemon's, divided among them: they compute at once); None when none answered."""
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal((PROBE_TOKENS, hidden)) * 0.1).astype(np.float32)
+    x = (rng.standard_normal((tokens, hidden)) * 0.1).astype(np.float32)
     best = []
     for link in links:
         held = experts_of(link.index)
@@ -54,9 +54,9 @@ def probe_pair_seconds(links: list[DaemonLink], experts_of, hidden: int, top_k: 
             continue
         layer, ids = min(held.items())
         k = min(top_k, len(ids))
-        local = (np.arange(PROBE_TOKENS * k) % len(ids)).astype(np.int32)
-        counts = np.full(PROBE_TOKENS, k, np.int32)
-        weights = np.full(PROBE_TOKENS * k, 1.0 / k, np.float32)
+        local = (np.arange(tokens * k) % len(ids)).astype(np.int32)
+        counts = np.full(tokens, k, np.int32)
+        weights = np.full(tokens * k, 1.0 / k, np.float32)
         times = []
         try:
             with link.lock:
@@ -66,9 +66,9 @@ def probe_pair_seconds(links: list[DaemonLink], experts_of, hidden: int, top_k: 
                     link.client.wait(request, timeout_s, link.alive)
                     times.append(time.perf_counter() - started)
         except (DaemonTimeout, DaemonDied, DaemonError, OSError) as err:
-            logger.warning(f"daemon {link.name}: no answer to the streaming probe ({err}); it is left out")
+            logger.warning(f"daemon {link.name}: no answer to the probe request ({err}); it is left out")
             continue
-        best.append(min(times) / (PROBE_TOKENS * k))
+        best.append(min(times) / (tokens * k))
     return min(best) / len(best) if best else None
 
 

@@ -19,6 +19,7 @@ Shape legend: T tokens, H hidden, K experts per token, E experts.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from moerun.backends.numpy_backend import CpuExperts
 from moerun.moe.executor import RemoteCounts
 from moerun.moe.placement import PARENT
 from moerun.rig.expert_cache import ExpertCache
-from moerun.rig.expert_stream import STREAMED_PAIRS, PrefillStreamer, probe_pair_seconds
+from moerun.rig.expert_stream import PROBE_TOKENS, STREAMED_PAIRS, PrefillStreamer, probe_pair_seconds
 from moerun.rig.gpu_channels import (
     ArenaChannel,
     GpuAttachments,
@@ -39,12 +40,17 @@ from moerun.rig.gpu_channels import (
     RemoteCall,
 )
 from moerun.rig.gpu_rings import DeviceRings
-from moerun.rig.host_experts import HostExperts
+from moerun.rig.host_experts import HostExperts, expert_bytes
+from moerun.rig.host_reads import READ_PAIRS, HostReads, balanced_share, gpu_pair_seconds, spread
 from moerun.rig.links import DaemonLink
 from moerun.rig.routing_tables import RoutingTables
 from moerun.rig.settings import AUTO
+from moerun.units import available_host_bytes, format_bytes
 
-REMOTE_PAIRS, REMOTE_LAYERS, HOST_PAIRS, CACHE_HITS = range(4)     # the counters before STREAMED_PAIRS
+REMOTE_PAIRS, REMOTE_LAYERS, HOST_PAIRS, CACHE_HITS = range(4)     # the counters before STREAMED_PAIRS, READ_PAIRS
+HOST_SHARE = 0.8           # most of the host's available memory the CPU daemons' experts' second copy may take
+
+logger = logging.getLogger(__name__)
 
 
 class GpuDispatcher:
@@ -54,36 +60,73 @@ class GpuDispatcher:
         cupy, config, placement = backend.cupy, rig.config, rig.placement
         self.held = {layer: int(np.count_nonzero(homes == PARENT)) for layer, homes in placement.homes.items()}
         self.host_links = {link.index for link in rig.links if link.client.info.get("device") == "cpu"}
-        wanted = config.expert_cache_bytes > 0 or config.stream_tokens is not None
-        host = (HostExperts(cupy, rig.gguf, backend.spec, placement.homes, self.host_links)
-                if wanted and self.host_links else None)
-        if host is not None and not host.layers:
-            host = None
-        self.tables = RoutingTables(backend, placement, [link.index for link in rig.links], host)
-        self.counters = cupy.zeros(STREAMED_PAIRS + 1, cupy.uint64)    # see REMOTE_PAIRS..STREAMED_PAIRS
+        self.counters = cupy.zeros(READ_PAIRS + 1, cupy.uint64)        # see REMOTE_PAIRS..READ_PAIRS
         self.fallback_pairs = 0
         self._channels: dict[int, Any] = {}
         self.rings = backend.step_guard = DeviceRings(backend, rig)
-        self.cache = self.streamer = None
-        if host is not None and config.expert_cache_bytes > 0:
+        self.cache = self.streamer = self.reads = None
+        host = self._host_experts()
+        read_in_place = self._read_in_place(host) if host is not None else None
+        self.tables = RoutingTables(backend, placement, [link.index for link in rig.links], host, read_in_place)
+        if host is None:
+            return
+        if read_in_place:
+            self.reads = HostReads(backend, experts, host, self.tables, self.counters)
+        if config.expert_cache_bytes > 0:
             self.cache = ExpertCache(backend, experts, host, self.tables, config.expert_cache_bytes)
             backend.before_step = self.cache.before_step
-        if host is not None and config.stream_tokens is not None:
+        if config.stream_tokens is not None:
             threshold = None if config.stream_tokens == AUTO else config.stream_tokens
-            pair_seconds = None if threshold is not None else probe_pair_seconds(
-                [link for link in rig.links if link.index in self.host_links], placement.experts_of,
-                backend.spec.hidden, backend.spec.n_experts_used, config.expert_payload_dtype,
-                config.daemon_timeout_s)
+            pair_seconds = None if threshold is not None else self._probe(PROBE_TOKENS)
             self.streamer = PrefillStreamer(backend, experts, host, self.tables, self.counters, threshold,
                                             pair_seconds)
+
+    def _host_experts(self) -> HostExperts | None:
+        """The CPU daemons' experts in page-locked memory, when streaming, the cache or reads in
+        place want them and the host has the memory for a second copy."""
+        config, placement, backend = self.rig.config, self.rig.placement, self.backend
+        wanted = config.expert_cache_bytes > 0 or config.stream_tokens is not None or config.read_share is not None
+        if not wanted or not self.host_links:
+            return None
+        homes = {layer: homes for layer, homes in placement.homes.items() if np.isin(homes, list(self.host_links)).any()}
+        if not homes:
+            return None
+        needed = sum(int(np.isin(h, list(self.host_links)).sum()) * expert_bytes(self.rig.gguf, backend.spec, layer)
+                     for layer, h in homes.items())
+        if needed > HOST_SHARE * available_host_bytes():
+            logger.warning(f"the CPU daemons' experts ({format_bytes(needed)}) would not fit twice in this host's "
+                           f"available memory: no prefill streaming, expert cache or reads in place")
+            return None
+        return HostExperts(backend.cupy, backend.device_index, self.rig.gguf, backend.spec, homes, self.host_links)
+
+    def _read_in_place(self, host: HostExperts) -> dict[int, np.ndarray]:
+        """Per layer, the host experts the GPU reads in place: --gpu-reads SHARE of them, or the
+        share that balances the GPU's and the CPU daemons' measured times."""
+        share = self.rig.config.read_share
+        if share == AUTO:
+            cpu_seconds, gpu_seconds = self._probe(1), gpu_pair_seconds(self.backend, self.experts, host)
+            share = 0.0 if cpu_seconds is None else balanced_share(cpu_seconds, gpu_seconds)
+            logger.info(f"reads in place: a decode step's host expert takes the GPU {gpu_seconds * 1e6:.1f} us across "
+                        f"the bus, the CPU daemons {cpu_seconds * 1e6 if cpu_seconds else float('nan'):.1f} us: the "
+                        f"GPU reads {share:.0%} of them (--gpu-reads SHARE sets it)")
+        if not share:
+            return {}
+        return {layer: spread(host_layer.ids, share) for layer, host_layer in host.layers.items()}
+
+    def _probe(self, tokens: int) -> float | None:
+        rig = self.rig
+        return probe_pair_seconds([link for link in rig.links if link.index in self.host_links],
+                                  rig.placement.experts_of, self.backend.spec.hidden, self.backend.spec.n_experts_used,
+                                  rig.config.expert_payload_dtype, rig.config.daemon_timeout_s, tokens)
 
     def counts(self) -> RemoteCounts:
         counted = [int(n) for n in self.backend.to_host(self.counters)]
         cache, streamer = self.cache, self.streamer
         return RemoteCounts(remote_layer_calls=counted[REMOTE_LAYERS],
-                            remote_pairs=counted[REMOTE_PAIRS] - counted[STREAMED_PAIRS],
+                            remote_pairs=counted[REMOTE_PAIRS] - counted[STREAMED_PAIRS] - counted[READ_PAIRS],
                             fallback_pairs=self.fallback_pairs, host_pairs=counted[HOST_PAIRS],
                             cache_hits=counted[CACHE_HITS], streamed_pairs=counted[STREAMED_PAIRS],
+                            read_pairs=counted[READ_PAIRS],
                             cache_swaps=cache.swaps if cache else 0, cache_bytes_in=cache.bytes_in if cache else 0,
                             streamed_layers=streamer.layers_streamed if streamer else 0,
                             streamed_bytes=streamer.bytes_streamed if streamer else 0)
@@ -135,6 +178,8 @@ class GpuDispatcher:
             pending.hot = self.experts.compute(layer, x, parent_ids, weights)
         if streamed:
             pending.hot = self.streamer.compute(layer, x, ids, weights, pending.hot)
+        elif self.reads is not None and layer in self.reads.layers:
+            pending.hot = self.reads.compute(layer, x, ids, weights, pending.hot)
         return pending
 
     def _channel(self, link: DaemonLink):

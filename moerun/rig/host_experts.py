@@ -1,7 +1,8 @@
 """A GPU parent's copy of the experts that live in host RAM (those homed on CPU daemons), in
-page-locked memory and in the GPU's stored layout, so that the copy engine brings a layer's
-whole set (prefill streaming, moerun.rig.expert_stream) or one expert (the expert cache,
-moerun.rig.expert_cache) to the device at the bus's full speed.
+page-locked memory mapped for the GPU and in its stored layout, so that the copy engine brings a
+layer's whole set (prefill streaming, moerun.rig.expert_stream) or one expert (the expert cache,
+moerun.rig.expert_cache) to the device at the bus's full speed, and the GPU's kernels read any of
+them in place (moerun.rig.host_reads).
 
 A layer's host experts are stacked in ascending global id; an expert's position in that stack
 is its host index. Shape legend: E experts, N host experts of a layer.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +26,18 @@ FILL_THREADS = 8
 logger = logging.getLogger(__name__)
 
 
+def stored_expert_bytes(gguf: GGUFFile, name: str) -> int:
+    """One expert's bytes of an expert tensor as the GPU keeps it (a type its kernels do not read: f16)."""
+    info = gguf.tensor(name)
+    all_experts, rows, cols = info.shape
+    return info.nbytes // all_experts if info.ggml_type in KERNEL_TYPES else 2 * rows * cols
+
+
+def expert_bytes(gguf: GGUFFile, spec: ModelSpec, layer: int) -> int:
+    """One expert's bytes over all its tensors as the GPU keeps them."""
+    return sum(stored_expert_bytes(gguf, name) for name in spec.expert_tensor_names(layer))
+
+
 @dataclass
 class HostStack:
     """One GGUF tensor's host experts of a layer."""
@@ -31,6 +45,7 @@ class HostStack:
     kind: str                          # kernel suffix: q4_k, f16, ...
     rows: int
     cols: int
+    pinned: Any                        # the page-locked allocation behind data
 
     @property
     def expert_bytes(self) -> int:
@@ -53,11 +68,12 @@ class HostLayer:
 
 
 class HostExperts:
-    def __init__(self, cupy, gguf: GGUFFile, spec: ModelSpec, homes: dict[int, np.ndarray], host_homes: set[int]):
+    def __init__(self, cupy, device_index: int, gguf: GGUFFile, spec: ModelSpec, homes: dict[int, np.ndarray],
+                 host_homes: set[int]):
         """homes: the placement's home per expert by MoE layer; host_homes: the daemons whose
         experts are in host RAM (the CPU daemons)."""
         self.cupy = cupy
-        self._pinned = []
+        self.device_index = device_index
         self.converted: set[str] = set()
         self.layers: dict[int, HostLayer] = {}
         jobs = []
@@ -82,14 +98,14 @@ class HostExperts:
 
     def _stack(self, gguf: GGUFFile, name: str, n_experts: int) -> HostStack:
         info = gguf.tensor(name)
-        all_experts, rows, cols = info.shape
+        _, rows, cols = info.shape
         kind = KERNEL_TYPES.get(info.ggml_type, "f16")                   # others are converted to f16
-        expert_bytes = info.nbytes // all_experts if info.ggml_type in KERNEL_TYPES else 2 * rows * cols
-        nbytes = n_experts * expert_bytes
-        pinned = self.cupy.cuda.PinnedMemory(nbytes)
-        self._pinned.append(pinned)
+        size = stored_expert_bytes(gguf, name)
+        nbytes = n_experts * size
+        runtime = self.cupy.cuda.runtime
+        pinned = self.cupy.cuda.PinnedMemory(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
         data = np.frombuffer(self.cupy.cuda.PinnedMemoryPointer(pinned, 0), np.uint8, count=nbytes)
-        return HostStack(data.reshape(n_experts, expert_bytes), kind, rows, cols)
+        return HostStack(data.reshape(n_experts, size), kind, rows, cols, pinned)
 
     def _fill(self, gguf: GGUFFile, name: str, ids: np.ndarray, stack: HostStack) -> None:
         if gguf.tensor(name).ggml_type in KERNEL_TYPES:
@@ -110,6 +126,15 @@ class HostExperts:
             size = stack.expert_bytes
             target.data[position * size:(position + 1) * size].data.copy_from_host_async(
                 stack.data[index].ctypes.data, size, stream)
+
+    def mapped_stacks(self, layer: int) -> list[DeviceMatrix]:
+        """`layer`'s stacks as DeviceMatrix whose bytes the GPU's kernels read in place, across the bus."""
+        cupy, stacks = self.cupy, []
+        for stack in self.layers[layer].stacks:
+            memory = cupy.cuda.UnownedMemory(stack.data.ctypes.data, stack.data.nbytes, stack.pinned, self.device_index)
+            data = cupy.ndarray((stack.data.nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+            stacks.append(DeviceMatrix(data, stack.kind, stack.rows, stack.cols, len(stack.data)))
+        return stacks
 
     def device_stacks(self, layer: int, buffers: list) -> list[DeviceMatrix]:
         """`layer`'s stacks as DeviceMatrix views of device buffers (uint8, one per tensor)."""

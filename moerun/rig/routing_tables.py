@@ -1,7 +1,8 @@
 """The tables a GPU parent's MoE layers route by, on the device and mirrored on the host: each
 global expert id -> the parent's local id (its hot experts, then the expert cache's slots;
--1: elsewhere), -> each daemon's local id (-1: not sent there), and -> the host index of the
-experts a streamed prefill chunk computes from the copied layer (-1: not streamed). The kernels
+-1: elsewhere), -> each daemon's local id (-1: not sent there), -> the host index of the
+experts a streamed prefill chunk computes from the copied layer (-1: not streamed), and -> the
+host index of the host-RAM experts the GPU reads in place in the other steps (-1: not). The kernels
 read them inside captured steps; the expert cache moves an expert between its daemon and a
 cache slot by rewriting them between steps, in stream order.
 Shape legend: E experts.
@@ -15,7 +16,9 @@ from moerun.rig.host_experts import HostExperts
 
 
 class RoutingTables:
-    def __init__(self, backend, placement: Placement, daemons: list[int], host: HostExperts | None):
+    def __init__(self, backend, placement: Placement, daemons: list[int], host: HostExperts | None,
+                 read_in_place: dict[int, np.ndarray] | None = None):
+        """read_in_place: per layer, the global ids of the host experts the GPU reads in place."""
         self.backend = backend
         self.homes = placement.homes
         self._home_local = {layer: np.zeros(len(homes), np.int32) for layer, homes in self.homes.items()}
@@ -26,24 +29,37 @@ class RoutingTables:
         host_layers = host.layers if host is not None else {}
         self.host_index = {layer: host_layer.index for layer, host_layer in host_layers.items()}    # [E], fixed
         self.streamed = {layer: index.copy() for layer, index in self.host_index.items()}           # [E]
+        self.reads = {layer: np.full(len(index), -1, np.int32) for layer, index in self.host_index.items()}  # [E]
+        self._read_here = {layer: np.zeros(len(index), bool) for layer, index in self.host_index.items()}
+        for layer, experts in (read_in_place or {}).items():
+            self._read_here[layer][experts] = True
+            self.reads[layer][experts] = self.host_index[layer][experts]
+            for (index, at), local in self.daemon.items():
+                if at == layer:
+                    local[experts] = -1
         cupy = backend.cupy
         self.on_device = {name: {key: cupy.asarray(table) for key, table in tables.items()}
                           for name, tables in {**self._mirrors(), "host_index": self.host_index}.items()}
 
     def _mirrors(self) -> dict[str, dict]:
         """The tables that change, by name."""
-        return {"parent": self.parent, "daemon": self.daemon, "streamed": self.streamed}
+        return {"parent": self.parent, "daemon": self.daemon, "streamed": self.streamed, "reads": self.reads}
 
     def hold(self, layer: int, expert: int, local: int) -> None:
         """`expert` (homed on a daemon) is computed by the parent at its local id `local` from now."""
         self.parent[layer][expert] = local
         self.daemon[(int(self.homes[layer][expert]), layer)][expert] = -1
         self.streamed[layer][expert] = -1
+        self.reads[layer][expert] = -1
 
     def release(self, layer: int, expert: int) -> None:
-        """`expert` goes back to its daemon (and to the streamed chunks) from now."""
+        """`expert` goes back to where it was computed before the parent held it: its daemon, or
+        the GPU's reads in place (and to the streamed chunks) from now."""
         self.parent[layer][expert] = -1
-        self.daemon[(int(self.homes[layer][expert]), layer)][expert] = self._home_local[layer][expert]
+        if self._read_here[layer][expert]:
+            self.reads[layer][expert] = self.host_index[layer][expert]
+        else:
+            self.daemon[(int(self.homes[layer][expert]), layer)][expert] = self._home_local[layer][expert]
         self.streamed[layer][expert] = self.host_index[layer][expert]
 
     def upload(self, layer: int) -> None:

@@ -142,6 +142,8 @@ HOST_SERIES = (      # name, help, value of the host-RAM experts' counts (a GPU 
     ("moerun_expert_cache_bytes_in", "Bytes copied into the expert cache", lambda c: c.cache_bytes_in),
     ("moerun_stream_pairs", "Routed pairs computed by the parent from a streamed prefill layer",
      lambda c: c.streamed_pairs),
+    ("moerun_read_pairs", "Routed pairs computed by the parent reading the weights in host RAM in place",
+     lambda c: c.read_pairs),
     ("moerun_stream_layers", "Prefill layer calls that streamed their host-RAM experts", lambda c: c.streamed_layers),
     ("moerun_stream_bytes", "Bytes copied to the GPU for streamed prefill layers", lambda c: c.streamed_bytes),
 )

@@ -1,6 +1,6 @@
 """A GPU parent with the experts of a CPU daemon in host RAM: prefill chunks that stream those
-experts to the GPU and compute them there, and the expert cache that keeps the ones routing
-favours on the GPU, against the same model all on the GPU."""
+experts to the GPU and compute them there, the expert cache that keeps the ones routing favours
+on the GPU, and the share the GPU reads in place, against the same model all on the GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +25,9 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def with_cpu_daemon(**settings) -> RigConfig:
-    return RigConfig(device=gpu_device(), daemons=("cpu",), hot=HOT, daemon_timeout_s=60, require_daemons=True,
-                     **settings)
+    """Streaming, the cache and reads in place off unless `settings` turn them on."""
+    return RigConfig(**{"device": gpu_device(), "daemons": ("cpu",), "hot": HOT, "daemon_timeout_s": 60,
+                        "require_daemons": True, "stream_threshold": "off", "gpu_reads": "off", **settings})
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def all_local(model):
 @pytest.mark.parametrize("ubatch, bound", [(8, INT_GEMV_BOUND), (512, 1e-3)], ids=["gemv", "tiles"])
 def test_streamed_prefill_computes_the_daemons_experts_on_the_gpu(model, all_local, ubatch, bound):
     """Every chunk streams (threshold 2): the daemon gets no call, every host pair is streamed."""
-    with Runtime(model, ubatch=ubatch, rig=with_cpu_daemon(stream_threshold="2")) as streamed:
+    with Runtime(model, ubatch=ubatch, rig=with_cpu_daemon(stream_threshold="2", gpu_reads="0.5")) as streamed:
         got = streamed.logits(all_local["ids"])
         stats = streamed.moe_stats()
         calls = streamed.rig.links[0].client.counters.calls
@@ -69,14 +70,16 @@ def test_streamed_prefill_then_decode_on_the_daemon_gives_the_same_tokens(model,
     assert stats.host.host_pairs == stats.host.streamed_pairs + stats.remote_pairs
 
 
-@pytest.mark.parametrize("cached", [1, 6, 12], ids=["one-expert", "one-layer", "every-host-expert"])
-def test_an_expert_cache_of_any_size_changes_no_logit_or_token(model, all_local, cached):
-    """A cache of one expert (smaller than a layer's), of a layer's worth, and of every host
-    expert: decode fills it from the routing counts; its hits run on the GPU with the hot experts,
-    the rest still go to the daemon; logits and greedy tokens stay the all-local ones."""
+@pytest.mark.parametrize("cached, reads", [(1, "off"), (6, "0.5"), (12, "off")],
+                         ids=["one-expert", "one-layer-with-reads", "every-host-expert"])
+def test_an_expert_cache_of_any_size_changes_no_logit_or_token(model, all_local, cached, reads):
+    """A cache of one expert (smaller than a layer's), of a layer's worth (beside reads in place:
+    an expert leaving the cache goes back to the GPU's reads or to the daemon, as before), and of
+    every host expert: decode fills it from the routing counts; its hits run on the GPU with the
+    hot experts; logits and greedy tokens stay the all-local ones."""
     with GGUFFile(model) as gguf:
         expert_bytes = model_sizes(gguf, load_spec(gguf)).expert_bytes[0]
-    rig = with_cpu_daemon(stream_threshold="off", expert_cache_bytes=cached * expert_bytes)
+    rig = with_cpu_daemon(expert_cache_bytes=cached * expert_bytes, gpu_reads=reads)
     with Runtime(model, ubatch=8, rig=rig) as runtime:
         tokens = list(runtime.generate(all_local["ids"][:8], 24, GREEDY))
         got = runtime.logits(all_local["ids"])          # a prefill through the filled cache
@@ -86,20 +89,36 @@ def test_an_expert_cache_of_any_size_changes_no_logit_or_token(model, all_local,
     assert relative_error(got, all_local[8]) <= INT_GEMV_BOUND
     assert sum(cache.slots.values()) == cached
     assert cache.swaps > 0 and stats.host.cache_hits > 0
-    assert stats.host.host_pairs == stats.host.cache_hits + stats.remote_pairs
+    assert stats.host.host_pairs == stats.host.cache_hits + stats.host.read_pairs + stats.remote_pairs
+    assert (stats.host.read_pairs > 0) == (reads != "off")
     if cached == 12:                                     # room for every host expert: none ever leaves
         assert cache.swaps <= 12
 
 
-def test_auto_threshold_measures_the_copy_and_the_daemon(model, all_local):
-    """auto: a probe request to the daemon and a timed copy give every host layer a threshold;
-    streaming and the cache together still give the all-local logits."""
+@pytest.mark.parametrize("share", ["0.5", "1"])
+def test_reads_in_place_change_no_logit_or_token(model, all_local, share):
+    """The GPU multiplies a share of the host experts reading their weights in host RAM across
+    the bus (in eager steps, captured ones and prefill chunks); the daemon computes the rest."""
+    with Runtime(model, ubatch=8, rig=with_cpu_daemon(gpu_reads=share)) as runtime:
+        tokens = list(runtime.generate(all_local["ids"][:8], 24, GREEDY))
+        got = runtime.logits(all_local["ids"])
+        stats = runtime.moe_stats()
+    assert tokens == all_local["tokens"]
+    assert relative_error(got, all_local[8]) <= INT_GEMV_BOUND
+    assert stats.host.read_pairs > 0 and stats.host.host_pairs == stats.host.read_pairs + stats.remote_pairs
+    assert (stats.remote_pairs == 0) == (share == "1")
+
+
+def test_the_defaults_measure_the_copy_and_both_paths(model, all_local):
+    """auto: probe requests to the daemon and timed work on the GPU give every host layer a
+    streaming threshold and a share read in place; with the cache too the logits stay all-local's."""
     with GGUFFile(model) as gguf:
         expert_bytes = model_sizes(gguf, load_spec(gguf)).expert_bytes[0]
-    with Runtime(model, ubatch=512, rig=with_cpu_daemon(expert_cache_bytes=3 * expert_bytes)) as runtime:
+    rig = with_cpu_daemon(expert_cache_bytes=3 * expert_bytes, stream_threshold="auto", gpu_reads="auto")
+    with Runtime(model, ubatch=512, rig=rig) as runtime:
         thresholds = runtime.model.executor.streamer.tokens
         got = runtime.logits(all_local["ids"])
         probes = runtime.rig.links[0].client.counters.calls
     assert sorted(thresholds) == [0, 1] and all(t >= 2 for t in thresholds.values())
-    assert probes >= 3
+    assert probes >= 6                                   # three one-token probes, three of 64 tokens
     assert relative_error(got, all_local[512]) <= 1e-3

@@ -167,12 +167,12 @@ def test_json_has_the_daemons_work_per_test_and_the_rig_settings(daemon_runs, mo
     for t in tests.values():
         daemons = t["daemons"]
         assert set(daemons) == {"calls", "mib", "wait_ms", "daemon_ms", "remote_pair_share", "cache_hit_rate",
-                                "streamed_pair_share"}
+                                "streamed_pair_share", "read_pair_share"}
         assert daemons["calls"] > 0 and daemons["wait_ms"] > 0 and daemons["daemon_ms"] > 0
         assert 0.5 <= daemons["remote_pair_share"] <= 1.0
         assert t["rig"] == {"transport": ["shared"], "mode": mode, "payload_dtype": "f32", "hot": 1,
-                            "stream_threshold": "auto", "expert_cache_bytes": 0}
-        assert daemons["cache_hit_rate"] == 0.0 and daemons["streamed_pair_share"] == 0.0    # a CPU parent
+                            "stream_threshold": "auto", "expert_cache_bytes": 0, "gpu_reads": "auto"}
+        assert daemons["cache_hit_rate"] == daemons["streamed_pair_share"] == daemons["read_pair_share"] == 0.0
     # at least every token's f32 row out and its f32 reply back
     assert tests["pp8"]["daemons"]["mib"] >= 8 * TINY.hidden * 4 * 2 / 2**20
     assert tests["tg4"]["daemons"]["calls"] == 1 + 4     # the 1-token prompt, then one call per decode step

@@ -30,7 +30,7 @@ from moerun.rig.routing_tables import RoutingTables
 from moerun.units import format_bytes
 
 PROBE_TOKENS = 64          # tokens of a prefill-sized probe request to a CPU daemon
-PROBE_ROUNDS = 3           # the first one pays the daemon's page faults: the fastest counts
+PROBE_ROUNDS = 5           # the first ones pay the daemon's page faults: the fastest counts
 STREAMED_PAIRS = 4         # the dispatcher's counter of pairs computed from a streamed layer
 
 logger = logging.getLogger(__name__)

@@ -13,6 +13,8 @@ from moerun.writers.bench_model import MIXES, PRESETS, write_bench_model
 from tests.support.gpu import INT_GEMV_BOUND, gpu_device
 
 pytestmark = pytest.mark.gpu
+# every host pair to the CPU daemon (streaming and the GPU's reads in place: test_gpu_host_experts.py)
+DAEMON_PATH_ONLY = {"stream_threshold": "off", "gpu_reads": "off"}
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -47,7 +49,8 @@ def test_gpu_parent_with_a_cpu_daemon_matches_all_local_gpu(model, ubatch, bound
     with Runtime(model, ubatch=ubatch, rig=RigConfig(device=gpu_device())) as local:
         want = local.logits(ids)
         want_tokens = list(local.generate(ids[:8], 24, greedy))
-    rig = RigConfig(device=gpu_device(), daemons=("cpu",), hot=4, daemon_timeout_s=60, require_daemons=True)
+    rig = RigConfig(device=gpu_device(), daemons=("cpu",), hot=4, daemon_timeout_s=60, require_daemons=True,
+                    **DAEMON_PATH_ONLY)
     with Runtime(model, ubatch=ubatch, rig=rig) as remote:
         got = remote.logits(ids)
         got_tokens = list(remote.generate(ids[:8], 24, greedy))
@@ -68,7 +71,7 @@ def test_a_cpu_daemon_failing_inside_a_captured_step_changes_no_token(model, fau
     greedy = SamplingParams(temperature=0.0)
     with Runtime(model, ubatch=8, rig=RigConfig(device=gpu_device())) as local:
         want = list(local.generate(prompt, 24, greedy))
-    rig = RigConfig(device=gpu_device(), daemons=("cpu",), hot=4, daemon_timeout_s=2)
+    rig = RigConfig(device=gpu_device(), daemons=("cpu",), hot=4, daemon_timeout_s=2, **DAEMON_PATH_ONLY)
     with Runtime(model, ubatch=8, rig=rig) as remote:
         link = remote.rig.links[0]
         tokens, calls, reasons = [], [], set()

@@ -105,12 +105,12 @@ device = matching(DEVICE_PATTERN, "cpu, cuda:N or hip:N")
 
 
 def gpu_reads(value: object) -> str:
-    """A share from 0 to 1, auto or off, as the flag's text."""
+    """A share from 0 to 1, or off, as the flag's text."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
         return str(value)
-    if value in ("auto", "off"):
+    if value == "off":
         return value
-    raise ValueError("must be a share from 0 to 1, \"auto\" or \"off\"")
+    raise ValueError("must be a share from 0 to 1, or \"off\"")
 
 
 def stream_threshold(value: object) -> str:

@@ -142,10 +142,10 @@ def runtime_options(command):
                           "for prefill chunks of at least N tokens; auto: N by measuring both at start-up."),
         click.option("--expert-cache", default="0", show_default=True, metavar="SIZE",
                      help="A GPU parent's device memory for the host-RAM experts routing favours now, e.g. 8GiB."),
-        click.option("--gpu-reads", default=AUTO, show_default=True, metavar="SHARE|auto|off",
+        click.option("--gpu-reads", default="off", show_default=True, metavar="SHARE|off",
                      help="The share (0 to 1) of the CPU daemons' experts a GPU parent multiplies itself, reading "
-                          "their weights in host RAM across the bus, while the daemons compute the rest; auto: the "
-                          "share that balances both, measured at start-up."),
+                          "their weights in host RAM across the bus, while the daemons compute the rest (gains "
+                          "only where the daemons are short of cores rather than of memory bandwidth)."),
         click.option("--daemon-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
                      show_default=True, help="Seconds a daemon may take per call before the parent computes "
                                              "its experts itself."),

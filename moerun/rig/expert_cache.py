@@ -53,7 +53,12 @@ def choose_swaps(scores: np.ndarray, resident: np.ndarray) -> list[tuple[int, in
     """(slot, host index) pairs that bring the best-scored experts in: scores [N], resident [C]
     (host index per slot, -1: empty). Empty slots first, then the worst-scored residents; a
     newcomer must have been routed to and beat the resident it replaces by SWAP_MARGIN."""
-    held = set(resident[resident >= 0].tolist())
+    occupied = resident[resident >= 0]
+    outside = np.delete(scores, occupied)
+    if not len(outside) or outside.max() <= 0 or (
+            len(occupied) == len(resident) and outside.max() <= SWAP_MARGIN * scores[occupied].min()):
+        return []                          # the common case, in numpy: nothing to swap
+    held = set(occupied.tolist())
     newcomers = [int(i) for i in np.argsort(-scores, kind="stable") if scores[i] > 0 and int(i) not in held]
     slots = sorted(range(len(resident)), key=lambda s: (resident[s] >= 0, scores[resident[s]] if resident[s] >= 0 else 0))
     swaps = []

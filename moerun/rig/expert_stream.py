@@ -27,9 +27,8 @@ from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout
 from moerun.rig.host_experts import HostExperts
 from moerun.rig.links import DaemonLink
 from moerun.rig.routing_tables import RoutingTables
-from moerun.units import format_bytes
 
-PROBE_TOKENS = 64          # tokens of a prefill-sized probe request to a CPU daemon
+PROBE_TOKENS = 64          # tokens of the probe request to a CPU daemon
 PROBE_ROUNDS = 5           # the first ones pay the daemon's page faults: the fastest counts
 STREAMED_PAIRS = 4         # the dispatcher's counter of pairs computed from a streamed layer
 
@@ -42,9 +41,10 @@ def auto_threshold(copy_seconds: float, token_seconds: float) -> int:
 
 
 def probe_pair_seconds(links: list[DaemonLink], experts_of, hidden: int, top_k: int, dtype: str,
-                       timeout_s: float, tokens: int = PROBE_TOKENS) -> float | None:
-    """The CPU daemons' seconds per routed pair of a request of `tokens` tokens, round trip (the
+                       timeout_s: float) -> float | None:
+    """The CPU daemons' seconds per routed pair of a prefill-sized request, round trip (the
     fastest daemon's, divided among them: they compute at once); None when none answered."""
+    tokens = PROBE_TOKENS
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((tokens, hidden)) * 0.1).astype(np.float32)
     best = []
@@ -82,7 +82,6 @@ class PrefillStreamer:
         widths = [max(layer.stacks[i].data.nbytes for layer in host.layers.values())
                   for i in range(len(host.layers[self.order[0]].stacks))]
         self._buffers = [[cupy.empty(width, cupy.uint8) for width in widths] for _ in range(2)]
-        self.scratch_bytes = 2 * sum(widths)
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._holds: list[int | None] = [None, None]      # the layer each buffer holds (copied or being copied)
         self._copied: list[Any] = [None, None]            # event: the buffer's copy is done
@@ -163,6 +162,3 @@ class PrefillStreamer:
         self._free[buffer] = backend.stream.record()
         self.layers_streamed += 1
         return out
-
-    def describe(self) -> str:
-        return f"{len(self.order)} layers, scratch {format_bytes(self.scratch_bytes)}"

@@ -32,7 +32,7 @@ from moerun.backends.numpy_backend import CpuExperts
 from moerun.moe.executor import RemoteCounts
 from moerun.moe.placement import PARENT
 from moerun.rig.expert_cache import ExpertCache
-from moerun.rig.expert_stream import PROBE_TOKENS, STREAMED_PAIRS, PrefillStreamer, probe_pair_seconds
+from moerun.rig.expert_stream import STREAMED_PAIRS, PrefillStreamer, probe_pair_seconds
 from moerun.rig.gpu_channels import (
     ArenaChannel,
     GpuAttachments,
@@ -41,7 +41,7 @@ from moerun.rig.gpu_channels import (
 )
 from moerun.rig.gpu_rings import DeviceRings
 from moerun.rig.host_experts import HostExperts, expert_bytes
-from moerun.rig.host_reads import READ_PAIRS, HostReads, balanced_share, gpu_pair_seconds, spread
+from moerun.rig.host_reads import READ_PAIRS, HostReads, spread
 from moerun.rig.links import DaemonLink
 from moerun.rig.routing_tables import RoutingTables
 from moerun.rig.settings import AUTO
@@ -77,7 +77,7 @@ class GpuDispatcher:
             backend.before_step = self.cache.before_step
         if config.stream_tokens is not None:
             threshold = None if config.stream_tokens == AUTO else config.stream_tokens
-            pair_seconds = None if threshold is not None else self._probe(PROBE_TOKENS)
+            pair_seconds = None if threshold is not None else self._probe()
             self.streamer = PrefillStreamer(backend, experts, host, self.tables, self.counters, threshold,
                                             pair_seconds)
 
@@ -100,24 +100,17 @@ class GpuDispatcher:
         return HostExperts(backend.cupy, backend.device_index, self.rig.gguf, backend.spec, homes, self.host_links)
 
     def _read_in_place(self, host: HostExperts) -> dict[int, np.ndarray]:
-        """Per layer, the host experts the GPU reads in place: --gpu-reads SHARE of them, or the
-        share that balances the GPU's and the CPU daemons' measured times."""
+        """Per layer, the host experts the GPU reads in place: --gpu-reads SHARE of them."""
         share = self.rig.config.read_share
-        if share == AUTO:
-            cpu_seconds, gpu_seconds = self._probe(1), gpu_pair_seconds(self.backend, self.experts, host)
-            share = 0.0 if cpu_seconds is None else balanced_share(cpu_seconds, gpu_seconds)
-            logger.info(f"reads in place: a decode step's host expert takes the GPU {gpu_seconds * 1e6:.1f} us across "
-                        f"the bus, the CPU daemons {cpu_seconds * 1e6 if cpu_seconds else float('nan'):.1f} us: the "
-                        f"GPU reads {share:.0%} of them (--gpu-reads SHARE sets it)")
         if not share:
             return {}
         return {layer: spread(host_layer.ids, share) for layer, host_layer in host.layers.items()}
 
-    def _probe(self, tokens: int) -> float | None:
+    def _probe(self) -> float | None:
         rig = self.rig
         return probe_pair_seconds([link for link in rig.links if link.index in self.host_links],
                                   rig.placement.experts_of, self.backend.spec.hidden, self.backend.spec.n_experts_used,
-                                  rig.config.expert_payload_dtype, rig.config.daemon_timeout_s, tokens)
+                                  rig.config.expert_payload_dtype, rig.config.daemon_timeout_s)
 
     def counts(self) -> RemoteCounts:
         counted = [int(n) for n in self.backend.to_host(self.counters)]

@@ -2,16 +2,16 @@
 reading their weights from the page-locked host copy (moerun.rig.host_experts) across the bus —
 no device memory, no copy first — in every step that does not stream its layer: decode steps
 (inside captured graphs too) and small prefill chunks. The CPU daemons compute the other host
-experts' pairs at the same time. The bus and the CPU's own loads are two paths to the same RAM,
-each about as fast: a step's host experts split between them take about half as long.
+experts' pairs at the same time. Both paths read the same RAM: this gains where the CPU daemons
+are bound by their compute rather than by the memory's bandwidth (few cores), and costs where
+they already use the bandwidth (on the H200 machines, 16 cores: 81 -> 68 tokens/s at half,
+docs/benchmarks.md), so it is off unless asked for.
 
---gpu-reads SHARE of each layer's host experts (spread evenly over it), off, or auto: the share
-that makes both paths take as long, from one decode-sized request measured on each at start-up.
+--gpu-reads SHARE of each layer's host experts, spread evenly over it (default off).
 Shape legend: T tokens, H hidden, K experts per token, N host experts of a layer.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -22,41 +22,12 @@ from moerun.rig.host_experts import HostExperts
 from moerun.rig.routing_tables import RoutingTables
 
 READ_PAIRS = 5             # the dispatcher's counter of pairs the GPU read in place
-TIMED_ROUNDS = 5           # the GPU's timing: the fastest of these counts
-
-logger = logging.getLogger(__name__)
-
-
-def balanced_share(cpu_seconds: float, gpu_seconds: float) -> float:
-    """The share of the host experts the GPU takes so that both paths finish together."""
-    return cpu_seconds / (cpu_seconds + gpu_seconds)
 
 
 def spread(ids: np.ndarray, share: float) -> np.ndarray:
     """round(share · N) of a layer's host expert ids [N], evenly spaced over them."""
     count = round(share * len(ids))
     return ids[(np.arange(count) * len(ids)) // count] if count else ids[:0]
-
-
-def gpu_pair_seconds(backend, experts: GpuExperts, host: HostExperts) -> float:
-    """Seconds per routed pair of a one-token request whose K experts the GPU reads in place."""
-    cupy, spec = backend.cupy, backend.spec
-    layer = max(host.layers, key=lambda layer: host.layers[layer].nbytes)
-    stacks = layer_experts(host.mapped_stacks(layer), spec.expert_ff)
-    top_k = min(spec.n_experts_used, stacks.n_experts)
-    with backend.stream:
-        x = cupy.asarray(np.random.default_rng(0).standard_normal((1, spec.hidden)).astype(np.float32) * 0.1)
-        weights = cupy.full((1, spec.n_experts_used), 1.0 / top_k, cupy.float32)
-        best = float("inf")
-        for turn in range(TIMED_ROUNDS):
-            local = (np.arange(spec.n_experts_used) + turn * top_k) % stacks.n_experts
-            ids = cupy.asarray(np.where(np.arange(spec.n_experts_used) < top_k, local, -1)[None].astype(np.int32))
-            start = backend.stream.record()
-            experts.compute_with(stacks, x, ids, weights)
-            end = backend.stream.record()
-            end.synchronize()
-            best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3 / top_k)
-    return best
 
 
 class HostReads:

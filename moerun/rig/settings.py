@@ -128,8 +128,8 @@ class RigConfig:
     stream_threshold: str = AUTO         # a GPU parent's prefill chunks of this many tokens compute the CPU
                                          # daemons' experts from copies: N, auto (by measurement) or off
     expert_cache_bytes: int = 0          # --expert-cache: a GPU parent's device memory for host-RAM experts
-    gpu_reads: str = AUTO                # the share of the host-RAM experts a GPU parent reads in place: a
-                                         # number 0..1, auto (by measurement) or off
+    gpu_reads: str = OFF                 # the share (0..1) of the host-RAM experts a GPU parent reads in
+                                         # place, or off
 
     def __post_init__(self) -> None:
         for spec in self.daemons:
@@ -160,8 +160,8 @@ class RigConfig:
             (self.stream_threshold in (AUTO, OFF) or (self.stream_threshold.isdigit() and int(self.stream_threshold) >= 1),
              f"--stream-threshold must be a number of tokens (>= 1), auto or off (got {self.stream_threshold!r})"),
             (self.expert_cache_bytes >= 0, f"--expert-cache must be >= 0 (got {self.expert_cache_bytes})"),
-            (self.gpu_reads in (AUTO, OFF) or _share(self.gpu_reads) is not None,
-             f"--gpu-reads must be a share between 0 and 1, auto or off (got {self.gpu_reads!r})"),
+            (self.gpu_reads == OFF or _share(self.gpu_reads) is not None,
+             f"--gpu-reads must be a share between 0 and 1, or off (got {self.gpu_reads!r})"),
             (self.hot is None or self.hot >= 0, f"--hot must be >= 0 (got {self.hot})"),
             (self.threads is None or self.threads >= 1, f"--threads must be >= 1 (got {self.threads})"),
             (not (self.hot is not None and self.placement), "give --hot or --placement, not both"),
@@ -201,11 +201,9 @@ class RigConfig:
         return AUTO if self.stream_threshold == AUTO else int(self.stream_threshold)
 
     @property
-    def read_share(self) -> float | str | None:
-        """--gpu-reads as the dispatcher takes it: a share, AUTO, or None (off)."""
-        if self.gpu_reads == OFF:
-            return None
-        return AUTO if self.gpu_reads == AUTO else _share(self.gpu_reads)
+    def read_share(self) -> float | None:
+        """--gpu-reads as the dispatcher takes it: a share, or None (off)."""
+        return None if self.gpu_reads == OFF else _share(self.gpu_reads)
 
     @property
     def tokens_per_call(self) -> int:

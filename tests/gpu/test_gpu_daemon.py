@@ -14,7 +14,7 @@ from tests.support.gpu import INT_GEMV_BOUND, gpu_device
 
 pytestmark = pytest.mark.gpu
 # every host pair to the CPU daemon (streaming and the GPU's reads in place: test_gpu_host_experts.py)
-DAEMON_PATH_ONLY = {"stream_threshold": "off", "gpu_reads": "off"}
+DAEMON_PATH_ONLY = {"stream_threshold": "off"}
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:

@@ -171,7 +171,7 @@ def test_json_has_the_daemons_work_per_test_and_the_rig_settings(daemon_runs, mo
         assert daemons["calls"] > 0 and daemons["wait_ms"] > 0 and daemons["daemon_ms"] > 0
         assert 0.5 <= daemons["remote_pair_share"] <= 1.0
         assert t["rig"] == {"transport": ["shared"], "mode": mode, "payload_dtype": "f32", "hot": 1,
-                            "stream_threshold": "auto", "expert_cache_bytes": 0, "gpu_reads": "auto"}
+                            "stream_threshold": "auto", "expert_cache_bytes": 0, "gpu_reads": "off"}
         assert daemons["cache_hit_rate"] == daemons["streamed_pair_share"] == daemons["read_pair_share"] == 0.0
     # at least every token's f32 row out and its f32 reply back
     assert tests["pp8"]["daemons"]["mib"] >= 8 * TINY.hidden * 4 * 2 / 2**20

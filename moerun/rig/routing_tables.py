@@ -37,6 +37,8 @@ class RoutingTables:
             for (index, at), local in self.daemon.items():
                 if at == layer:
                     local[experts] = -1
+        self._staged: list[np.ndarray] = []         # page-locked copies of tables being uploaded
+        self._uploaded = None                       # event: the last upload is done
         cupy = backend.cupy
         self.on_device = {name: {key: cupy.asarray(table) for key, table in tables.items()}
                           for name, tables in {**self._mirrors(), "host_index": self.host_index}.items()}
@@ -63,9 +65,16 @@ class RoutingTables:
         self.streamed[layer][expert] = self.host_index[layer][expert]
 
     def upload(self, layer: int) -> None:
-        """`layer`'s tables to the device, after the work already queued on the backend's stream."""
+        """`layer`'s tables to the device, after the work already queued on the backend's stream,
+        from page-locked copies (a copy from pageable memory would wait for the stream first)."""
         stream = self.backend.stream
+        if self._uploaded is not None and self._uploaded.done:
+            self._staged.clear()
         for name, tables in self._mirrors().items():
             for key, table in tables.items():
                 if key == layer or (isinstance(key, tuple) and key[1] == layer):
-                    self.on_device[name][key].set(table, stream=stream)
+                    staged = self.backend.pinned(table.shape, table.dtype)
+                    staged[:] = table
+                    self.on_device[name][key].set(staged, stream=stream)
+                    self._staged.append(staged)
+        self._uploaded = stream.record()

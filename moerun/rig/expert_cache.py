@@ -53,20 +53,16 @@ def choose_swaps(scores: np.ndarray, resident: np.ndarray) -> list[tuple[int, in
     """(slot, host index) pairs that bring the best-scored experts in: scores [N], resident [C]
     (host index per slot, -1: empty). Empty slots first, then the worst-scored residents; a
     newcomer must have been routed to and beat the resident it replaces by SWAP_MARGIN."""
-    occupied = resident[resident >= 0]
-    outside = np.delete(scores, occupied)
-    if not len(outside) or outside.max() <= 0 or (
-            len(occupied) == len(resident) and outside.max() <= SWAP_MARGIN * scores[occupied].min()):
-        return []                          # the common case, in numpy: nothing to swap
-    held = set(occupied.tolist())
-    newcomers = [int(i) for i in np.argsort(-scores, kind="stable") if scores[i] > 0 and int(i) not in held]
-    slots = sorted(range(len(resident)), key=lambda s: (resident[s] >= 0, scores[resident[s]] if resident[s] >= 0 else 0))
-    swaps = []
-    for newcomer, slot in zip(newcomers, slots):
-        if resident[slot] >= 0 and scores[newcomer] <= SWAP_MARGIN * scores[resident[slot]]:
-            break
-        swaps.append((slot, newcomer))
-    return swaps
+    outside = np.ones(len(scores), bool)
+    outside[resident[resident >= 0]] = False
+    candidates = np.flatnonzero(outside & (scores > 0))
+    newcomers = candidates[np.argsort(-scores[candidates], kind="stable")]               # best first
+    slot_scores = np.where(resident >= 0, scores[np.maximum(resident, 0)], -1.0)          # empty: -1
+    slots = np.argsort(slot_scores, kind="stable")[:len(newcomers)]                       # worst first
+    newcomers = newcomers[:len(slots)]
+    beats = (resident[slots] < 0) | (scores[newcomers] > SWAP_MARGIN * slot_scores[slots])
+    taken = len(beats) if beats.all() else int(np.argmin(beats))
+    return list(zip(slots[:taken].tolist(), newcomers[:taken].tolist()))
 
 
 class ExpertCache:
@@ -154,8 +150,7 @@ class ExpertCache:
             if old >= 0:
                 self.tables.release(layer, int(self.host.layers[layer].ids[old]))
                 self.resident[layer][slot] = -1
-        for layer in {layer for layer, _, _ in self._arriving}:
-            self.tables.upload(layer)
+        self.tables.upload()
         self.copy_stream.wait_event(self.backend.stream.record())
         for layer, slot, newcomer in self._arriving:
             self.host.copy_expert(layer, newcomer, self.experts.layers[layer].stacks, self.n_hot[layer] + slot,
@@ -170,6 +165,5 @@ class ExpertCache:
         for layer, slot, newcomer in self._arriving:
             self.tables.hold(layer, int(self.host.layers[layer].ids[newcomer]), self.n_hot[layer] + slot)
             self.resident[layer][slot] = newcomer
-        for layer in {layer for layer, _, _ in self._arriving}:
-            self.tables.upload(layer)
+        self.tables.upload()
         self._arriving = []

@@ -37,11 +37,23 @@ class RoutingTables:
             for (index, at), local in self.daemon.items():
                 if at == layer:
                     local[experts] = -1
-        self._staged: list[np.ndarray] = []         # page-locked copies of tables being uploaded
+        self._host, self._device, self.on_device = self._gathered(backend.cupy)
+        self._staged: list[np.ndarray] = []         # page-locked copies of the tables being uploaded
         self._uploaded = None                       # event: the last upload is done
-        cupy = backend.cupy
-        self.on_device = {name: {key: cupy.asarray(table) for key, table in tables.items()}
-                          for name, tables in {**self._mirrors(), "host_index": self.host_index}.items()}
+
+    def _gathered(self, cupy):
+        """The changing tables as rows of one matrix [R, E], here and on the device (one upload
+        moves them all), each mirror and device table a view of its row; the fixed host_index
+        tables beside them."""
+        rows = [(name, key) for name, tables in self._mirrors().items() for key in tables]
+        host = np.stack([self._mirrors()[name][key] for name, key in rows]).astype(np.int32)   # [R, E]
+        device = cupy.asarray(host)
+        on_device = {name: {} for name in self._mirrors()}
+        for row, (name, key) in enumerate(rows):
+            self._mirrors()[name][key] = host[row]
+            on_device[name][key] = device[row]
+        on_device["host_index"] = {layer: cupy.asarray(index) for layer, index in self.host_index.items()}
+        return host, device, on_device
 
     def _mirrors(self) -> dict[str, dict]:
         """The tables that change, by name."""
@@ -64,17 +76,14 @@ class RoutingTables:
             self.daemon[(int(self.homes[layer][expert]), layer)][expert] = self._home_local[layer][expert]
         self.streamed[layer][expert] = self.host_index[layer][expert]
 
-    def upload(self, layer: int) -> None:
-        """`layer`'s tables to the device, after the work already queued on the backend's stream,
-        from page-locked copies (a copy from pageable memory would wait for the stream first)."""
+    def upload(self) -> None:
+        """Every table to the device in one copy, after the work already queued on the backend's
+        stream, from a page-locked copy (a copy from pageable memory would wait for the stream first)."""
         stream = self.backend.stream
         if self._uploaded is not None and self._uploaded.done:
             self._staged.clear()
-        for name, tables in self._mirrors().items():
-            for key, table in tables.items():
-                if key == layer or (isinstance(key, tuple) and key[1] == layer):
-                    staged = self.backend.pinned(table.shape, table.dtype)
-                    staged[:] = table
-                    self.on_device[name][key].set(staged, stream=stream)
-                    self._staged.append(staged)
+        staged = self.backend.pinned(self._host.shape, self._host.dtype)
+        staged[:] = self._host
+        self._device.set(staged, stream=stream)
+        self._staged.append(staged)
         self._uploaded = stream.record()

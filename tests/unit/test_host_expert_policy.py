@@ -112,3 +112,21 @@ def test_gpu_reads_values(value, share):
 def test_a_bad_gpu_reads_names_the_flag(value):
     with pytest.raises(ConfigError, match="--gpu-reads"):
         RigConfig(gpu_reads=value)
+
+
+def test_swaps_on_random_caches_keep_their_rules():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, c = int(rng.integers(1, 20)), int(rng.integers(1, 8))
+        scores = np.where(rng.random(n) < 0.3, 0.0, rng.random(n) * 10)
+        resident = np.full(c, -1)
+        held = rng.permutation(n)[:int(rng.integers(0, min(c, n) + 1))]
+        resident[rng.permutation(c)[:len(held)]] = held
+        swaps = choose_swaps(scores, resident)
+        slots, newcomers = [s for s, _ in swaps], [e for _, e in swaps]
+        assert len(set(slots)) == len(slots) and len(set(newcomers)) == len(newcomers)
+        assert all(scores[e] > 0 and e not in resident for e in newcomers)
+        empty = int((resident < 0).sum())
+        assert all(resident[s] < 0 for s in slots[:empty])                          # empty slots first
+        assert all(resident[s] < 0 or scores[e] > SWAP_MARGIN * scores[resident[s]] for s, e in swaps)
+        assert newcomers == sorted(newcomers, key=lambda e: -scores[e])              # best newcomers first

@@ -77,13 +77,13 @@ def test_an_expert_held_in_a_slot_leaves_its_daemon_and_comes_back_the_same():
     t = tables()
     before = {name: {key: table.copy() for key, table in mirrors.items()} for name, mirrors in t._mirrors().items()}
     t.hold(3, 5, 2)                                   # expert 5 into the slot after the 2 hot experts
-    t.upload(3)
+    t.upload()
     assert device(t, "parent", 3) == [0, 1, -1, -1, -1, 2]
     assert device(t, "daemon", (0, 3)) == [-1, -1, 0, 1, -1, -1]
     assert device(t, "streamed", 3) == [-1, -1, 0, 1, -1, -1]
     assert device(t, "daemon", (1, 3)) == [-1, -1, -1, -1, 0, -1]      # the GPU daemon's is untouched
     t.release(3, 5)
-    t.upload(3)
+    t.upload()
     for name, mirrors in t._mirrors().items():
         for key, table in mirrors.items():
             assert table.tolist() == before[name][key].tolist()

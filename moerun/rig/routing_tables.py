@@ -46,7 +46,8 @@ class RoutingTables:
         moves them all), each mirror and device table a view of its row; the fixed host_index
         tables beside them."""
         rows = [(name, key) for name, tables in self._mirrors().items() for key in tables]
-        host = np.stack([self._mirrors()[name][key] for name, key in rows]).astype(np.int32)   # [R, E]
+        tables = [self._mirrors()[name][key] for name, key in rows]
+        host = np.stack(tables).astype(np.int32) if tables else np.zeros((0, 1), np.int32)      # [R, E]
         device = cupy.asarray(host)
         on_device = {name: {} for name in self._mirrors()}
         for row, (name, key) in enumerate(rows):

@@ -173,6 +173,8 @@ def test_metrics_counters_move(server, client):
     assert metric(after, "moerun_generation_tokens_per_second") > 0
     assert metric(after, "moerun_requests_running") == metric(after, "moerun_requests_queued") == 0
     assert metric(after, "moerun_moe_fallback_pairs_total") == 0
+    for name in ("moerun_moe_host_pairs", "moerun_expert_cache_hits", "moerun_stream_pairs", "moerun_read_pairs"):
+        assert metric(after, f"{name}_total") == 0          # a CPU parent: the series are there, and zero
     for daemon in ("d0", "d1"):
         assert moved("moerun_daemon_calls_total", daemon=daemon, spec="cpu") > 0
         assert moved("moerun_daemon_sent_bytes_total", daemon=daemon, spec="cpu") > 0

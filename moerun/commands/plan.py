@@ -28,7 +28,6 @@ from moerun.moe.planner import (
     PlanRequest,
     explain,
     model_sizes,
-    stream_scratch_bound,
 )
 from moerun.moe.planner import plan as make_plan
 from moerun.rig.settings import ConfigError, default_kv_dtype
@@ -116,14 +115,12 @@ def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotnes
     streams = on_gpu and stream_threshold != "off" and any(name == "cpu" for name, _ in budgets)
     with GGUFFile(model) as gguf:
         spec = load_spec(gguf)
-        sizes = model_sizes(gguf, spec)
         request = PlanRequest(
-            sizes=sizes, parent=DeviceBudget(f"parent {parent_name}", parent_bytes, is_parent=True),
+            sizes=model_sizes(gguf, spec), parent=DeviceBudget(f"parent {parent_name}", parent_bytes, is_parent=True),
             daemons=tuple(DeviceBudget(name, size) for name, size in budgets), context=ctx, kv_dtype=kv_dtype,
             kv_pool=kv_pool, routing_counts=read_hotness(hotness, spec) if hotness else None,
             safety_bytes=parse_bytes(safety, "--safety"), workspace_bytes=parse_bytes(workspace, "--workspace"),
-            expert_cache_bytes=parse_bytes(expert_cache, "--expert-cache") if on_gpu else 0,
-            stream_scratch_bytes=stream_scratch_bound(sizes) if streams else 0)
+            expert_cache_bytes=parse_bytes(expert_cache, "--expert-cache") if on_gpu else 0, streams=streams)
         result = make_plan(request)
         write_atomic(Path(output), result.placement.to_json(gguf.fingerprint()).encode() + b"\n")
     click.echo(explain(result))

@@ -60,7 +60,8 @@ class PlanRequest:
     safety_bytes: int = 512 << 20
     workspace_bytes: int = 256 << 20
     expert_cache_bytes: int = 0                # the parent's expert cache (--expert-cache), reserved on it
-    stream_scratch_bytes: int = 0              # prefill streaming's buffers, reserved when experts go elsewhere
+    streams: bool = False                      # a GPU parent that streams the experts placed elsewhere
+    stream_scratch_bytes: int = 0              # what plan() reserves for the streaming buffers (it sets this)
 
 
 @dataclass(frozen=True)
@@ -116,21 +117,29 @@ def recurrent_state_bytes(spec: ModelSpec) -> int:
     return 4 * (shape.value_heads * shape.key_dim * shape.value_dim + (shape.conv_kernel - 1) * shape.channels)
 
 
-def stream_scratch_bound(sizes: ModelSizes) -> int:
-    """The most prefill streaming's two buffers can take: two layers' worth of every expert."""
-    return 2 * sizes.n_experts * max(sizes.expert_bytes)
+def streaming_buffer_bytes(sizes: ModelSizes, placement: Placement) -> int:
+    """Prefill streaming's two buffers for `placement`: twice the largest layer's experts placed
+    off the parent."""
+    return 2 * max((int(np.count_nonzero(homes != PARENT)) * sizes.expert_bytes[layer]
+                    for layer, homes in placement.homes.items()), default=0)
 
 
 def plan(request: PlanRequest) -> Plan:
     """Choose the KV reservation and a home for every routed expert (rules: docs/planner.md).
-    The streaming buffers are reserved only when experts do not all fit on the parent without them."""
-    if request.stream_scratch_bytes:
-        try:
-            alone = plan(replace(request, stream_scratch_bytes=0))
-            if all(np.all(homes == PARENT) for homes in alone.placement.homes.values()):
-                return alone
-        except PlanError:
-            pass
+    A parent that streams reserves the buffers its placement needs: planned again with them until
+    the reservation covers them (each round can only move more experts off the parent)."""
+    if not request.streams:
+        return _plan(request)
+    reserved = 0
+    while True:
+        result = _plan(replace(request, stream_scratch_bytes=reserved))
+        needed = streaming_buffer_bytes(request.sizes, result.placement)
+        if needed <= reserved:
+            return result
+        reserved = needed
+
+
+def _plan(request: PlanRequest) -> Plan:
     _check(request)
     weights = _traffic_weights(request)
     context, pool = request.context, request.kv_pool
@@ -324,8 +333,8 @@ def _floor_message(request: PlanRequest, kv_tokens: int, parent_budget: int, flo
 def _extras(request: PlanRequest) -> str:
     """The expert cache and streaming buffers in a list of reservations, if any."""
     return "".join(f", {what} ({format_bytes(nbytes)})" for what, nbytes in (
-        ("expert cache", request.expert_cache_bytes), ("prefill streaming buffers", request.stream_scratch_bytes))
-        if nbytes)
+        ("expert cache", request.expert_cache_bytes),
+        ("prefill streaming buffers (--stream-threshold off: none)", request.stream_scratch_bytes)) if nbytes)
 
 
 def _homeless_message(request: PlanRequest, homeless: list[int], parent_budget: int,

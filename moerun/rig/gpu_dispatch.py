@@ -78,8 +78,12 @@ class GpuDispatcher:
         if config.stream_tokens is not None:
             threshold = None if config.stream_tokens == AUTO else config.stream_tokens
             pair_seconds = None if threshold is not None else self._probe()
-            self.streamer = PrefillStreamer(backend, experts, host, self.tables, self.counters, threshold,
-                                            pair_seconds)
+            try:
+                self.streamer = PrefillStreamer(backend, experts, host, self.tables, self.counters, threshold,
+                                                pair_seconds)
+            except cupy.cuda.memory.OutOfMemoryError:
+                logger.warning("prefill streaming: no device memory for its two layer buffers; chunks are not "
+                               "streamed (leave room, or --stream-threshold off)")
 
     def _host_experts(self) -> HostExperts | None:
         """The CPU daemons' experts in page-locked memory, when streaming, the cache or reads in

@@ -37,7 +37,6 @@ from moerun.moe.planner import (
     explain,
     model_sizes,
     plan,
-    stream_scratch_bound,
 )
 from moerun.rig.cores import HostShares
 from moerun.rig.cpu_dispatch import CpuDispatcher
@@ -163,13 +162,11 @@ class Rig:
         on_gpu = self.backend.kind != "CPU"
         parent = DeviceBudget(f"parent {self.backend.name}", device_memory_free(self.backend) if on_gpu else host_share,
                               True)
-        sizes = model_sizes(gguf, self.spec)
         streams = on_gpu and self.config.stream_tokens is not None and any(
             link.client.info.get("device") == "cpu" for link in self.links)
-        request = PlanRequest(sizes=sizes, parent=parent, daemons=daemons, context=self.kv_tokens,
-                              kv_dtype=self.config.kv_cache_dtype,
-                              expert_cache_bytes=self.config.expert_cache_bytes if on_gpu else 0,
-                              stream_scratch_bytes=stream_scratch_bound(sizes) if streams else 0)
+        request = PlanRequest(sizes=model_sizes(gguf, self.spec), parent=parent, daemons=daemons,
+                              context=self.kv_tokens, kv_dtype=self.config.kv_cache_dtype,
+                              expert_cache_bytes=self.config.expert_cache_bytes if on_gpu else 0, streams=streams)
         try:
             result = plan(request)
         except PlanError as err:

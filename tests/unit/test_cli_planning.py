@@ -149,3 +149,26 @@ def test_kv_cache_grows_in_pages(model):
         assert cache._k[0].shape[0] == PAGE_TOKENS
         runtime.model.forward(np.arange(1, PAGE_TOKENS + 10) % 300 + 1, cache, all_logits=False)
         assert cache._k[0].shape[0] == 2 * PAGE_TOKENS
+
+
+def test_plan_reserves_a_gpu_parents_expert_cache_and_streaming_buffers(model, tmp_path, moerun):
+    """A GPU parent with a CPU daemon: --expert-cache is kept free of experts; prefill streaming
+    (the default) reserves its buffers, which on this two-layer model leave no room: the error
+    names the way out."""
+    with GGUFFile(model) as gguf:
+        sizes = model_sizes(gguf, load_spec(gguf))
+    expert = max(sizes.expert_bytes)
+    parent = sizes.non_expert_bytes + sizes.kv_bytes_per_token["f16"] * 1024 + 2 * 12 * expert   # 12 of 16 a layer
+
+    def plan(*flags):
+        out = tmp_path / "p.json"
+        result = moerun("plan", "-m", model, "--device", f"cuda:0={parent}", "--cpu", "1GiB", "--ctx", "1024",
+                        "--safety", "0", "--workspace", "0", *flags, "-o", out)
+        on_parent = sum(homes.count(-1) for homes in json.loads(out.read_text())["layers"].values()) \
+            if result.exit_code == 0 else None
+        return result, on_parent
+
+    assert plan("--stream-threshold", "off")[1] == 24
+    assert plan("--stream-threshold", "off", "--expert-cache", str(4 * expert))[1] == 20
+    result, _ = plan()
+    assert result.exit_code != 0 and "--stream-threshold off" in result.output and "Traceback" not in result.output

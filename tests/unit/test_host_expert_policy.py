@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moerun.moe.placement import PARENT
-from moerun.moe.planner import DeviceBudget, ModelSizes, PlanError, PlanRequest, plan, stream_scratch_bound
+from moerun.moe.planner import DeviceBudget, ModelSizes, PlanError, PlanRequest, plan, streaming_buffer_bytes
 from moerun.rig.expert_cache import SWAP_MARGIN, cache_slots, choose_swaps
 from moerun.rig.expert_stream import auto_threshold
 from moerun.rig.host_reads import spread
@@ -77,18 +77,22 @@ def request(parent_gib: float, **reserve) -> PlanRequest:
 
 
 def test_the_streaming_buffers_are_not_reserved_when_every_expert_fits_without_them():
-    scratch = stream_scratch_bound(sizes())
-    assert scratch == 2 * 8 * (64 << 20)
-    result = plan(request(4.0, stream_scratch_bytes=scratch))          # 2 GiB of experts fit beside 1 GiB
+    result = plan(request(4.0, streams=True))                            # 2 GiB of experts fit beside 1 GiB
     assert all(np.all(homes == PARENT) for homes in result.placement.homes.values())
-    assert result.devices[0].reserved_bytes < scratch + GiB
+    assert result.devices[0].reserved_bytes == plan(request(4.0)).devices[0].reserved_bytes
 
 
-def test_the_streaming_buffers_are_reserved_once_experts_go_to_a_daemon():
-    without = plan(request(3.5))
-    with_scratch = plan(request(3.5, stream_scratch_bytes=stream_scratch_bound(sizes())))
-    assert with_scratch.devices[0].reserved_bytes - without.devices[0].reserved_bytes == stream_scratch_bound(sizes())
-    assert with_scratch.devices[0].n_experts < without.devices[0].n_experts
+def test_the_streaming_buffers_its_placement_needs_are_reserved():
+    without, streaming = plan(request(3.5)), plan(request(3.5, streams=True))
+    reserved = streaming.devices[0].reserved_bytes - without.devices[0].reserved_bytes
+    needed = streaming_buffer_bytes(sizes(), streaming.placement)
+    assert 0 < needed <= reserved                 # twice its largest layer's experts off the parent, at least
+    assert streaming.devices[0].n_experts < without.devices[0].n_experts
+
+
+def test_buffers_that_do_not_fit_say_how_to_turn_streaming_off():
+    with pytest.raises(PlanError, match="--stream-threshold off"):
+        plan(request(2.4, streams=True))
 
 
 def test_the_expert_cache_is_reserved_on_the_parent_and_named_when_it_does_not_fit():

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from moerun.backends.gpu_kernels import (
+    BLOCK,
     INT_KINDS,
     MAX_GEMV_TOKENS,
     UNITS_PER_LANE,
@@ -101,6 +102,14 @@ class GpuExperts:
         kernel that writes the output), queued on the stream now; written into `out` when given (a
         daemon's reply buffer)."""
         return self.compute_with(self.layers[layer], x, ids, weights, out, residual)
+
+    def compute_through(self, experts: LayerExperts, table: Any, found: Any, x: Any, ids: Any, weights: Any,
+                        residual: Any | None) -> Any:
+        """As compute_with for global ids [T, K] mapped through table [E] to positions in `experts`
+        (-1: not there), counting the pairs found into the device counter `found`."""
+        mapped = self.backend.cupy.empty_like(ids)
+        self.backend.kernels.launch("map_ids", (1,), (BLOCK,), (ids, np.int32(ids.size), table, mapped, found))
+        return self.compute_with(experts, x, mapped, weights, residual=residual)
 
     def compute_with(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None = None,
                      residual: Any | None = None) -> Any:

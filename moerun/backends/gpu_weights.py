@@ -50,6 +50,19 @@ class DeviceMatrix:
         return self.rows, self.cols
 
 
+def mapped_pinned(cupy, nbytes: int) -> tuple[Any, np.ndarray]:
+    """Page-locked host memory the GPU's kernels can address: the allocation and a uint8 view of it."""
+    runtime = cupy.cuda.runtime
+    pinned = cupy.cuda.PinnedMemory(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
+    return pinned, np.frombuffer(cupy.cuda.PinnedMemoryPointer(pinned, 0), np.uint8, count=nbytes)
+
+
+def device_view(cupy, pinned: Any, nbytes: int, device_index: int) -> Any:
+    """A device uint8 array over `nbytes` of mapped page-locked memory (one address for both)."""
+    memory = cupy.cuda.UnownedMemory(pinned.ptr, nbytes, pinned, device_index)
+    return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+
+
 def stored_tensor(gguf: GGUFFile, name: str, experts: list[int] | None,
                   converted: set[str]) -> tuple[np.ndarray, str, int, int, int]:
     """The tensor's bytes in a type the kernels read (uint8 [E', N, row bytes]), that type,
@@ -102,13 +115,10 @@ class Uploader:
         cupy = self.cupy
         stored, kind, rows, cols, _ = stored_tensor(self.gguf, name, None, self.converted)
         stored = np.ascontiguousarray(stored.reshape(-1))
-        runtime = cupy.cuda.runtime
-        pinned = cupy.cuda.PinnedMemory(stored.size, runtime.hostAllocMapped | runtime.hostAllocPortable)
-        np.frombuffer(cupy.cuda.PinnedMemoryPointer(pinned, 0), dtype=np.uint8, count=stored.size)[:] = stored
-        memory = cupy.cuda.UnownedMemory(pinned.ptr, stored.size, pinned, device_index)
-        data = cupy.ndarray((stored.size,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+        pinned, host = mapped_pinned(cupy, stored.size)
+        host[:] = stored
         self.progress(stored.size)
-        return DeviceMatrix(data, kind, rows, cols)
+        return DeviceMatrix(device_view(cupy, pinned, stored.size, device_index), kind, rows, cols)
 
     def bytes(self, source: np.ndarray) -> Any:
         """A device copy of the uint8 array `source`."""

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from moerun.backends.gpu_experts import GpuExperts, layer_experts
-from moerun.backends.gpu_kernels import BLOCK
 from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout
 from moerun.rig.host_experts import HostExperts
 from moerun.rig.links import DaemonLink
@@ -150,15 +149,12 @@ class PrefillStreamer:
     def compute(self, layer: int, x: Any, ids: Any, weights: Any, hot: Any | None) -> Any:
         """x [T, H], global ids/weights [T, K]: the hot output [T, H] (None: zero) plus the layer's
         streamed experts' share, queued on the backend's stream after the layer's copy."""
-        backend, cupy = self.backend, self.backend.cupy
+        backend = self.backend
         buffer = self._holds.index(layer)
         backend.stream.wait_event(self._copied[buffer])
-        mapped = cupy.empty_like(ids)
-        backend.kernels.launch("map_ids", (1,), (BLOCK,), (ids, np.int32(ids.size),
-                                                      self.tables.on_device["streamed"][layer], mapped,
-                                                      self.counters[STREAMED_PAIRS:]))
         stacks = layer_experts(self.host.device_stacks(layer, self._buffers[buffer]), backend.spec.expert_ff)
-        out = self.experts.compute_with(stacks, x, mapped, weights, residual=hot)
+        out = self.experts.compute_through(stacks, self.tables.on_device["streamed"][layer],
+                                           self.counters[STREAMED_PAIRS:], x, ids, weights, hot)
         self._free[buffer] = backend.stream.record()
         self.layers_streamed += 1
         return out

@@ -58,7 +58,7 @@ class GpuDispatcher:
         """experts: the parent's own (local ids); fallback: every expert on the CPU (global ids)."""
         self.backend, self.experts, self.rig, self.gpu, self.fallback = backend, experts, rig, gpu, fallback
         cupy, config, placement = backend.cupy, rig.config, rig.placement
-        self.held = {layer: int(np.count_nonzero(homes == PARENT)) for layer, homes in placement.homes.items()}
+        self.held = {layer: int(np.count_nonzero(homes == PARENT)) for layer, homes in placement.homes.items()}  # hot
         self.host_links = {link.index for link in rig.links if link.client.info.get("device") == "cpu"}
         self.counters = cupy.zeros(READ_PAIRS + 1, cupy.uint64)        # see REMOTE_PAIRS..READ_PAIRS
         self.fallback_pairs = 0
@@ -167,10 +167,9 @@ class GpuDispatcher:
         tables = self.tables.on_device
         host_index = tables["host_index"].get(layer)
         counts = self.cache.routed_counts(layer) if self.cache is not None else None
-        n_hot = self.cache.n_hot.get(layer, self.held[layer]) if self.cache is not None else self.held[layer]
         backend.kernels.launch("split_parent_ids", (1,), (BLOCK,), (
             ids, np.int32(ids.size), tables["parent"][layer], parent_ids, self.counters,
-            pointer(host_index), np.int32(n_hot), pointer(counts)))
+            pointer(host_index), np.int32(self.held[layer]), pointer(counts)))
         if self.experts.layers.get(layer) is not None:
             pending.hot = self.experts.compute(layer, x, parent_ids, weights)
         if streamed:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu_weights import KERNEL_TYPES, DeviceMatrix, stored_tensor
+from moerun.backends.gpu_weights import KERNEL_TYPES, DeviceMatrix, device_view, mapped_pinned, stored_tensor
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 from moerun.units import format_bytes
@@ -101,10 +101,7 @@ class HostExperts:
         _, rows, cols = info.shape
         kind = KERNEL_TYPES.get(info.ggml_type, "f16")                   # others are converted to f16
         size = stored_expert_bytes(gguf, name)
-        nbytes = n_experts * size
-        runtime = self.cupy.cuda.runtime
-        pinned = self.cupy.cuda.PinnedMemory(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
-        data = np.frombuffer(self.cupy.cuda.PinnedMemoryPointer(pinned, 0), np.uint8, count=nbytes)
+        pinned, data = mapped_pinned(self.cupy, n_experts * size)
         return HostStack(data.reshape(n_experts, size), kind, rows, cols, pinned)
 
     def _fill(self, gguf: GGUFFile, name: str, ids: np.ndarray, stack: HostStack) -> None:
@@ -129,12 +126,8 @@ class HostExperts:
 
     def mapped_stacks(self, layer: int) -> list[DeviceMatrix]:
         """`layer`'s stacks as DeviceMatrix whose bytes the GPU's kernels read in place, across the bus."""
-        cupy, stacks = self.cupy, []
-        for stack in self.layers[layer].stacks:
-            memory = cupy.cuda.UnownedMemory(stack.data.ctypes.data, stack.data.nbytes, stack.pinned, self.device_index)
-            data = cupy.ndarray((stack.data.nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
-            stacks.append(DeviceMatrix(data, stack.kind, stack.rows, stack.cols, len(stack.data)))
-        return stacks
+        return [DeviceMatrix(device_view(self.cupy, stack.pinned, stack.data.nbytes, self.device_index), stack.kind,
+                             stack.rows, stack.cols, len(stack.data)) for stack in self.layers[layer].stacks]
 
     def device_stacks(self, layer: int, buffers: list) -> list[DeviceMatrix]:
         """`layer`'s stacks as DeviceMatrix views of device buffers (uint8, one per tensor)."""

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from moerun.backends.gpu_experts import GpuExperts, layer_experts
-from moerun.backends.gpu_kernels import BLOCK
 from moerun.rig.host_experts import HostExperts
 from moerun.rig.routing_tables import RoutingTables
 
@@ -32,15 +31,12 @@ def spread(ids: np.ndarray, share: float) -> np.ndarray:
 
 class HostReads:
     def __init__(self, backend, experts: GpuExperts, host: HostExperts, tables: RoutingTables, counters: Any):
-        self.backend, self.experts, self.tables, self.counters = backend, experts, tables, counters
+        self.experts, self.tables, self.counters = experts, tables, counters
         self.layers = {layer for layer, reads in tables.reads.items() if np.any(reads >= 0)}
         self.stacks = {layer: layer_experts(host.mapped_stacks(layer), backend.spec.expert_ff) for layer in self.layers}
 
     def compute(self, layer: int, x: Any, ids: Any, weights: Any, hot: Any | None) -> Any:
         """x [T, H], global ids/weights [T, K]: the hot output [T, H] (None: zero) plus the share of
         the layer's host experts read in place."""
-        backend, cupy = self.backend, self.backend.cupy
-        mapped = cupy.empty_like(ids)
-        backend.kernels.launch("map_ids", (1,), (BLOCK,), (ids, np.int32(ids.size), self.tables.on_device["reads"][layer],
-                                                      mapped, self.counters[READ_PAIRS:]))
-        return self.experts.compute_with(self.stacks[layer], x, mapped, weights, residual=hot)
+        return self.experts.compute_through(self.stacks[layer], self.tables.on_device["reads"][layer],
+                                            self.counters[READ_PAIRS:], x, ids, weights, hot)

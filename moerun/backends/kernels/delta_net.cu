@@ -43,11 +43,11 @@ extern "C" __global__ void delta_rule(const float* __restrict__ mixed, const flo
                                       const float* __restrict__ norm, float* __restrict__ state,
                                       float* __restrict__ out, int n_tokens, int key_heads, int value_heads,
                                       int key_dim, int value_dim, float eps) {
+    wait_for_previous_grid();
     __shared__ float q[MAX_KEY_DIM], k[MAX_KEY_DIM], scratch[33];
     int h = blockIdx.x, v = threadIdx.x, key_head = h % key_heads;
     int channels = 2 * key_heads * key_dim + value_heads * value_dim;
     float scale = rsqrtf((float)key_dim);
-    wait_for_previous_grid();
     float s[MAX_KEY_DIM];
     float* head_state = state + (long long)h * key_dim * value_dim;
 #pragma unroll

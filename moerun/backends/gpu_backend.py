@@ -443,10 +443,16 @@ class GpuBackend:
         mixed = cupy.empty((n_tokens, shape.channels), cupy.float32)                   # [T, C]
         self.kernels.elementwise("delta_conv", shape.channels, (
             channels, conv_weight, cache.conv[layer], mixed, i32(n_tokens), i32(shape.channels), i32(shape.conv_kernel)))
+        eps = np.float32(self.spec.rms_eps)
+        heads = (i32(shape.key_heads), i32(shape.value_heads), i32(shape.key_dim), i32(shape.value_dim))
+        gates = cupy.empty((n_tokens, shape.value_heads, 2), cupy.float32)             # [T, HV, (g, β)]
+        self.kernels.launch("delta_prepare", (n_tokens, shape.key_heads + shape.value_heads), (shape.value_dim,),
+                            (mixed, beta, alpha, a, dt, gates, *heads, eps))
         out = cupy.empty((n_tokens, shape.value_heads * shape.value_dim), cupy.float32)   # [T, HV*DV]
-        self.kernels.launch("delta_rule", (shape.value_heads,), (shape.value_dim,), (
-            mixed, z, beta, alpha, a, dt, norm, cache.ssm[layer], out, i32(n_tokens), i32(shape.key_heads),
-            i32(shape.value_heads), i32(shape.key_dim), i32(shape.value_dim), np.float32(self.spec.rms_eps)))
+        self.kernels.launch("delta_rule", (shape.value_heads,), (shape.value_dim,),
+                            (mixed, gates, cache.ssm[layer], out, i32(n_tokens), *heads))
+        self.kernels.launch("delta_gate_norm", (n_tokens, shape.value_heads), (shape.value_dim,),
+                            (out, z, norm, i32(shape.value_heads), i32(shape.value_dim), eps))
         return out
 
     def add(self, x: Any, y: Any, gate_logit: Any | None = None) -> Any:

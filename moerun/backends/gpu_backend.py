@@ -50,6 +50,7 @@ MAX_EXPERTS, MAX_TOP_K = 1024, 32   # most experts and experts per token routing
 NORMED_VALUES = 8              # values of a row each thread converts when q/k/v fold the norm (q8_dot.cuh) ...
 NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
+MAX_KEY_DIM, MAX_CONV_WIDTH = 128, 8     # a DeltaNet's key heads and convolution (delta_net.cu)
 
 
 def i32(value: int) -> np.int32:
@@ -74,13 +75,16 @@ def attention_splits(span: int, heads: int, wave: int) -> int:
 
 class GpuKVCache:
     """Keys and values of one sequence in buffers sized for the whole capacity, so a
-    captured decode step keeps pointing at the same memory."""
+    captured decode step keeps pointing at the same memory; a DeltaNet layer's states instead
+    (conv [W-1, C], ssm [HV, DK, DV], f32), zeroed for each new sequence."""
 
-    def __init__(self, buffers: tuple[list, list], capacity: int, stream):
-        self.k, self.v = buffers              # per layer: [S, NKV, D], [S, NKV, Dv] of f16 or f32
+    def __init__(self, buffers: tuple[list, list, dict, dict], capacity: int, stream):
+        self.k, self.v, self.conv, self.ssm = buffers   # per layer: [S, NKV, D], [S, NKV, Dv] of f16 or f32
         self.capacity = capacity
         self.length = 0
         self.stream = stream                  # the backend's: what writes the buffers
+        for state in (*self.conv.values(), *self.ssm.values()):
+            state.fill(0)
 
     def reserve(self, n_tokens: int) -> None:
         if self.length + n_tokens > self.capacity:
@@ -91,9 +95,12 @@ class GpuKVCache:
 
     def snapshot(self) -> CacheState:
         self.stream.synchronize()
-        end = self.length
-        return CacheState(end, keys={i: k[:end].get(stream=self.stream) for i, k in enumerate(self.k)},
-                          values={i: v[:end].get(stream=self.stream) for i, v in enumerate(self.v)})
+        end, stream = self.length, self.stream
+        attention = [i for i in range(len(self.k)) if i not in self.conv]
+        return CacheState(end, keys={i: self.k[i][:end].get(stream=stream) for i in attention},
+                          values={i: self.v[i][:end].get(stream=stream) for i in attention},
+                          conv={i: a.get(stream=stream) for i, a in self.conv.items()},
+                          ssm={i: a.get(stream=stream) for i, a in self.ssm.items()})
 
     def restore(self, state: CacheState) -> None:
         """Hold `state` (of a cache of this model and element type) from position 0."""
@@ -101,16 +108,21 @@ class GpuKVCache:
         for layer, keys in state.keys.items():
             self.k[layer][:state.length].set(keys, stream=self.stream)
             self.v[layer][:state.length].set(state.values[layer], stream=self.stream)
+        for layer, conv in state.conv.items():
+            self.conv[layer].set(conv, stream=self.stream)
+            self.ssm[layer].set(state.ssm[layer], stream=self.stream)
         self.stream.synchronize()
         self.length = state.length
 
 
 class GpuBackend:
     def __init__(self, device: Device, spec: ModelSpec, graphs: bool = True, kv_dtype: str = "f16"):
-        if spec.delta_net is not None or spec.rule.gated_attention:
-            raise ValueError(f"{spec.rule.gguf_arch}: the GPU backend has no kernels for its gated DeltaNet and "
-                             f"gated attention layers yet; run it with --device cpu (its experts can still go to "
-                             f"daemons on GPUs)")
+        shape = spec.delta_net
+        if shape is not None and not (shape.key_dim <= MAX_KEY_DIM and shape.key_dim <= shape.value_dim <= 1024
+                                      and shape.value_dim % 32 == 0 and shape.conv_kernel <= MAX_CONV_WIDTH):
+            raise ValueError(f"{spec.rule.gguf_arch}: the GPU's DeltaNet kernels take key heads of at most "
+                             f"{MAX_KEY_DIM} dims, value heads at least as wide in multiples of 32, and convolutions "
+                             f"of at most {MAX_CONV_WIDTH} (this model: {shape})")
         cupy = self.cupy = gpu_module(device)
         import cupyx
         self.pinned = cupyx.empty_pinned                # (shape, dtype) -> a page-locked numpy array
@@ -138,7 +150,7 @@ class GpuBackend:
         self._uploader: Uploader | None = None
         self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)
         self._last_q8: tuple[Any, Any] = (None, None)         # (activations, their 8-bit planes)
-        self.inv_freq = cupy.asarray(rope_frequencies(spec.head_dim_k, spec.rope_base))
+        self.inv_freq = cupy.asarray(rope_frequencies(spec.rotary_dims, spec.rope_base))
         self._route_done = cupy.zeros(1, cupy.uint32)        # route_normed's count of finished blocks
         if spec.n_experts > MAX_EXPERTS or spec.n_experts_used > MAX_TOP_K:
             raise ValueError(f"{spec.n_experts} experts, {spec.n_experts_used} per token: the GPU backend routes "
@@ -202,10 +214,16 @@ class GpuBackend:
         if capacity not in self._kv_buffers:
             spec, cupy = self.spec, self.cupy
             dtype = KV_DTYPES[self.kv_dtype]
+            recurrent = [i for i in range(spec.n_layers) if spec.is_recurrent(i)]
+            rows = [0 if i in recurrent else capacity for i in range(spec.n_layers)]
+            shape = spec.delta_net
             self._kv_buffers[capacity] = (
-                [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_k), dtype) for _ in range(spec.n_layers)],
-                [cupy.zeros((capacity, spec.n_kv_heads, spec.head_dim_v), dtype) for _ in range(spec.n_layers)])
-        return GpuKVCache(self._kv_buffers[capacity], capacity, self.stream)
+                [cupy.zeros((n, spec.n_kv_heads, spec.head_dim_k), dtype) for n in rows],
+                [cupy.zeros((n, spec.n_kv_heads, spec.head_dim_v), dtype) for n in rows],
+                {i: cupy.zeros((shape.conv_kernel - 1, shape.channels), cupy.float32) for i in recurrent},
+                {i: cupy.zeros((shape.value_heads, shape.key_dim, shape.value_dim), cupy.float32) for i in recurrent})
+        with self.stream:
+            return GpuKVCache(self._kv_buffers[capacity], capacity, self.stream)
 
     def restore_cache(self, state: CacheState, capacity: int) -> GpuKVCache:
         cache = self.new_cache(capacity)
@@ -309,7 +327,7 @@ class GpuBackend:
             (q, k, v, pointer(q_norm), pointer(k_norm), np.float32(spec.rms_eps), positions, self.inv_freq,
              np.float64(1.0 / spec.rope_scale), i32(spec.rule.rope_style == "neox"),
              cache.k[layer], cache.v[layer], i32(spec.n_heads), i32(spec.n_kv_heads),
-             i32(spec.head_dim_k), i32(spec.head_dim_v)))
+             i32(spec.head_dim_k), i32(spec.head_dim_v), i32(spec.rotary_dims)))
         return q
 
     def attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
@@ -399,6 +417,42 @@ class GpuBackend:
     def silu_mul(self, gate: Any, up: Any) -> Any:
         out = self.cupy.empty_like(gate)
         self.kernels.elementwise("silu_mul", gate.size, (gate, up, out, i64(gate.size)))
+        return out
+
+    def query_gate(self, q_gate: Any) -> tuple[Any, Any]:
+        """q_gate [T, NH*2D], each head's query then its gate -> q, gate [T, NH*D]"""
+        spec = self.spec
+        heads = q_gate.reshape(q_gate.shape[0], spec.n_heads, 2, spec.head_dim_k)
+        return tuple(self.cupy.ascontiguousarray(heads[:, :, part]).reshape(q_gate.shape[0], -1) for part in (0, 1))
+
+    def sigmoid_gate(self, x: Any, gate: Any) -> Any:
+        """x · sigmoid(gate), both [T, N]"""
+        out = self.cupy.empty_like(x)
+        self.kernels.elementwise("sigmoid_gate", out.size, (x, gate, out, i64(out.size)))
+        return out
+
+    def delta_net(self, channels: Any, z: Any, beta: Any, alpha: Any, weights: tuple[Any, Any, Any, Any],
+                  cache: GpuKVCache, layer: int) -> Any:
+        """A gated DeltaNet layer's mixing (as NumpyBackend.delta_net): the convolution over the
+        layer's conv state, then the gated delta rule over its recurrent state, each head's
+        output RMS-normed times silu(z) -> [T, HV*DV]."""
+        conv_weight, a, dt, norm = weights
+        shape, cupy = self.spec.delta_net, self.cupy
+        n_tokens = channels.shape[0]
+        channels, z, beta, alpha = (cupy.ascontiguousarray(x) for x in (channels, z, beta, alpha))
+        mixed = cupy.empty((n_tokens, shape.channels), cupy.float32)                   # [T, C]
+        self.kernels.elementwise("delta_conv", shape.channels, (
+            channels, conv_weight, cache.conv[layer], mixed, i32(n_tokens), i32(shape.channels), i32(shape.conv_kernel)))
+        eps = np.float32(self.spec.rms_eps)
+        heads = (i32(shape.key_heads), i32(shape.value_heads), i32(shape.key_dim), i32(shape.value_dim))
+        gates = cupy.empty((n_tokens, shape.value_heads, 2), cupy.float32)             # [T, HV, (g, β)]
+        self.kernels.launch("delta_prepare", (n_tokens, shape.key_heads + shape.value_heads), (shape.value_dim,),
+                            (mixed, beta, alpha, a, dt, gates, *heads, eps))
+        out = cupy.empty((n_tokens, shape.value_heads * shape.value_dim), cupy.float32)   # [T, HV*DV]
+        self.kernels.launch("delta_rule", (shape.value_heads,), (shape.value_dim,),
+                            (mixed, gates, cache.ssm[layer], out, i32(n_tokens), *heads))
+        self.kernels.launch("delta_gate_norm", (n_tokens, shape.value_heads), (shape.value_dim,),
+                            (out, z, norm, i32(shape.value_heads), i32(shape.value_dim), eps))
         return out
 
     def add(self, x: Any, y: Any, gate_logit: Any | None = None) -> Any:

@@ -1,6 +1,6 @@
-"""Whole models on the GPU against the numpy backend: logits of all four
-architectures in every test storage type, greedy tokens, and graph replay against
-eager decode. Relative error ‖gpu - numpy‖ / ‖numpy‖ over all logits:
+"""Whole models on the GPU against the numpy backend: logits of all five
+architectures (the hybrid qwen35moe's gated DeltaNet and gated attention layers included) in
+every test storage type, greedy tokens, and graph replay against eager decode. Relative error ‖gpu - numpy‖ / ‖numpy‖ over all logits:
 - through the GEMVs (chunks of <= 8 tokens, and decode): <= 1e-5 for float weights, and
   <= 3e-4 for quantized ones, whose activations go in two 8-bit planes (tests/support/gpu.py);
 - through the prefill products, f16 operands with f32 accumulation: <= 1e-3 on models
@@ -19,7 +19,7 @@ from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.rig.settings import RigConfig
 from tests.support.gpu import INT_GEMV_BOUND, gemv_bound, gpu_device
-from tests.support.hf_models import ARCHS, tiny_model
+from tests.support.hf_models import ARCHS, HYBRID_ARCHS, tiny_model
 from tests.support.to_gguf import FTYPES, write_gguf
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +34,7 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=(*ARCHS, *HYBRID_ARCHS))
 def arch_files(request, tmp_path_factory):
     model = tiny_model(request.param, seed=3)
     folder = tmp_path_factory.mktemp(request.param)

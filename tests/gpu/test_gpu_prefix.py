@@ -1,6 +1,6 @@
 """Prefix snapshots on a GPU parent: a request resumed from a snapshot (in RAM, and from disk
 after a restart) gives the greedy tokens of a full prefill, through captured decode graphs, in
-either KV element type; and a hybrid model the GPU backend cannot run yet is refused clearly."""
+either KV element type; and a hybrid model's DeltaNet states resume from a snapshot."""
 from __future__ import annotations
 
 import numpy as np
@@ -51,7 +51,24 @@ def test_resumed_requests_decode_as_full_ones(model_path, tmp_path, kv_dtype):
         assert other == answer(fresh, SYSTEM + FOLLOW_UP)[0]
 
 
-def test_a_hybrid_model_is_refused_with_the_way_out(tmp_path):
+def test_a_hybrid_models_states_resume_from_a_snapshot(tmp_path):
+    """qwen35moe on the GPU: a snapshot after 16 tokens (its DeltaNet layers' conv and recurrent
+    states with the attention layers' KV), restored into a fresh cache, gives the next 8 tokens'
+    logits of the sequence run straight on; a new sequence starts again from zero states."""
     path = write_gguf(tiny_model("qwen35moe", seed=1), tmp_path / "hybrid.gguf", "F32")
-    with pytest.raises(ValueError, match="run it with --device cpu"):
-        Runtime(path, rig=RigConfig(device=gpu_device()))
+    ids = np.random.default_rng(6).integers(0, 300, 24)
+    with Runtime(path, rig=RigConfig(device=gpu_device(), kv_dtype="f32"), ubatch=8) as gpu:
+        model, backend = gpu.model, gpu.backend
+
+        def run_on(cache):
+            model.forward(ids[:16], cache, all_logits=True)
+            return model.forward(ids[16:], cache, all_logits=True)
+
+        straight = run_on(backend.new_cache(gpu.ctx))
+        cache = backend.new_cache(gpu.ctx)
+        model.forward(ids[:16], cache, all_logits=True)
+        state = cache.snapshot()
+        assert state.length == 16 and set(state.conv) == set(state.ssm) and state.conv and state.keys
+        resumed = model.forward(ids[16:], backend.restore_cache(state, gpu.ctx), all_logits=True)
+        again = run_on(backend.new_cache(gpu.ctx))
+    assert np.array_equal(resumed, straight) and np.array_equal(again, straight)

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "mixtral")
-HYBRID_ARCHS = ("qwen35moe",)     # CPU backend only so far
+HYBRID_ARCHS = ("qwen35moe",)     # gated DeltaNet layers and gated attention
 
 WEIGHT_STD = 0.15
 ROUTER_STD = 0.3          # sharper than WEIGHT_STD: routing must be far from uniform

@@ -26,9 +26,10 @@ __device__ __forceinline__ float4 load_kv4(const __half* p) {
 }
 
 // For one token t and one head (grid (T, NH + NKV), D/2 threads): apply the
-// per-head RMS norm when given, rotate by the token's position, then
-// store a query head back in q or a key head (with its value head) into the cache
-// at row positions[t].  neox rotates pairs (i, i + D/2), otherwise (2i, 2i + 1).
+// per-head RMS norm when given, rotate the first R (rotary_dims) of its D dims by the token's
+// position, then store a query head back in q or a key head (with its value head) into the
+// cache at row positions[t].  neox rotates pairs (i, i + R/2), otherwise (2i, 2i + 1); the dims
+// past R pass through, two a thread.
 // The angle is computed before the wait: the positions were written before the step's first
 // kernel (read from L2), the norms and frequencies by none.
 #define DEFINE_QK_NORM_ROPE_APPEND(KV)                                                                         \
@@ -37,15 +38,16 @@ __device__ __forceinline__ float4 load_kv4(const __half* p) {
             const float* __restrict__ q_norm, const float* __restrict__ k_norm, float eps,                     \
             const int* __restrict__ positions, const double* __restrict__ inv_freq, double inv_scale, int neox, \
             kv_##KV* __restrict__ k_cache, kv_##KV* __restrict__ v_cache,                                      \
-            int n_heads, int n_kv_heads, int head_dim, int head_dim_v) {                                       \
+            int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int rotary_dims) {                      \
         __shared__ float scratch[MAX_HEAD_DIM / 2];                                                            \
-        int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x, half = head_dim / 2;                           \
-        bool is_query = head < n_heads;                                                                        \
+        int t = blockIdx.x, head = blockIdx.y, i = threadIdx.x, half = rotary_dims / 2;                        \
+        bool is_query = head < n_heads, rotates = i < half;                                                    \
         int kv_head = head - n_heads, position = load_from_l2(positions + t);                                  \
         const float* norm = is_query ? q_norm : k_norm;                                                        \
-        int i1 = neox ? i : 2 * i, i2 = neox ? i + half : 2 * i + 1;                                           \
+        int i1 = !neox ? 2 * i : rotates ? i : rotary_dims + 2 * (i - half);                                   \
+        int i2 = !neox ? 2 * i + 1 : rotates ? i + half : i1 + 1;                                              \
         float norm1 = norm ? norm[i1] : 1.f, norm2 = norm ? norm[i2] : 1.f;                                    \
-        double angle = (double)position * inv_scale * inv_freq[i];                                             \
+        double angle = rotates ? (double)position * inv_scale * inv_freq[i] : 0.0;                             \
         float c = (float)cos(angle), s = (float)sin(angle);                                                    \
         wait_for_previous_grid();                                                                              \
         const float* src = is_query ? q + ((long long)t * n_heads + head) * head_dim                           \

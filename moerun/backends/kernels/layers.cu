@@ -103,3 +103,11 @@ extern "C" __global__ void to_f16(const float* __restrict__ x, __half* __restric
     if (i < n) out[i] = __float2half(x[i]);
 }
 
+
+// out[i] = x[i] · sigmoid(gate[i]) over n values (gated attention's output gate).
+extern "C" __global__ void sigmoid_gate(const float* __restrict__ x, const float* __restrict__ gate,
+                                        float* __restrict__ out, long long n) {
+    wait_for_previous_grid();
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] / (1.0f + expf(-gate[i]));
+}

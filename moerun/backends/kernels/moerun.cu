@@ -8,3 +8,4 @@
 #include "moe_mm.cu"
 #include "remote.cu"
 #include "route.cu"
+#include "delta_net.cu"

@@ -1,0 +1,128 @@
+// The gated DeltaNet of hybrid models (qwen35moe), four kernels a layer: the causal depthwise
+// convolution of the q, k and v channels; the L2 norms of q and k and the heads' gates, in
+// parallel over the tokens; per value head the gated delta rule over the chunk's tokens in order
+// (only the state's update on that sequential path); the heads' outputs RMS-normed and gated by
+// silu(z), in parallel again.
+// Shape legend: T tokens, C channels (2·HK·DK + HV·DV), W conv kernel, HK/HV key/value heads,
+// DK/DV their dims.
+
+#define MAX_CONV_WIDTH 8
+#define MAX_KEY_DIM 128
+
+// One thread per channel (grid ceil(C / blockDim)), over every token: out[t, c] =
+// silu(Σ_i window[t + i, c] · weight[c, i]), window = the W-1 earlier inputs (state [W-1, C],
+// replaced by the last W-1 inputs) then x [T, C].
+extern "C" __global__ void delta_conv(const float* __restrict__ x, const float* __restrict__ weight,
+                                      float* __restrict__ state, float* __restrict__ out, int n_tokens,
+                                      int channels, int width) {
+    wait_for_previous_grid();
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    float w[MAX_CONV_WIDTH], window[MAX_CONV_WIDTH];
+    for (int i = 0; i < width; i++) w[i] = weight[c * width + i];
+    for (int i = 0; i < width - 1; i++) window[i] = state[i * channels + c];
+    for (int t = 0; t < n_tokens; t++) {
+        window[width - 1] = x[(long long)t * channels + c];
+        float sum = 0.f;
+        for (int i = 0; i < width; i++) sum += window[i] * w[i];
+        out[(long long)t * channels + c] = silu(sum);
+        for (int i = 0; i < width - 1; i++) window[i] = window[i + 1];
+    }
+    for (int i = 0; i < width - 1; i++) state[i * channels + c] = window[i];
+}
+
+__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// One block per (token t, key head j) for the first HK blocks of grid.y, blockDim DK: q and k of
+// the head L2-normed in place in mixed [T, C]; the next HV blocks of grid.y, one thread: the
+// value head's decay e^{softplus(alpha + dt) · a} and strength sigmoid(beta) into gates [T, HV, 2].
+extern "C" __global__ void delta_prepare(float* __restrict__ mixed, const float* __restrict__ beta,
+                                         const float* __restrict__ alpha, const float* __restrict__ a,
+                                         const float* __restrict__ dt, float* __restrict__ gates, int key_heads,
+                                         int value_heads, int key_dim, int value_dim, float eps) {
+    wait_for_previous_grid();
+    __shared__ float scratch[33];
+    int t = blockIdx.x, head = blockIdx.y;
+    if (head >= key_heads) {
+        int h = head - key_heads, at = t * value_heads + h;
+        if (threadIdx.x == 0) {
+            gates[2 * at] = expf(softplus(alpha[at] + dt[h]) * a[h]);
+            gates[2 * at + 1] = 1.f / (1.f + expf(-beta[at]));
+        }
+        return;
+    }
+    long long row = (long long)t * (2 * key_heads * key_dim + value_heads * value_dim);
+    for (int part = 0; part < 2; part++) {                 // q, then k
+        float* x = mixed + row + (part * key_heads + head) * key_dim;
+        float value = threadIdx.x < key_dim ? x[threadIdx.x] : 0.f;
+        float scale = rsqrtf(block_sum(value * value, scratch) + eps);
+        if (threadIdx.x < key_dim) x[threadIdx.x] = value * scale;
+    }
+}
+
+#define DELTA_TILE 16                                       // tokens whose q and k a block stages at once
+
+// One block per value head h (grid HV), one thread per value column v (blockDim DV, a multiple
+// of 32, >= DK), which keeps column v of the head's state S [DK, DV] in registers over the
+// chunk's tokens in order: S <- g · S; S <- S + k (β (v - Sᵀk))ᵀ; o = Sᵀq / sqrt(DK), q and k
+// those of key head h % HK (L2-normed by delta_prepare), g and β from gates [T, HV, 2]. The
+// raw o goes to out [T, HV·DV]; delta_gate_norm finishes it. state [HV, DK, DV] in/out.
+extern "C" __global__ void delta_rule(const float* __restrict__ mixed, const float* __restrict__ gates,
+                                      float* __restrict__ state, float* __restrict__ out, int n_tokens,
+                                      int key_heads, int value_heads, int key_dim, int value_dim) {
+    wait_for_previous_grid();
+    __shared__ float q[DELTA_TILE][MAX_KEY_DIM], k[DELTA_TILE][MAX_KEY_DIM];
+    int h = blockIdx.x, v = threadIdx.x, key_head = h % key_heads;
+    int channels = 2 * key_heads * key_dim + value_heads * value_dim;
+    float scale = rsqrtf((float)key_dim);
+    float s[MAX_KEY_DIM];
+    float* head_state = state + (long long)h * key_dim * value_dim;
+#pragma unroll
+    for (int i = 0; i < MAX_KEY_DIM; i++) s[i] = i < key_dim ? head_state[(long long)i * value_dim + v] : 0.f;
+    for (int t0 = 0; t0 < n_tokens; t0 += DELTA_TILE) {
+        int tile = min(DELTA_TILE, n_tokens - t0);
+        __syncthreads();                                    // the last tile is done with q and k
+        for (int j = v; j < tile * key_dim; j += blockDim.x) {
+            const float* row = mixed + (long long)(t0 + j / key_dim) * channels;
+            q[j / key_dim][j % key_dim] = row[key_head * key_dim + j % key_dim];
+            k[j / key_dim][j % key_dim] = row[(key_heads + key_head) * key_dim + j % key_dim];
+        }
+        __syncthreads();
+        for (int u = 0; u < tile; u++) {
+            int t = t0 + u;
+            float decay = gates[2 * (t * value_heads + h)], strength = gates[2 * (t * value_heads + h) + 1];
+            float kv = 0.f;
+#pragma unroll
+            for (int i = 0; i < MAX_KEY_DIM; i++) {
+                s[i] *= decay;
+                if (i < key_dim) kv += k[u][i] * s[i];
+            }
+            float delta = strength * (mixed[(long long)t * channels + 2 * key_heads * key_dim + h * value_dim + v] - kv);
+            float o = 0.f;
+#pragma unroll
+            for (int i = 0; i < MAX_KEY_DIM; i++) {
+                if (i < key_dim) {
+                    s[i] += k[u][i] * delta;
+                    o += q[u][i] * s[i];
+                }
+            }
+            out[(long long)t * value_heads * value_dim + h * value_dim + v] = o * scale;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MAX_KEY_DIM; i++)
+        if (i < key_dim) head_state[(long long)i * value_dim + v] = s[i];
+}
+
+// One block per (token, value head) (grid (T, HV)), blockDim DV: out = rms_norm(out) · norm ·
+// silu(z), in place, out and z [T, HV·DV].
+extern "C" __global__ void delta_gate_norm(float* __restrict__ out, const float* __restrict__ z,
+                                           const float* __restrict__ norm, int value_heads, int value_dim,
+                                           float eps) {
+    wait_for_previous_grid();
+    __shared__ float scratch[33];
+    long long at = ((long long)blockIdx.x * value_heads + blockIdx.y) * value_dim + threadIdx.x;
+    float o = out[at];
+    float inv = rsqrtf(block_sum(o * o, scratch) / value_dim + eps);
+    out[at] = o * inv * norm[threadIdx.x] * silu(z[at]);
+}

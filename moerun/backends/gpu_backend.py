@@ -231,13 +231,34 @@ class GpuBackend:
         return cache
 
     # -- the step
-    def run_step(self, forward: Forward, ids: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
+    def run_step(self, forward: Forward, inputs: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
         with self.stream:
             if self.before_step is not None:
                 self.before_step()
-            if len(ids) == 1 and self.graphs_enabled and graph_key is not None:
-                return self._graphs.step(forward, int(ids[0]), start, graph_key)
-            return self.to_host(forward(self.upload_ids(ids), self.positions(start, len(ids))))
+            if len(inputs) == 1 and self.graphs_enabled and graph_key is not None:
+                return self._graphs.step(forward, inputs, start, graph_key)
+            device_inputs = self.upload_ids(inputs) if inputs.ndim == 1 else self.vector(inputs)
+            return self.to_host(forward(device_inputs, self.positions(start, len(inputs))))
+
+    def hop(self, x: Any, action) -> Any:
+        """Eagerly: x to the host and the action's result back. While a step is captured: the
+        copies into and out of page-locked buffers are graph nodes, the action a cut between
+        segments (it waits for the first copy); the buffers live as long as the captured step."""
+        cupy, runtime = self.cupy, self.cupy.cuda.runtime
+        x = cupy.ascontiguousarray(x)
+        if self.recorder is None:
+            return self.vector(action(self.to_host(x)))
+        sent, received = self.pinned(x.shape, np.float32), self.pinned(x.shape, np.float32)
+        runtime.memcpyAsync(sent.ctypes.data, x.data.ptr, x.nbytes, runtime.memcpyDeviceToHost, self.stream.ptr)
+
+        def through_host() -> None:
+            self.stream.synchronize()
+            received[...] = action(sent)
+
+        self.cut(through_host)
+        out = cupy.empty_like(x)
+        runtime.memcpyAsync(out.data.ptr, received.ctypes.data, x.nbytes, runtime.memcpyHostToDevice, self.stream.ptr)
+        return out
 
     # -- operations
     def embed(self, table: DeviceMatrix, ids: Any) -> Any:

@@ -1,5 +1,6 @@
 """Decode steps captured as CUDA graphs. A step's device work comes as a forward function
-(ids, positions) -> logits. An all-local step is one graph; a step with expert daemons is a
+(inputs, positions) -> logits (or a layer shard's hidden state), its input a token or a hidden
+state [1, H] copied into a buffer of its own. An all-local step is one graph; a step with expert daemons is a
 chain of graph segments with host actions between them (post a layer's requests, collect
 its replies), cut where the rig's dispatcher calls `backend.cut`. A key's first step runs
 eagerly (loading every kernel), its second is captured (and runs while it is captured,
@@ -66,27 +67,35 @@ class GraphCache:
         self.inputs = cupy.zeros(2, cupy.int32)                 # the step's token and position
         self.token, self.position = self.inputs[:1], self.inputs[1:]
         self._host_inputs = backend.pinned((2,), np.int32)     # one asynchronous copy per step
+        self.hidden = cupy.zeros((1, backend.spec.hidden), cupy.float32)   # a layer shard's step input
+        self._host_hidden = backend.pinned((1, backend.spec.hidden), np.float32)
 
-    def step(self, forward: Callable[[Any, Any], Any], token: int, position: int, key: tuple) -> np.ndarray:
+    def step(self, forward: Callable[[Any, Any], Any], inputs: np.ndarray, position: int, key: tuple) -> np.ndarray:
+        """inputs: the step's token [1], or a layer shard's hidden state f32 [1, H]."""
         backend = self.backend
-        self._host_inputs[:] = (token, position)
+        hidden = inputs.ndim == 2
+        self._host_inputs[:] = (0 if hidden else int(inputs[0]), position)
         self.inputs.set(self._host_inputs, stream=backend.stream)
+        if hidden:
+            self._host_hidden[:] = inputs
+            self.hidden.set(self._host_hidden, stream=backend.stream)
+        step_input = self.hidden if hidden else self.token
         if key not in self._seen:
             self._seen.add(key)
-            return self._eager(forward)
+            return self._eager(forward, step_input)
         try:
             if key not in self._steps:
                 self._forget(key)
-                self._steps[key] = self._capture(forward)
+                self._steps[key] = self._capture(forward, step_input)
             else:
                 self._replay(self._steps[key])
         except StepRetry:
             self._forget(key)
-            return self._eager(forward)
+            return self._eager(forward, step_input)
         return backend.to_host(self._steps[key].logits)
 
-    def _eager(self, forward: Callable[[Any, Any], Any]) -> np.ndarray:
-        return self.backend.to_host(forward(self.token, self.position))
+    def _eager(self, forward: Callable[[Any, Any], Any], step_input: Any) -> np.ndarray:
+        return self.backend.to_host(forward(step_input, self.position))
 
     def _replay(self, step: CapturedStep) -> None:
         stream, guard = self.backend.stream, self.backend.step_guard
@@ -103,7 +112,7 @@ class GraphCache:
         finally:
             self.backend.graph_step = False
 
-    def _capture(self, forward: Callable[[Any, Any], Any]) -> CapturedStep:
+    def _capture(self, forward: Callable[[Any, Any], Any], step_input: Any) -> CapturedStep:
         cupy, backend, guard = self.backend.cupy, self.backend, self.backend.step_guard
         pool = cupy.cuda.MemoryPool()
         recorder = Recorder(backend.stream)
@@ -113,7 +122,7 @@ class GraphCache:
         with cupy.cuda.using_allocator(pool.malloc):
             recorder.start()
             try:
-                logits = forward(self.token, self.position)
+                logits = forward(step_input, self.position)
             finally:
                 backend.recorder, backend.graph_step = None, False
                 last = recorder.stop() if recorder.capturing else None

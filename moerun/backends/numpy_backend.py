@@ -133,8 +133,11 @@ class NumpyBackend:
         cache.advance(state.length)
         return cache
 
-    def run_step(self, forward: Forward, ids: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
-        return forward(ids, start + np.arange(len(ids)))
+    def run_step(self, forward: Forward, inputs: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
+        return forward(inputs, start + np.arange(len(inputs)))
+
+    def hop(self, x: np.ndarray, action) -> np.ndarray:
+        return np.asarray(action(x), np.float32)
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return x

@@ -91,10 +91,16 @@ class Backend(Protocol):
 
     def restore_cache(self, state: CacheState, capacity: int) -> KVCache: ...   # a cache holding `state`
 
-    def run_step(self, forward: Forward, ids: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
-        """forward() for host ids [T] at positions start.. on this backend's arrays; the logits
-        come back to the host as f32. With a graph_key, a one-token step may replay the
-        device work captured for that key (CUDA graphs)."""
+    def run_step(self, forward: Forward, inputs: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
+        """forward() for host inputs — token ids [T], or a layer shard's hidden states f32 [T, H]
+        — at positions start.. on this backend's arrays; its output comes back to the host as
+        f32. With a graph_key, a one-token step may replay the device work captured for that key
+        (CUDA graphs)."""
+
+    def hop(self, x: Array, action: Callable[[np.ndarray], np.ndarray]) -> Array:
+        """x [T, H] through a host action (the layer shards) and back: action(x on the host) ->
+        [T, H], on this backend's arrays; inside a captured step the copies are part of the graph
+        and the action runs between its segments."""
 
     def to_host(self, x: Array) -> np.ndarray: ...
 

@@ -29,7 +29,7 @@ class MoEModel:
                  routing: RoutingCounter | None = None, shards: Shards | None = None):
         """routing: counts every MoE layer's routed ids (`moerun profile`); steps then run eagerly.
         weights: the layers this process runs; shards: the ones after them, whose hidden state
-        crosses the host (steps run eagerly too)."""
+        crosses the host between graph segments of a captured step."""
         self.spec = spec
         self.backend = backend
         self.weights = weights
@@ -40,29 +40,33 @@ class MoEModel:
         self._moe_layers = sum(spec.moe_layers[i] for i in self.layer_ids)
         self._layer_calls = 0             # MoE layer calls and routed pairs, counted per forward
         self._routed_pairs = 0
+        self._start = 0                   # the position the current step starts at
 
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
         """Run ids [T] at positions cache.length.. and extend the cache.
         Returns float32 logits [T, V] (all_logits) or [1, V] for the last position."""
         cache.reserve(len(ids))
-        start = cache.length
-        executor_key = self.executor.graph_key() if self.routing is None and self.shards is None else None
-        graph_key = None if executor_key is None else (cache.capacity, all_logits, executor_key)
+        self._start = cache.length
+        graph_key = self._graph_key(cache, all_logits)
         logits = self.backend.run_step(
-            lambda ids_, positions: self._forward(ids_, positions, start, cache, all_logits), ids, start, graph_key)
+            lambda ids_, positions: self._forward(ids_, positions, cache, all_logits), ids, self._start, graph_key)
         self._count(cache, len(ids))
         return logits
 
     def forward_hidden(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
         """A layer shard's step: x f32 [T, H] at positions cache.length.. through this
         process's layers, extending the cache -> f32 [T, H]."""
-        backend = self.backend
         cache.reserve(len(x))
-        places = np.zeros(len(x), np.int64)           # run_step's ids: here only their count matters
-        out = backend.run_step(lambda _, positions: self._layers(backend.vector(x), positions, cache), places,
-                               cache.length, None)
+        out = self.backend.run_step(lambda hidden, positions: self._layers(hidden, positions, cache),
+                                    np.ascontiguousarray(x, np.float32), cache.length, self._graph_key(cache, "hidden"))
         self._count(cache, len(x))
         return out
+
+    def _graph_key(self, cache: KVCache, output: bool | str) -> tuple | None:
+        """What a captured step depends on: the cache's capacity, what it returns, and the
+        executor's state; None where steps run eagerly (counting the routing)."""
+        executor_key = self.executor.graph_key() if self.routing is None else None
+        return None if executor_key is None else (cache.capacity, output, executor_key)
 
     def _count(self, cache: KVCache, n_tokens: int) -> None:
         cache.advance(n_tokens)
@@ -72,15 +76,16 @@ class MoEModel:
     def moe_stats(self) -> MoEStats:
         return MoEStats.of(self._layer_calls, self._routed_pairs, self.executor.counts())
 
-    def _forward(self, ids: Any, positions: Any, start: int, cache: KVCache, all_logits: bool) -> Any:
-        """The pass on the backend's arrays: ids [T], positions [T] (from `start`) -> logits.
-        Launches device work only (host actions go through backend.cut), so a GPU backend can
+    def _forward(self, ids: Any, positions: Any, cache: KVCache, all_logits: bool) -> Any:
+        """The pass on the backend's arrays: ids [T], positions [T] -> logits. Launches device
+        work only (host actions go through backend.cut and backend.hop), so a GPU backend can
         capture it as a graph; the layer shards, where there are any, take the hidden state
-        through the host between this process's layers and the head."""
+        through the host between this process's layers and the head (at the step's own start
+        when a captured step replays)."""
         backend, weights = self.backend, self.weights
         x = self._layers(backend.embed(weights.token_embd, ids), positions, cache)     # [T, H]
         if self.shards is not None:
-            x = backend.vector(self.shards.forward(backend.to_host(x), start))
+            x = backend.hop(x, lambda hidden: self.shards.forward(hidden, self._start))
         if not all_logits:
             x = x[-1:]
         return backend.linear(backend.rms_norm(x, weights.output_norm), weights.output)   # [T, V]

@@ -47,8 +47,12 @@ def test_shards_on_the_same_gpu_give_the_all_local_logits_and_tokens(model, all_
     with Runtime(model, ubatch=512, rig=rig) as split:
         logits = split.logits(PROMPT)
         tokens = list(split.generate(PROMPT[:8], 64, GREEDY))
+        captured = len(split.backend._graphs._steps)
+        shard_calls = split.shards.links[-1].counters.calls
     assert relative_error(logits, want_logits) <= 1e-5
     assert tokens == want_tokens
+    assert captured == 1                   # the decode steps replay one captured chain, hops and all
+    assert shard_calls >= 64
 
 
 def test_between_gpus_the_hidden_state_goes_as_bf16_unless_asked(model, all_local):
@@ -67,7 +71,7 @@ def test_a_gpu_shard_killed_mid_request(model, all_local):
         link = split.shards.links[0]
         with pytest.raises(ShardFailed, match="died: the request fails"):
             for n, _ in enumerate(split.generate(PROMPT[:8], 64, GREEDY)):
-                if n == 3:
+                if n == 6:                 # replayed steps by now
                     link.local.process.send_signal(signal.SIGKILL)
         assert relative_error(split.logits(PROMPT), want_logits) <= 1e-5
         assert link.restarts == 1

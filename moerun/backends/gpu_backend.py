@@ -118,11 +118,11 @@ class GpuKVCache:
 class GpuBackend:
     def __init__(self, device: Device, spec: ModelSpec, graphs: bool = True, kv_dtype: str = "f16"):
         shape = spec.delta_net
-        if shape is not None and not (shape.key_dim <= MAX_KEY_DIM and shape.key_dim <= shape.value_dim <= 1024
-                                      and shape.value_dim % 32 == 0 and shape.conv_kernel <= MAX_CONV_WIDTH):
+        if shape is not None and not (shape.key_dim <= MAX_KEY_DIM and shape.value_dim <= 1024
+                                      and shape.conv_kernel <= MAX_CONV_WIDTH):
             raise ValueError(f"{spec.rule.gguf_arch}: the GPU's DeltaNet kernels take key heads of at most "
-                             f"{MAX_KEY_DIM} dims, value heads at least as wide in multiples of 32, and convolutions "
-                             f"of at most {MAX_CONV_WIDTH} (this model: {shape})")
+                             f"{MAX_KEY_DIM} dims, value heads of at most 1024 and convolutions of at most "
+                             f"{MAX_CONV_WIDTH} (this model: {shape})")
         cupy = self.cupy = gpu_module(device)
         import cupyx
         self.pinned = cupyx.empty_pinned                # (shape, dtype) -> a page-locked numpy array
@@ -466,13 +466,14 @@ class GpuBackend:
             channels, conv_weight, cache.conv[layer], mixed, i32(n_tokens), i32(shape.channels), i32(shape.conv_kernel)))
         eps = np.float32(self.spec.rms_eps)
         heads = (i32(shape.key_heads), i32(shape.value_heads), i32(shape.key_dim), i32(shape.value_dim))
+        block = (-(-max(shape.key_dim, shape.value_dim) // 32) * 32,)                # whole warps over DK and DV
         gates = cupy.empty((n_tokens, shape.value_heads, 2), cupy.float32)             # [T, HV, (g, β)]
-        self.kernels.launch("delta_prepare", (n_tokens, shape.key_heads + shape.value_heads), (shape.value_dim,),
+        self.kernels.launch("delta_prepare", (n_tokens, shape.key_heads + shape.value_heads), block,
                             (mixed, beta, alpha, a, dt, gates, *heads, eps))
         out = cupy.empty((n_tokens, shape.value_heads * shape.value_dim), cupy.float32)   # [T, HV*DV]
-        self.kernels.launch("delta_rule", (shape.value_heads,), (shape.value_dim,),
+        self.kernels.launch("delta_rule", (shape.value_heads,), block,
                             (mixed, gates, cache.ssm[layer], out, i32(n_tokens), *heads))
-        self.kernels.launch("delta_gate_norm", (n_tokens, shape.value_heads), (shape.value_dim,),
+        self.kernels.launch("delta_gate_norm", (n_tokens, shape.value_heads), block,
                             (out, z, norm, i32(shape.value_heads), i32(shape.value_dim), eps))
         return out
 

@@ -33,7 +33,7 @@ extern "C" __global__ void delta_conv(const float* __restrict__ x, const float* 
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-// One block per (token t, key head j) for the first HK blocks of grid.y, blockDim DK: q and k of
+// One block per (token t, key head j) for the first HK blocks of grid.y, blockDim >= DK: q and k of
 // the head L2-normed in place in mixed [T, C]; the next HV blocks of grid.y, one thread: the
 // value head's decay e^{softplus(alpha + dt) · a} and strength sigmoid(beta) into gates [T, HV, 2].
 extern "C" __global__ void delta_prepare(float* __restrict__ mixed, const float* __restrict__ beta,
@@ -62,8 +62,9 @@ extern "C" __global__ void delta_prepare(float* __restrict__ mixed, const float*
 
 #define DELTA_TILE 16                                       // tokens whose q and k a block stages at once
 
-// One block per value head h (grid HV), one thread per value column v (blockDim DV, a multiple
-// of 32, >= DK), which keeps column v of the head's state S [DK, DV] in registers over the
+// One block per value head h (grid HV), one thread per value column v (blockDim DV rounded up to
+// a multiple of 32; the threads past DV only stage), which keeps column v of the head's state
+// S [DK, DV] in registers over the
 // chunk's tokens in order: S <- g · S; S <- S + k (β (v - Sᵀk))ᵀ; o = Sᵀq / sqrt(DK), q and k
 // those of key head h % HK (L2-normed by delta_prepare), g and β from gates [T, HV, 2]. The
 // raw o goes to out [T, HV·DV]; delta_gate_norm finishes it. state [HV, DK, DV] in/out.
@@ -73,12 +74,13 @@ extern "C" __global__ void delta_rule(const float* __restrict__ mixed, const flo
     wait_for_previous_grid();
     __shared__ float q[DELTA_TILE][MAX_KEY_DIM], k[DELTA_TILE][MAX_KEY_DIM];
     int h = blockIdx.x, v = threadIdx.x, key_head = h % key_heads;
+    bool column = v < value_dim;
     int channels = 2 * key_heads * key_dim + value_heads * value_dim;
     float scale = rsqrtf((float)key_dim);
     float s[MAX_KEY_DIM];
     float* head_state = state + (long long)h * key_dim * value_dim;
 #pragma unroll
-    for (int i = 0; i < MAX_KEY_DIM; i++) s[i] = i < key_dim ? head_state[(long long)i * value_dim + v] : 0.f;
+    for (int i = 0; i < MAX_KEY_DIM; i++) s[i] = column && i < key_dim ? head_state[(long long)i * value_dim + v] : 0.f;
     for (int t0 = 0; t0 < n_tokens; t0 += DELTA_TILE) {
         int tile = min(DELTA_TILE, n_tokens - t0);
         __syncthreads();                                    // the last tile is done with q and k
@@ -88,6 +90,7 @@ extern "C" __global__ void delta_rule(const float* __restrict__ mixed, const flo
             k[j / key_dim][j % key_dim] = row[(key_heads + key_head) * key_dim + j % key_dim];
         }
         __syncthreads();
+        if (!column) continue;
         for (int u = 0; u < tile; u++) {
             int t = t0 + u;
             float decay = gates[2 * (t * value_heads + h)], strength = gates[2 * (t * value_heads + h) + 1];
@@ -111,18 +114,19 @@ extern "C" __global__ void delta_rule(const float* __restrict__ mixed, const flo
     }
 #pragma unroll
     for (int i = 0; i < MAX_KEY_DIM; i++)
-        if (i < key_dim) head_state[(long long)i * value_dim + v] = s[i];
+        if (column && i < key_dim) head_state[(long long)i * value_dim + v] = s[i];
 }
 
-// One block per (token, value head) (grid (T, HV)), blockDim DV: out = rms_norm(out) · norm ·
+// One block per (token, value head) (grid (T, HV)), blockDim >= DV: out = rms_norm(out) · norm ·
 // silu(z), in place, out and z [T, HV·DV].
 extern "C" __global__ void delta_gate_norm(float* __restrict__ out, const float* __restrict__ z,
                                            const float* __restrict__ norm, int value_heads, int value_dim,
                                            float eps) {
     wait_for_previous_grid();
     __shared__ float scratch[33];
+    bool column = threadIdx.x < value_dim;
     long long at = ((long long)blockIdx.x * value_heads + blockIdx.y) * value_dim + threadIdx.x;
-    float o = out[at];
+    float o = column ? out[at] : 0.f;
     float inv = rsqrtf(block_sum(o * o, scratch) / value_dim + eps);
-    out[at] = o * inv * norm[threadIdx.x] * silu(z[at]);
+    if (column) out[at] = o * inv * norm[threadIdx.x] * silu(z[at]);
 }

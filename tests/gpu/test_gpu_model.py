@@ -8,8 +8,16 @@ every test storage type, greedy tokens, and graph replay against eager decode. R
   on the oracle's tiny models, whose weights (std 0.15) are scaled up for sharp
   routing: larger activations carry larger f16 rounding (1.0-1.8e-3 measured on an H100).
 These bounds are the kernels' own, so the GPU keeps its KV cache in f32 here unless a test asks
-for the default f16 cache (compared with numpy's cache rounded to f16 alike)."""
+for the default f16 cache (compared with numpy's cache rounded to f16 alike).
+
+The hybrid's tiny oracle model is ill-conditioned: rounding only its products' inputs to f16 moves
+numpy's own logits by 3.5e-3..4.6e-2 over seeds 1-6 (0.8-1.5e-3 for the other four), so it is
+held to the bounds in F32 only (exact products on both sides); its f16, bf16 and quantized
+paths are checked at real weight scale on the bench model's hybrid structure, with the real
+model's 128-dim heads too."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -28,6 +36,12 @@ REAL_SCALE_F16_BOUND = 1e-3
 F16_CACHE_BOUNDS = {("F32", 8): 2e-4, ("Q8_0", 8): 1e-3, ("F32", 24): ORACLE_F16_BOUND}
 PROMPT_LEN = 24
 GREEDY_STEPS = 64
+
+
+def bounded_files(ftypes) -> list[tuple[str, str]]:
+    """(arch, ftype) pairs held to the fixed bounds: the hybrid in F32 only (module docstring)."""
+    return [(arch, ftype) for arch in (*ARCHS, *HYBRID_ARCHS) for ftype in ftypes
+            if arch not in HYBRID_ARCHS or ftype == "F32"]
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -51,7 +65,7 @@ def runtime(path, device: str, **options) -> Runtime:
     return Runtime(path, rig=RigConfig(device=device, graphs=graphs, kv_dtype=kv_dtype), **options)
 
 
-@pytest.mark.parametrize("ftype", FTYPES)
+@pytest.mark.parametrize("arch_files, ftype", bounded_files(FTYPES), indirect=["arch_files"])
 def test_prefill_logits_match_numpy(arch_files, ftype):
     ids = prompt()
     with runtime(arch_files[ftype], "cpu") as reference, runtime(arch_files[ftype], gpu_device()) as gpu:
@@ -87,7 +101,7 @@ def test_graph_replay_equals_eager(arch_files):
     assert np.array_equal(eager, replayed)
 
 
-@pytest.mark.parametrize("ftype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("arch_files, ftype", bounded_files(["F32", "Q8_0"]), indirect=["arch_files"])
 def test_f16_kv_cache_logits_match_numpy(arch_files, ftype, monkeypatch):
     """The default KV cache, f16 as llama.cpp's, written by rope_append and read by decode
     attention (chunks of 8) and, for float weights, by prefill's head expansion (one chunk of
@@ -123,11 +137,22 @@ def test_token_embedding_stays_in_host_memory(arch_files):
         assert table.size == gpu.gguf.tensor("token_embd.weight").nbytes
 
 
-@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m", "q8_0"])
-def test_k_quant_model_logits_match_numpy(tmp_path, mix):
-    """The bench model's structure (qwen3moe, K-quant mixes with Q6_K experts and head)."""
+def hybrid_with_wide_heads():
+    """tiny-hybrid with Qwen3.6-35B-A3B's 128-dim key and value heads (the kernels' widest)."""
+    from moerun.writers.bench_model import PRESETS
+    shape = PRESETS["tiny-hybrid"]
+    return dataclasses.replace(shape, hybrid=dataclasses.replace(shape.hybrid, key_dim=128, value_dim=128))
+
+
+@pytest.mark.parametrize("preset, mix", [("tiny", "q4_k_m"), ("tiny", "q5_k_m"), ("tiny", "q8_0"),
+                                         ("tiny-hybrid", "q4_k_m"), ("tiny-hybrid", "q8_0"),
+                                         ("hybrid-128", "q4_k_m")])
+def test_k_quant_model_logits_match_numpy(tmp_path, preset, mix):
+    """The bench model's structure (qwen3moe, or qwen35moe's DeltaNet and gated attention layers;
+    K-quant mixes with Q6_K experts and head)."""
     from moerun.writers.bench_model import MIXES, PRESETS, write_bench_model
-    path = write_bench_model(tmp_path / f"{mix}.gguf", PRESETS["tiny"], MIXES[mix], seed=4)
+    shape = hybrid_with_wide_heads() if preset == "hybrid-128" else PRESETS[preset]
+    path = write_bench_model(tmp_path / f"{mix}.gguf", shape, MIXES[mix], seed=4)
     ids = prompt(5)
     with runtime(path, "cpu") as reference, runtime(path, gpu_device()) as gpu:
         want = reference.logits(ids)

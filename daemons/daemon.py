@@ -27,21 +27,22 @@ logger = logging.getLogger(__name__)
 def serve(model_path: str, device: str, listen: str, parent_pid: int | None,
           curve_secret_key: str | None = None, curve_authorized_keys: str | None = None,
           threads: int | None = None, numa_node: int | None = None, layers: range | None = None,
-          ctx: int = 4096, kv_dtype: str = "f16", experts: RigConfig | None = None) -> None:
+          ctx: int = 4096, kv_dtype: str = "f16", experts: RigConfig | None = None, graphs: bool = True) -> None:
     """Run a daemon until SHUTDOWN, SIGTERM/SIGINT, or the death of `parent_pid`. On a tcp://
     address other hosts can reach it needs its CURVE secret key file and the public key file
     (or directory of them) of the parents it serves; elsewhere they are optional. A CPU daemon
     computes with `threads` threads (default_threads() if None), on NUMA node `numa_node`'s
     CPUs only when given (held there before anything is loaded). With `layers` it is a layer
     shard, its KV cache sized for `ctx` positions of `kv_dtype` (on a GPU), its cold experts on
-    the expert daemons `experts` names, if any."""
+    the expert daemons `experts` names, if any, its one-token steps captured as CUDA graphs
+    unless `graphs` is False."""
     log.use_daemon_format()
     curve = server_keys_for(listen, curve_secret_key, curve_authorized_keys)
     if numa_node is not None:
         cpus = restrict_to_node(numa_node)
         logger.info(f"on NUMA node {numa_node}: CPUs {format_cpus(cpus)}")
     daemon = (ExpertDaemon(model_path, device, threads) if layers is None
-              else LayerShard(model_path, device, layers, ctx, threads, kv_dtype, experts))
+              else LayerShard(model_path, device, layers, ctx, threads, kv_dtype, experts, graphs))
     server = Server(listen, daemon, curve=curve)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())

@@ -35,8 +35,8 @@ class LayerShard:
     """The Handler behind moerun.ipc.server.Server for layers `layers` of one model file."""
 
     def __init__(self, model_path: str, device: str, layers: range, ctx: int, threads: int | None = None,
-                 kv_dtype: str = "f16", experts: RigConfig | None = None):
-        """experts: the shard's own expert daemons (its --daemon and --hot), for its layers' cold
+                 kv_dtype: str = "f16", experts: RigConfig | None = None, graphs: bool = True):
+        """graphs: one-token steps replay captured CUDA graphs (as the parent's decode steps). experts: the shard's own expert daemons (its --daemon and --hot), for its layers' cold
         experts as a parent's; None: it computes every expert of its layers."""
         self.gguf = GGUFFile(model_path)
         self.rig: Rig | None = None
@@ -52,7 +52,7 @@ class LayerShard:
                 self.cpus = share_host(experts)          # this host's CPUs, with the shard's CPU daemons
                 self.cpus.apply_to_parent()
                 threads = self.cpus.parent.threads
-            self.backend = open_backend(device, self.spec, graphs=False, threads=threads, kv_dtype=kv_dtype)
+            self.backend = open_backend(device, self.spec, graphs=graphs, threads=threads, kv_dtype=kv_dtype)
             if self.cpus is not None:
                 self.rig = Rig(experts, self.gguf, self.spec, self.backend, kv_tokens=ctx, cpus=self.cpus,
                                layers=layers)
@@ -117,6 +117,7 @@ class LayerShard:
         return {"calls": self.calls, "tokens": self.tokens, "compute_seconds": self.compute_seconds,
                 "layers": [self.layers.start, self.layers.stop],
                 "positions": 0 if self.cache is None else self.cache.length,
+                "captured_steps": self.backend.captured_steps,
                 "routed_pairs": moe.routed_pairs, "remote_pairs": moe.remote_pairs,
                 "expert_daemons": len(self.rig.links) if self.rig else 0}
 

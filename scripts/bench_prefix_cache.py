@@ -2,8 +2,9 @@
 (everything prefilled, a snapshot taken every INTERVAL tokens), a second one with the same
 prefix and another question (resumed from the prefix's last snapshot in RAM), and the second
 with a third question after a restart (a new runtime that finds the prefix's snapshot in the
-folder on disk). Each runtime serves a short unrelated request first (what a runtime's first
-request pays once, its start-up, is not in the figures).
+folder on disk). Each runtime first serves an unrelated request of the same shape (a
+prefix-length prompt and a question), so that what a runtime pays once for a shape (its
+start-up, a step's first run and its capture as a graph) is in none of the figures.
 
     python scripts/bench_prefix_cache.py -m /tmp/qwen36-4l.gguf --prefix 2048 --device cpu
 
@@ -51,7 +52,7 @@ def main() -> None:
 
     with runtime() as warm:                      # the model's pages in memory, its kernels built
         vocab = warm.spec.vocab
-    warm_up = rng.integers(0, vocab, 64).tolist()           # a runtime's first request pays its start-up
+    warm_up = rng.integers(0, vocab, args.prefix + QUESTION_TOKENS).tolist()     # the same shape, unrelated
     prefix = rng.integers(0, vocab, args.prefix).tolist()
     first_question, second_question, third_question = (rng.integers(0, vocab, QUESTION_TOKENS).tolist()
                                                        for _ in range(3))

@@ -51,6 +51,7 @@ NORMED_VALUES = 8              # values of a row each thread converts when q/k/v
 NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
 MAX_KEY_DIM, MAX_CONV_WIDTH = 128, 8     # a DeltaNet's key heads and convolution (delta_net.cu)
+DELTA_COLUMNS, DELTA_GROUPS = 32, 4     # delta_rule's block: value columns x groups of state rows
 
 
 def i32(value: int) -> np.int32:
@@ -141,7 +142,7 @@ class GpuBackend:
         self.blas = Blas(cupy)
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graphs_enabled = graphs and not cupy.cuda.runtime.is_hip
-        self._graphs = GraphCache(self)
+        self._graphs = GraphCache(self, MAX_GEMV_TOKENS)
         self.recorder = None                # set while a decode step is captured
         self.graph_step = False             # a decode step is being captured or replayed
         self.step_guard = None              # the rig's: opens a captured step, watches it finish (gpu_graphs.py)
@@ -231,11 +232,20 @@ class GpuBackend:
         return cache
 
     # -- the step
+    @property
+    def captured_steps(self) -> int:
+        return self._graphs.captured
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens a captured step takes (decode, and a prompt's last few tokens); 0: none."""
+        return MAX_GEMV_TOKENS if self.graphs_enabled else 0
+
     def run_step(self, forward: Forward, inputs: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
         with self.stream:
             if self.before_step is not None:
                 self.before_step()
-            if len(inputs) == 1 and self.graphs_enabled and graph_key is not None:
+            if graph_key is not None and len(inputs) <= self.step_tokens and (inputs.ndim == 1 or len(inputs) == 1):
                 return self._graphs.step(forward, inputs, start, graph_key)
             device_inputs = self.upload_ids(inputs) if inputs.ndim == 1 else self.vector(inputs)
             return self.to_host(forward(device_inputs, self.positions(start, len(inputs))))
@@ -359,11 +369,11 @@ class GpuBackend:
         return self._split_attention(q, cache, layer, positions)
 
     def _split_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
-        """Each token's positions [0, pos] in equal shares over a fixed number of splits per head;
-        a single token's count comes from the capacity, so a captured step serves every position."""
+        """Each token's positions [0, pos] in equal shares over a fixed number of splits per head,
+        the count from the capacity, so a captured step serves every position."""
         spec, cupy = self.spec, self.cupy
         n_tokens = q.shape[0]
-        span = cache.capacity if n_tokens == 1 else cache.length + n_tokens
+        span = cache.capacity
         partial = f"attention_partial_{self.kv_dtype}"
         splits = attention_splits(span, n_tokens * spec.n_heads, self.kernels.wave(partial))
         acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)    # [T, NH, splits, Dv]
@@ -471,7 +481,7 @@ class GpuBackend:
         self.kernels.launch("delta_prepare", (n_tokens, shape.key_heads + shape.value_heads), block,
                             (mixed, beta, alpha, a, dt, gates, *heads, eps))
         out = cupy.empty((n_tokens, shape.value_heads * shape.value_dim), cupy.float32)   # [T, HV*DV]
-        self.kernels.launch("delta_rule", (shape.value_heads,), block,
+        self.kernels.launch("delta_rule", (shape.value_heads, -(-shape.value_dim // DELTA_COLUMNS)), (DELTA_COLUMNS, DELTA_GROUPS),
                             (mixed, gates, cache.ssm[layer], out, i32(n_tokens), *heads))
         self.kernels.launch("delta_gate_norm", (n_tokens, shape.value_heads), block,
                             (out, z, norm, i32(shape.value_heads), i32(shape.value_dim), eps))

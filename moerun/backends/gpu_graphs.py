@@ -1,6 +1,7 @@
-"""Decode steps captured as CUDA graphs. A step's device work comes as a forward function
-(inputs, positions) -> logits (or a layer shard's hidden state), its input a token or a hidden
-state [1, H] copied into a buffer of its own. An all-local step is one graph; a step with expert daemons is a
+"""Decode steps, and prefill steps of a few tokens, captured as CUDA graphs. A step's device
+work comes as a forward function (inputs, positions) -> logits (or a layer shard's hidden
+state), its input T <= max_tokens tokens and their positions, or a hidden state [1, H], copied
+into buffers of its own. An all-local step is one graph; a step with expert daemons is a
 chain of graph segments with host actions between them (post a layer's requests, collect
 its replies), cut where the rig's dispatcher calls `backend.cut`. A key's first step runs
 eagerly (loading every kernel), its second is captured (and runs while it is captured,
@@ -56,46 +57,52 @@ class Recorder:
 
 
 class GraphCache:
-    """Captured decode steps, one per key (the caller's: cache capacity, all_logits, and
-    whatever else the captured work depends on)."""
+    """Captured steps, one per key (the caller's: cache capacity, all_logits, and whatever
+    else the captured work depends on, the step's token count included)."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, max_tokens: int):
         self.backend = backend
         self._steps: dict[tuple, CapturedStep] = {}
         self._seen: set[tuple] = set()
         cupy = backend.cupy
-        self.inputs = cupy.zeros(2, cupy.int32)                 # the step's token and position
-        self.token, self.position = self.inputs[:1], self.inputs[1:]
-        self._host_inputs = backend.pinned((2,), np.int32)     # one asynchronous copy per step
+        self.inputs = cupy.zeros((2, max_tokens), cupy.int32)  # the step's tokens, their positions
+        self._host_inputs = backend.pinned((2, max_tokens), np.int32)   # one asynchronous copy per step
         self.hidden = cupy.zeros((1, backend.spec.hidden), cupy.float32)   # a layer shard's step input
         self._host_hidden = backend.pinned((1, backend.spec.hidden), np.float32)
 
     def step(self, forward: Callable[[Any, Any], Any], inputs: np.ndarray, position: int, key: tuple) -> np.ndarray:
-        """inputs: the step's token [1], or a layer shard's hidden state f32 [1, H]."""
+        """inputs: the step's tokens [T], or a layer shard's hidden state f32 [1, H]."""
         backend = self.backend
         hidden = inputs.ndim == 2
-        self._host_inputs[:] = (0 if hidden else int(inputs[0]), position)
+        n_tokens = len(inputs)
+        self._host_inputs[0, :n_tokens] = 0 if hidden else inputs
+        self._host_inputs[1, :n_tokens] = np.arange(position, position + n_tokens)
         self.inputs.set(self._host_inputs, stream=backend.stream)
         if hidden:
             self._host_hidden[:] = inputs
             self.hidden.set(self._host_hidden, stream=backend.stream)
-        step_input = self.hidden if hidden else self.token
+        step_input = self.hidden if hidden else self.inputs[0, :n_tokens]
+        positions = self.inputs[1, :n_tokens]
         if key not in self._seen:
             self._seen.add(key)
-            return self._eager(forward, step_input)
+            return self._eager(forward, step_input, positions)
         try:
             if key not in self._steps:
                 self._forget(key)
-                self._steps[key] = self._capture(forward, step_input)
+                self._steps[key] = self._capture(forward, step_input, positions)
             else:
                 self._replay(self._steps[key])
         except StepRetry:
             self._forget(key)
-            return self._eager(forward, step_input)
+            return self._eager(forward, step_input, positions)
         return backend.to_host(self._steps[key].logits)
 
-    def _eager(self, forward: Callable[[Any, Any], Any], step_input: Any) -> np.ndarray:
-        return self.backend.to_host(forward(step_input, self.position))
+    @property
+    def captured(self) -> int:
+        return len(self._steps)
+
+    def _eager(self, forward: Callable[[Any, Any], Any], step_input: Any, positions: Any) -> np.ndarray:
+        return self.backend.to_host(forward(step_input, positions))
 
     def _replay(self, step: CapturedStep) -> None:
         stream, guard = self.backend.stream, self.backend.step_guard
@@ -112,7 +119,7 @@ class GraphCache:
         finally:
             self.backend.graph_step = False
 
-    def _capture(self, forward: Callable[[Any, Any], Any], step_input: Any) -> CapturedStep:
+    def _capture(self, forward: Callable[[Any, Any], Any], step_input: Any, positions: Any) -> CapturedStep:
         cupy, backend, guard = self.backend.cupy, self.backend, self.backend.step_guard
         pool = cupy.cuda.MemoryPool()
         recorder = Recorder(backend.stream)
@@ -122,7 +129,7 @@ class GraphCache:
         with cupy.cuda.using_allocator(pool.malloc):
             recorder.start()
             try:
-                logits = forward(step_input, self.position)
+                logits = forward(step_input, positions)
             finally:
                 backend.recorder, backend.graph_step = None, False
                 last = recorder.stop() if recorder.capturing else None

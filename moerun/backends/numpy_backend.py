@@ -67,6 +67,8 @@ class NumpyBackend:
     name = "cpu"
     kind = "CPU"
     kv_dtype = "f32"
+    captured_steps = 0
+    step_tokens = 0
 
     def __init__(self, spec: ModelSpec, threads: int | None = None):
         """threads: the CPU kernels' (default_threads() if None)."""

@@ -71,6 +71,8 @@ class Backend(Protocol):
     name: str                     # cpu | cuda:N | hip:N
     kind: str                     # CPU | CUDA | HIP
     kv_dtype: str                 # its KV cache's elements: f32, f16
+    captured_steps: int           # steps captured as CUDA graphs so far (0 where there are none)
+    step_tokens: int              # the most tokens a captured step takes (0: steps run as they come)
 
     # -- weights, read while loading (between begin_loading and finish_loading)
     def begin_loading(self, gguf: GGUFFile) -> None: ...
@@ -94,8 +96,8 @@ class Backend(Protocol):
     def run_step(self, forward: Forward, inputs: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
         """forward() for host inputs — token ids [T], or a layer shard's hidden states f32 [T, H]
         — at positions start.. on this backend's arrays; its output comes back to the host as
-        f32. With a graph_key, a one-token step may replay the device work captured for that key
-        (CUDA graphs)."""
+        f32. With a graph_key, a step of at most step_tokens tokens (or one hidden state) may replay
+        the device work captured for that key (CUDA graphs)."""
 
     def hop(self, x: Array, action: Callable[[np.ndarray], np.ndarray]) -> Array:
         """x [T, H] through a host action (the layer shards) and back: action(x on the host) ->

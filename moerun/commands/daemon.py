@@ -40,6 +40,8 @@ class LayerRange(click.ParamType):
               help="A layer shard's KV cache, in positions (the parent's --ctx).")
 @click.option("--kv-dtype", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
               help="A layer shard's KV cache type on a GPU.")
+@click.option("--graph/--no-graph", "graphs", default=True, show_default=True,
+              help="A layer shard on a GPU runs its one-token steps as CUDA graphs (--no-graph: eagerly).")
 @click.option("--daemon", "expert_daemons", multiple=True, metavar="SPEC",
               help="A layer shard's own expert daemon for its cold experts, as the parent's --daemon. Repeatable.")
 @click.option("--hot", type=click.IntRange(min=0), default=None,
@@ -47,7 +49,7 @@ class LayerRange(click.ParamType):
 @click.option("--parent-pid", type=int, default=None, hidden=True)
 @friendly_errors
 def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, threads, numa_node, layers, ctx, kv_dtype,
-           expert_daemons, hot, parent_pid):
+           graphs, expert_daemons, hot, parent_pid):
     """Serve experts of MODEL to one parent at a time (it starts with none: the parent assigns
     them), or with --layers run a range of its layers as a layer shard."""
     from moerun.daemons.daemon import serve
@@ -57,5 +59,5 @@ def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, threa
         raise click.UsageError("--daemon and --hot are a layer shard's (--layers A:B): an expert daemon has none")
     experts = RigConfig(daemons=expert_daemons, hot=hot, device=device, threads=threads) if expert_daemons else None
     serve(model_or_demo(model), device, listen, parent_pid, curve_secret_key, curve_authorized_keys, threads,
-          numa_node, layers, ctx, kv_dtype, experts)
+          numa_node, layers, ctx, kv_dtype, experts, graphs)
 

@@ -47,7 +47,7 @@ class MoEModel:
         Returns float32 logits [T, V] (all_logits) or [1, V] for the last position."""
         cache.reserve(len(ids))
         self._start = cache.length
-        graph_key = self._graph_key(cache, all_logits)
+        graph_key = self._graph_key(cache, all_logits, len(ids))
         logits = self.backend.run_step(
             lambda ids_, positions: self._forward(ids_, positions, cache, all_logits), ids, self._start, graph_key)
         self._count(cache, len(ids))
@@ -58,15 +58,18 @@ class MoEModel:
         process's layers, extending the cache -> f32 [T, H]."""
         cache.reserve(len(x))
         out = self.backend.run_step(lambda hidden, positions: self._layers(hidden, positions, cache),
-                                    np.ascontiguousarray(x, np.float32), cache.length, self._graph_key(cache, "hidden"))
+                                    np.ascontiguousarray(x, np.float32), cache.length, self._graph_key(cache, "hidden", len(x)))
         self._count(cache, len(x))
         return out
 
-    def _graph_key(self, cache: KVCache, output: bool | str) -> tuple | None:
-        """What a captured step depends on: the cache's capacity, what it returns, and the
-        executor's state; None where steps run eagerly (counting the routing)."""
+    def _graph_key(self, cache: KVCache, output: bool | str, n_tokens: int) -> tuple | None:
+        """What a captured step depends on: the cache's capacity, what it returns, the
+        executor's state and the step's tokens; None where steps run eagerly (counting the
+        routing; steps of several tokens with expert daemons, which capture one-token steps only)."""
         executor_key = self.executor.graph_key() if self.routing is None else None
-        return None if executor_key is None else (cache.capacity, output, executor_key)
+        if executor_key is None or (n_tokens > 1 and executor_key != ()):
+            return None
+        return cache.capacity, output, executor_key, n_tokens
 
     def _count(self, cache: KVCache, n_tokens: int) -> None:
         cache.advance(n_tokens)

@@ -131,7 +131,8 @@ class LayerShards:
                 link.spec, self.model_path, f"ipc://{self.run_dir}/shard-{link.index}.sock",
                 self.run_dir / f"shard-{link.index}.log",
                 extra_args=(*shard_flags(link.layers, self.ctx), *self._expert_flags(link),
-                            *(("--kv-dtype", kv_dtype) if device != "cpu" else ())))
+                            *(("--kv-dtype", kv_dtype) if device != "cpu" else ()),
+                            *(() if self.config.graphs else ("--no-graph",))))
         endpoint = link.local.endpoint if link.local else link.spec
         timeout_s = SHARD_START_TIMEOUT_S if spawned else self.config.daemon_timeout_s
         link.client = DaemonClient(endpoint, context=self.context, connect_timeout_s=timeout_s,

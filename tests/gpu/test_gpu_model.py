@@ -88,17 +88,21 @@ def test_greedy_tokens_match_numpy(arch_files):
 
 
 def test_graph_replay_equals_eager(arch_files):
-    """The same decode steps, captured and replayed vs launched one by one: identical logits."""
-    def decode_logits(graphs: bool) -> np.ndarray:
+    """The same steps of eight tokens and of one, captured and replayed vs launched one by one:
+    identical logits."""
+    def step_logits(graphs: bool) -> tuple[np.ndarray, int]:
         with runtime(arch_files["Q4_0"], gpu_device(), graphs=graphs) as gpu:
             cache = gpu.backend.new_cache(gpu.ctx)
             logits = [gpu.model.forward(np.array(prompt(2)), cache, all_logits=False)]
+            for first in range(100, 132, 8):       # eager, captured, replayed, replayed
+                logits.append(gpu.model.forward(np.arange(first, first + 8), cache, all_logits=True))
             for token in range(10, 20):
                 logits.append(gpu.model.forward(np.array([token]), cache, all_logits=False))
-            return np.concatenate(logits)
+            return np.concatenate(logits), gpu.backend.captured_steps
 
-    eager, replayed = decode_logits(False), decode_logits(True)
+    (eager, none), (replayed, captured) = step_logits(False), step_logits(True)
     assert np.array_equal(eager, replayed)
+    assert (none, captured) == (0, 2)
 
 
 @pytest.mark.parametrize("arch_files, ftype", bounded_files(["F32", "Q8_0"]), indirect=["arch_files"])

@@ -47,11 +47,13 @@ def test_shards_on_the_same_gpu_give_the_all_local_logits_and_tokens(model, all_
     with Runtime(model, ubatch=512, rig=rig) as split:
         logits = split.logits(PROMPT)
         tokens = list(split.generate(PROMPT[:8], 64, GREEDY))
-        captured = len(split.backend._graphs._steps)
+        captured = split.backend.captured_steps
+        shards_captured = [link.client.stats()["captured_steps"] for link in split.shards.links]
         shard_calls = split.shards.links[-1].counters.calls
     assert relative_error(logits, want_logits) <= 1e-5
     assert tokens == want_tokens
     assert captured == 1                   # the decode steps replay one captured chain, hops and all
+    assert shards_captured == [1] * len(boundaries)        # and so do each shard's steps
     assert shard_calls >= 64
 
 

@@ -175,3 +175,16 @@ def test_a_failed_write_is_a_warning(model_path, tmp_path, caplog):
         store.folder.write_text("not a folder")      # every write there fails, as on a full disk
         tokens, _ = answer(runtime, SYSTEM)
     assert len(tokens) == 8 and "not written" in caplog.text and store.files == {}
+
+
+def test_a_short_rest_goes_in_captured_steps(model_path, monkeypatch):
+    """Where the backend captures steps of up to 8 tokens, a prompt's rest of up to four such
+    steps goes in them (a chat's next turn after its snapshot), a longer one in ubatch chunks."""
+    with Runtime(model_path, ubatch=512) as runtime:
+        monkeypatch.setattr(runtime.backend, "step_tokens", 8)
+
+        def chunks(n_tokens: int, start: int = 0) -> list[int]:
+            return [len(chunk) for chunk in runtime._chunks(list(range(n_tokens)), start)]
+
+        assert chunks(20) == [8, 8, 4] and chunks(32) == [8, 8, 8, 8] and chunks(8) == [8]
+        assert chunks(33) == [33] and chunks(1000, 980) == [8, 8, 4]

@@ -61,60 +61,81 @@ extern "C" __global__ void delta_prepare(float* __restrict__ mixed, const float*
 }
 
 #define DELTA_TILE 16                                       // tokens whose q and k a block stages at once
+#define DELTA_COLUMNS 32                                    // value columns a block keeps
+#define DELTA_GROUPS 4                                      // groups of state rows over a column
+#define DELTA_ROWS (MAX_KEY_DIM / DELTA_GROUPS)             // the most rows a thread keeps
 
-// One block per value head h (grid HV), one thread per value column v (blockDim DV rounded up to
-// a multiple of 32; the threads past DV only stage), which keeps column v of the head's state
-// S [DK, DV] in registers over the
-// chunk's tokens in order: S <- g · S; S <- S + k (β (v - Sᵀk))ᵀ; o = Sᵀq / sqrt(DK), q and k
-// those of key head h % HK (L2-normed by delta_prepare), g and β from gates [T, HV, 2]. The
-// raw o goes to out [T, HV·DV]; delta_gate_norm finishes it. state [HV, DK, DV] in/out.
+// One block per value head h and DELTA_COLUMNS of its value columns (grid (HV, ceil(DV / 32)),
+// blockDim (32, DELTA_GROUPS)): thread (c, g) keeps rows g·R .. g·R + R - 1 (R = ceil(DK / 4))
+// of column c of the head's state S [DK, DV] in registers over the chunk's tokens in order:
+// S <- g · S; S <- S + k (β (v - Sᵀk))ᵀ; o = Sᵀq / sqrt(DK), q and k those of key head h % HK
+// (L2-normed by delta_prepare), g and β from gates [T, HV, 2]; the groups' shares of Sᵀk and of
+// Sᵀq meet in shared memory, so a token's sequential chain is R long, not DK. The raw o goes
+// to out [T, HV·DV]; delta_gate_norm finishes it. state [HV, DK, DV] in/out.
 extern "C" __global__ void delta_rule(const float* __restrict__ mixed, const float* __restrict__ gates,
                                       float* __restrict__ state, float* __restrict__ out, int n_tokens,
                                       int key_heads, int value_heads, int key_dim, int value_dim) {
     wait_for_previous_grid();
     __shared__ float q[DELTA_TILE][MAX_KEY_DIM], k[DELTA_TILE][MAX_KEY_DIM];
-    int h = blockIdx.x, v = threadIdx.x, key_head = h % key_heads;
+    __shared__ float shares[2][DELTA_GROUPS][DELTA_COLUMNS];     // [Sᵀk, Sᵀq][group][column]
+    int h = blockIdx.x, c = threadIdx.x, g = threadIdx.y, key_head = h % key_heads;
+    int v = blockIdx.y * DELTA_COLUMNS + c;
+    int rows = (key_dim + DELTA_GROUPS - 1) / DELTA_GROUPS, first = g * rows;
+    int thread = g * DELTA_COLUMNS + c, threads = DELTA_COLUMNS * DELTA_GROUPS;
     bool column = v < value_dim;
     int channels = 2 * key_heads * key_dim + value_heads * value_dim;
     float scale = rsqrtf((float)key_dim);
-    float s[MAX_KEY_DIM];
+    float s[DELTA_ROWS];
     float* head_state = state + (long long)h * key_dim * value_dim;
 #pragma unroll
-    for (int i = 0; i < MAX_KEY_DIM; i++) s[i] = column && i < key_dim ? head_state[(long long)i * value_dim + v] : 0.f;
+    for (int i = 0; i < DELTA_ROWS; i++)
+        s[i] = column && i < rows && first + i < key_dim ? head_state[(long long)(first + i) * value_dim + v] : 0.f;
     for (int t0 = 0; t0 < n_tokens; t0 += DELTA_TILE) {
         int tile = min(DELTA_TILE, n_tokens - t0);
         __syncthreads();                                    // the last tile is done with q and k
-        for (int j = v; j < tile * key_dim; j += blockDim.x) {
+        for (int j = thread; j < tile * key_dim; j += threads) {
             const float* row = mixed + (long long)(t0 + j / key_dim) * channels;
             q[j / key_dim][j % key_dim] = row[key_head * key_dim + j % key_dim];
             k[j / key_dim][j % key_dim] = row[(key_heads + key_head) * key_dim + j % key_dim];
         }
         __syncthreads();
-        if (!column) continue;
         for (int u = 0; u < tile; u++) {
             int t = t0 + u;
             float decay = gates[2 * (t * value_heads + h)], strength = gates[2 * (t * value_heads + h) + 1];
             float kv = 0.f;
 #pragma unroll
-            for (int i = 0; i < MAX_KEY_DIM; i++) {
+            for (int i = 0; i < DELTA_ROWS; i++) {
                 s[i] *= decay;
-                if (i < key_dim) kv += k[u][i] * s[i];
+                if (i < rows && first + i < key_dim) kv += k[u][first + i] * s[i];
             }
-            float delta = strength * (mixed[(long long)t * channels + 2 * key_heads * key_dim + h * value_dim + v] - kv);
+            shares[0][g][c] = kv;
+            __syncthreads();
+            kv = 0.f;
+#pragma unroll
+            for (int group = 0; group < DELTA_GROUPS; group++) kv += shares[0][group][c];
+            float value = column ? mixed[(long long)t * channels + 2 * key_heads * key_dim + h * value_dim + v] : 0.f;
+            float delta = strength * (value - kv);
             float o = 0.f;
 #pragma unroll
-            for (int i = 0; i < MAX_KEY_DIM; i++) {
-                if (i < key_dim) {
-                    s[i] += k[u][i] * delta;
-                    o += q[u][i] * s[i];
+            for (int i = 0; i < DELTA_ROWS; i++) {
+                if (i < rows && first + i < key_dim) {
+                    s[i] += k[u][first + i] * delta;
+                    o += q[u][first + i] * s[i];
                 }
             }
-            out[(long long)t * value_heads * value_dim + h * value_dim + v] = o * scale;
+            shares[1][g][c] = o;
+            __syncthreads();                                // (the next token's Sᵀk shares wait behind it too)
+            if (g == 0 && column) {
+                o = 0.f;
+#pragma unroll
+                for (int group = 0; group < DELTA_GROUPS; group++) o += shares[1][group][c];
+                out[(long long)t * value_heads * value_dim + h * value_dim + v] = o * scale;
+            }
         }
     }
 #pragma unroll
-    for (int i = 0; i < MAX_KEY_DIM; i++)
-        if (column && i < key_dim) head_state[(long long)i * value_dim + v] = s[i];
+    for (int i = 0; i < DELTA_ROWS; i++)
+        if (column && i < rows && first + i < key_dim) head_state[(long long)(first + i) * value_dim + v] = s[i];
 }
 
 // One block per (token, value head) (grid (T, HV)), blockDim >= DV: out = rms_norm(out) · norm ·

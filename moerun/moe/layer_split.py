@@ -51,9 +51,12 @@ def layer_bytes(gguf: GGUFFile, spec: ModelSpec, context: int, kv_dtype: str) ->
 
 
 def split_layers(sizes: LayerBytes, devices: Sequence[DeviceBudget], reserve_bytes: int = 0) -> list[LayerRange]:
-    """One contiguous range per device that gets layers, parent first; `reserve_bytes` stays free on each."""
+    """One contiguous range per device that gets layers, parent first; `reserve_bytes` stays free on each.
+    Layers that all fit on the parent stay there (a hop costs every step time and buys nothing)."""
     room = [device.capacity_bytes - reserve_bytes for device in devices]
     total = sum(sizes.per_layer) + sizes.parent_bytes
+    if total <= room[0]:
+        return [LayerRange(devices[0], range(len(sizes.per_layer)), total)]
     if total > sum(max(r, 0) for r in room):
         raise PlanError(f"the layers need {_gib(total)} with their KV cache, the devices hold "
                         f"{_gib(sum(max(r, 0) for r in room))} after {_gib(reserve_bytes)} kept free on each: "

@@ -22,13 +22,19 @@ def layers_of(ranges) -> list[tuple[str, int, int]]:
 
 
 def test_equal_devices_take_equal_halves():
-    sizes = LayerBytes((GIB // 2,) * 48, parent_bytes=0)
+    sizes = LayerBytes((2 * GIB,) * 48, parent_bytes=0)
     assert layers_of(split_layers(sizes, devices(80, 80))) == [("cuda:0", 0, 24), ("cuda:1", 24, 48)]
+
+
+def test_layers_that_fit_on_the_parent_stay_there():
+    ranges = split_layers(LayerBytes((GIB // 2,) * 48, parent_bytes=GIB), devices(80, 80))
+    assert layers_of(ranges) == [("cuda:0", 0, 48)] and ranges[0].used_bytes == 25 * GIB
+    assert explain_split(ranges).endswith("every layer fits on the parent: no --split needed")
 
 
 def test_ranges_follow_the_memory_and_the_parent_counts_its_head():
     sizes = LayerBytes((GIB,) * 30, parent_bytes=2 * GIB)
-    ranges = split_layers(sizes, devices(64, 32))          # 32 GiB in all: 2/3 and 1/3
+    ranges = split_layers(sizes, devices(24, 12))          # 32 GiB in all: 2/3 and 1/3
     assert layers_of(ranges) == [("cuda:0", 0, 19), ("cuda:1", 19, 30)]
     assert ranges[0].used_bytes == 21 * GIB and ranges[1].used_bytes == 11 * GIB
 
@@ -65,7 +71,7 @@ def test_reserved_memory_counts_on_every_device():
 
 
 def test_the_explanation_gives_the_flags():
-    text = explain_split(split_layers(LayerBytes((GIB // 2,) * 48, parent_bytes=0), devices(80, 80)))
-    assert text.splitlines() == ["cuda:0: layers 0-23 (12.00 GiB of 80.00 GiB)",
-                                 "cuda:1: layers 24-47 (12.00 GiB of 80.00 GiB)",
+    text = explain_split(split_layers(LayerBytes((2 * GIB,) * 48, parent_bytes=0), devices(80, 80)))
+    assert text.splitlines() == ["cuda:0: layers 0-23 (48.00 GiB of 80.00 GiB)",
+                                 "cuda:1: layers 24-47 (48.00 GiB of 80.00 GiB)",
                                  "flags: --split cuda:1@24"]

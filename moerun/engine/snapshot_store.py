@@ -23,6 +23,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,8 +123,11 @@ class SnapshotStore:
         name = hashlib.sha256(np.asarray(snapshot.tokens, np.int64).tobytes()).hexdigest()[:32] + ".snap"
         path, temporary = self.folder / name, self.folder / f".{name}.{os.getpid()}.tmp"
         try:
+            parts = self._encode(snapshot)
             with open(temporary, "wb") as file:
-                file.write(self._encode(snapshot))
+                for part in parts:                 # the arrays as they are: no copy of the whole held at once
+                    file.write(part)
+                file.write(digest(parts))
             os.replace(temporary, path)
         except OSError as err:
             with contextlib.suppress(OSError):     # written in part, or not at all
@@ -175,26 +179,27 @@ class SnapshotStore:
             raise ValueError("made for another model or cache layout")
         return header
 
-    def _encode(self, snapshot: Snapshot) -> bytes:
+    def _encode(self, snapshot: Snapshot) -> list[memoryview]:
+        """The file's body (all but its digest) as a list of buffers, the arrays' own memory
+        among them: a writer thread that joined them would hold the GIL for the whole copy."""
         state, arrays, entries, offset = snapshot.state, [], [], 0
         named = [(part, layer, array) for part in PARTS for layer, array in getattr(state, part).items()]
         for part, layer, array in [*named, ("logits", -1, snapshot.logits)]:
             array = np.ascontiguousarray(array)
             entries.append({"part": part, "layer": layer, "dtype": array.dtype.str, "shape": list(array.shape),
                             "offset": offset})
-            arrays.append(array.tobytes() + b"\0" * (-array.nbytes % ALIGN))
+            arrays += [memoryview(array.reshape(-1).view(np.uint8)), memoryview(b"\0" * (-array.nbytes % ALIGN))]
             offset += array.nbytes + (-array.nbytes % ALIGN)
         header = json.dumps({"key": self.key, "tokens": list(snapshot.tokens), "length": state.length,
                              "arrays": entries}).encode()
-        body = PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
-        body += b"\0" * (-len(body) % ALIGN) + b"".join(arrays)
-        return body + digest(memoryview(body))
+        head = PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
+        return [memoryview(head + b"\0" * (-len(head) % ALIGN)), *arrays]
 
     def _decode(self, data: bytes) -> Snapshot:
         """The arrays are read-only views of `data` (restoring a cache copies them)."""
         body, expected = memoryview(data)[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
         whole = len(data) > PREAMBLE.size + DIGEST_BYTES
-        if not whole or digest(body) != expected:
+        if not whole or digest([body]) != expected:
             raise ValueError("truncated or corrupt (its digest does not match)")
         header = self._header(bytes(body[:PREAMBLE.size]), lambda n: bytes(body[PREAMBLE.size:PREAMBLE.size + n]))
         start = PREAMBLE.size + PREAMBLE.unpack(body[:PREAMBLE.size])[2]
@@ -217,13 +222,32 @@ class SnapshotStore:
         path.unlink(missing_ok=True)
 
 
-def digest(data: memoryview) -> bytes:
-    """BLAKE2b of the BLAKE2b digests of data's DIGEST_BLOCK-byte blocks, hashed in parallel."""
-    blocks = [data[at:at + DIGEST_BLOCK] for at in range(0, len(data), DIGEST_BLOCK)]
+def digest(parts: list[memoryview]) -> bytes:
+    """BLAKE2b of the BLAKE2b digests of the DIGEST_BLOCK-byte blocks of the parts laid end to
+    end, hashed by parallel threads."""
+    blocks = list(_blocks(parts))
 
-    def block_digest(block: memoryview) -> bytes:
+    def block_digest(block: memoryview | bytes) -> bytes:
         return hashlib.blake2b(block, digest_size=DIGEST_BYTES).digest()
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(blocks), os.cpu_count() or 1))) as pool:
-        parts = b"".join(pool.map(block_digest, blocks))
-    return hashlib.blake2b(parts, digest_size=DIGEST_BYTES).digest()
+        digests = b"".join(pool.map(block_digest, blocks))
+    return hashlib.blake2b(digests, digest_size=DIGEST_BYTES).digest()
+
+
+def _blocks(parts: list[memoryview]) -> Iterator[memoryview | bytes]:
+    """The parts' bytes in DIGEST_BLOCK-byte blocks (the last shorter): a block within one part
+    is a view of it, one across parts a joined copy."""
+    pending, size = [], 0
+    for part in parts:
+        view = part.cast("B") if part.format != "B" else part
+        while len(view):
+            piece = view[:DIGEST_BLOCK - size]
+            pending.append(piece)
+            size += len(piece)
+            view = view[len(piece):]
+            if size == DIGEST_BLOCK:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                pending, size = [], 0
+    if pending:
+        yield pending[0] if len(pending) == 1 else b"".join(pending)

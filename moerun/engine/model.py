@@ -62,14 +62,22 @@ class MoEModel:
         self._count(cache, len(x))
         return out
 
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens of a step that replays captured work: the backend's without expert
+        daemons, one with them (their requests are captured for decode steps only), 0 where
+        steps run eagerly (counting the routing)."""
+        executor_key = self.executor.graph_key() if self.routing is None else None
+        if executor_key is None:
+            return 0
+        return self.backend.step_tokens if executor_key == () else min(1, self.backend.step_tokens)
+
     def _graph_key(self, cache: KVCache, output: bool | str, n_tokens: int) -> tuple | None:
         """What a captured step depends on: the cache's capacity, what it returns, the
-        executor's state and the step's tokens; None where steps run eagerly (counting the
-        routing; steps of several tokens with expert daemons, which capture one-token steps only)."""
-        executor_key = self.executor.graph_key() if self.routing is None else None
-        if executor_key is None or (n_tokens > 1 and executor_key != ()):
+        executor's state and the step's tokens; None where the step runs eagerly."""
+        if n_tokens > self.step_tokens:
             return None
-        return cache.capacity, output, executor_key, n_tokens
+        return cache.capacity, output, self.executor.graph_key(), n_tokens
 
     def _count(self, cache: KVCache, n_tokens: int) -> None:
         cache.advance(n_tokens)

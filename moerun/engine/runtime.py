@@ -270,7 +270,7 @@ class Runtime:
         where it has them: a few replays cost less than one eager pass of many launches."""
         array = np.asarray(ids, dtype=np.int64)
         interval = self.prefix_cache.interval if self.prefix_cache is not None else 0
-        step = self.backend.step_tokens
+        step = self.model.step_tokens
         while start < len(array):
             rest = len(array) - start
             short = 0 < step < rest <= SHORT_REST_STEPS * step

@@ -188,3 +188,8 @@ def test_a_short_rest_goes_in_captured_steps(model_path, monkeypatch):
 
         assert chunks(20) == [8, 8, 4] and chunks(32) == [8, 8, 8, 8] and chunks(8) == [8]
         assert chunks(33) == [33] and chunks(1000, 980) == [8, 8, 4]
+        # with expert daemons up (an executor key of theirs) only one-token steps are captured
+        monkeypatch.setattr(runtime.model.executor, "graph_key", lambda: ((0, 1),))
+        assert runtime.model.step_tokens == 1 and chunks(3) == [1, 1, 1] and chunks(5) == [5]
+        monkeypatch.setattr(runtime.model.executor, "graph_key", lambda: None)     # a daemon down: none
+        assert runtime.model.step_tokens == 0 and chunks(3) == [3]

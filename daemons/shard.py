@@ -36,8 +36,9 @@ class LayerShard:
 
     def __init__(self, model_path: str, device: str, layers: range, ctx: int, threads: int | None = None,
                  kv_dtype: str = "f16", experts: RigConfig | None = None, graphs: bool = True):
-        """graphs: one-token steps replay captured CUDA graphs (as the parent's decode steps). experts: the shard's own expert daemons (its --daemon and --hot), for its layers' cold
-        experts as a parent's; None: it computes every expert of its layers."""
+        """experts: the shard's own expert daemons (its --daemon and --hot), for its layers' cold
+        experts as a parent's; None: it computes every expert of its layers. graphs: one-token
+        steps replay captured CUDA graphs, as the parent's decode steps do."""
         self.gguf = GGUFFile(model_path)
         self.rig: Rig | None = None
         self.cpus: HostShares | None = None

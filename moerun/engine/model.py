@@ -64,10 +64,17 @@ class MoEModel:
 
     @property
     def step_tokens(self) -> int:
+        return self._step_tokens(self._executor_key())
+
+    def _executor_key(self) -> tuple | None:
+        """The executor's state a captured step depends on; None where steps run eagerly
+        (counting the routing, or a daemon down)."""
+        return self.executor.graph_key() if self.routing is None else None
+
+    def _step_tokens(self, executor_key: tuple | None) -> int:
         """The most tokens of a step that replays captured work: the backend's without expert
         daemons, one with them (their requests are captured for decode steps only), 0 where
-        steps run eagerly (counting the routing)."""
-        executor_key = self.executor.graph_key() if self.routing is None else None
+        steps run eagerly."""
         if executor_key is None:
             return 0
         return self.backend.step_tokens if executor_key == () else min(1, self.backend.step_tokens)
@@ -75,9 +82,10 @@ class MoEModel:
     def _graph_key(self, cache: KVCache, output: bool | str, n_tokens: int) -> tuple | None:
         """What a captured step depends on: the cache's capacity, what it returns, the
         executor's state and the step's tokens; None where the step runs eagerly."""
-        if n_tokens > self.step_tokens:
+        executor_key = self._executor_key()
+        if n_tokens > self._step_tokens(executor_key):
             return None
-        return cache.capacity, output, self.executor.graph_key(), n_tokens
+        return cache.capacity, output, executor_key, n_tokens
 
     def _count(self, cache: KVCache, n_tokens: int) -> None:
         cache.advance(n_tokens)

@@ -266,15 +266,15 @@ class Runtime:
 
     def _chunks(self, ids: Sequence[int], start: int) -> Iterator[np.ndarray]:
         """ids[start:] in chunks of at most `ubatch`, cut at the prefix cache's snapshot interval;
-        a short rest (a chat's next turn after its snapshot, say) in the backend's captured steps
-        where it has them: a few replays cost less than one eager pass of many launches."""
+        a short rest (a chat's next turn after its snapshot, say) in the steps the model replays
+        captured, where it has them: a few replays cost less than one eager pass of many launches."""
         array = np.asarray(ids, dtype=np.int64)
         interval = self.prefix_cache.interval if self.prefix_cache is not None else 0
         step = self.model.step_tokens
         while start < len(array):
             rest = len(array) - start
-            short = 0 < step < rest <= SHORT_REST_STEPS * step
-            end = min(len(array), start + min(self.ubatch, step if short else self.ubatch))
+            size = min(step, self.ubatch) if 0 < step < rest <= SHORT_REST_STEPS * step else self.ubatch
+            end = min(len(array), start + size)
             if interval:
                 end = min(end, (start // interval + 1) * interval)
             yield array[start:end]

@@ -236,11 +236,10 @@ def digest(parts: list[memoryview]) -> bytes:
 
 
 def _blocks(parts: list[memoryview]) -> Iterator[memoryview | bytes]:
-    """The parts' bytes in DIGEST_BLOCK-byte blocks (the last shorter): a block within one part
+    """The parts' bytes (byte views, as _encode gives them) in DIGEST_BLOCK-byte blocks (the last shorter): a block within one part
     is a view of it, one across parts a joined copy."""
     pending, size = [], 0
-    for part in parts:
-        view = part.cast("B") if part.format != "B" else part
+    for view in parts:
         while len(view):
             piece = view[:DIGEST_BLOCK - size]
             pending.append(piece)

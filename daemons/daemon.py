@@ -34,14 +34,14 @@ def serve(model_path: str, device: str, listen: str, parent_pid: int | None,
     computes with `threads` threads (default_threads() if None), on NUMA node `numa_node`'s
     CPUs only when given (held there before anything is loaded). With `layers` it is a layer
     shard, its KV cache sized for `ctx` positions of `kv_dtype` (on a GPU), its cold experts on
-    the expert daemons `experts` names, if any, its one-token steps captured as CUDA graphs
-    unless `graphs` is False."""
+    the expert daemons `experts` names, if any. On a GPU, one-token work (a shard's steps, an
+    expert daemon's requests) is captured as CUDA graphs unless `graphs` is False."""
     log.use_daemon_format()
     curve = server_keys_for(listen, curve_secret_key, curve_authorized_keys)
     if numa_node is not None:
         cpus = restrict_to_node(numa_node)
         logger.info(f"on NUMA node {numa_node}: CPUs {format_cpus(cpus)}")
-    daemon = (ExpertDaemon(model_path, device, threads) if layers is None
+    daemon = (ExpertDaemon(model_path, device, threads, graphs) if layers is None
               else LayerShard(model_path, device, layers, ctx, threads, kv_dtype, experts, graphs))
     server = Server(listen, daemon, curve=curve)
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -41,7 +41,8 @@ class LayerRange(click.ParamType):
 @click.option("--kv-dtype", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
               help="A layer shard's KV cache type on a GPU.")
 @click.option("--graph/--no-graph", "graphs", default=True, show_default=True,
-              help="A layer shard on a GPU runs its one-token steps as CUDA graphs (--no-graph: eagerly).")
+              help="On a GPU, a layer shard's one-token steps and an expert daemon's one-token requests run "
+                   "as CUDA graphs (--no-graph: eagerly).")
 @click.option("--daemon", "expert_daemons", multiple=True, metavar="SPEC",
               help="A layer shard's own expert daemon for its cold experts, as the parent's --daemon. Repeatable.")
 @click.option("--hot", type=click.IntRange(min=0), default=None,

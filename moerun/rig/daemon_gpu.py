@@ -3,7 +3,9 @@ file into per-layer stacks on the device (index = daemon-local id), run with the
 parent's own expert kernels. Padded requests from a GPU parent are served in place:
 from the daemon's exported device buffers (transport "device", ordered after the
 parent's copy by an IPC event, the reply announced by another) or from the arena,
-registered as pinned memory (transport "shared").
+registered as pinned memory (transport "shared"). A one-token request's launches (a decode
+step's layer) are captured as a CUDA graph per slot, layer and payload dtype the second time
+they come and replayed after, as the parent's decode steps are (not on HIP, nor with graphs off).
 
 Shape legend: T tokens, H hidden, K experts per token, P routed pairs, W the most
 pairs of one token.
@@ -28,8 +30,8 @@ TIMED_COMPUTES = 1024          # (start, end) event pairs, harvested when all ar
 
 
 class GpuExpertSet:
-    def __init__(self, device: str, gguf: GGUFFile, spec: ModelSpec):
-        self.backend = open_backend(device, spec)
+    def __init__(self, device: str, gguf: GGUFFile, spec: ModelSpec, graphs: bool = True):
+        self.backend = open_backend(device, spec, graphs=graphs)
         self.gguf = gguf
         self.spec = spec
         self.experts = GpuExperts(self.backend, spec, {})
@@ -42,9 +44,12 @@ class GpuExpertSet:
         self._seconds = 0.0
         self._views: list[tuple] = []                        # per slot: x, ids, weights, reply at full capacity
         self._staging = None                                 # "shared": the device copy of the slots
+        self._graphs: dict[tuple, tuple] = {}                # (slot, layer, dtype) -> (graph, its memory pool)
+        self._seen: set[tuple] = set()
 
     def load(self, assignment: dict[int, list[int]], progress: Callable[[int, int], None]) -> None:
         """Replace the resident experts with `assignment` (global ids per layer)."""
+        self._forget_graphs()
         self.experts.layers = {}
         uploader = Uploader(self.backend.cupy, self.gguf, lambda nbytes: None)
         total, done = sum(len(ids) for ids in assignment.values()), 0
@@ -68,9 +73,9 @@ class GpuExpertSet:
         ids[rows, slot], padded_weights[rows, slot] = local_ids, weights
         backend, cupy = self.backend, self.backend.cupy
         with backend.stream:
-            out = self._timed(layer, cupy.asarray(np.ascontiguousarray(x, np.float32)), cupy.asarray(ids),
-                              cupy.asarray(padded_weights))
-            return backend.to_host(out)
+            x, ids, padded_weights = (cupy.asarray(np.ascontiguousarray(x, np.float32)), cupy.asarray(ids),
+                                      cupy.asarray(padded_weights))
+            return backend.to_host(self._timed(lambda: self.experts.compute(layer, x, ids, padded_weights)))
 
     # -- padded requests in place ---------------------------------------------------------------
 
@@ -103,8 +108,7 @@ class GpuExpertSet:
         """Slot `index`'s padded request: x [T, H] in `dtype`, ids and weights [T, K] -> the
         f32 reply [T, H] in the daemon's buffer ("device": announced by the slot's outgoing
         event, no host wait) or in the arena ("shared": written before this returns)."""
-        backend, cupy = self.backend, self.backend.cupy
-        stream = backend.stream
+        cupy, stream = self.backend.cupy, self.backend.stream
         layout = self.arena.layout
         top_k, hidden = layout.max_pairs_per_token, layout.hidden
         x, ids, weights, reply = self._views[index]                # full capacity: [C, H], [C, K], [C, K], [C, H]
@@ -116,30 +120,63 @@ class GpuExpertSet:
                 copy(cupy, x.data.ptr, x_at, tokens * hidden * WIRE_ITEMSIZE[dtype], stream)
                 copy(cupy, ids.data.ptr, ids_at, tokens * top_k * 4, stream)
                 copy(cupy, weights.data.ptr, weights_at, tokens * top_k * 4, stream)
-            if dtype == "f32":
-                x = x[:tokens]
-            else:
-                payload, x = x, cupy.empty((tokens, hidden), cupy.float32)
-                backend.kernels.elementwise("unpack_payload", x.size, (
-                    payload, np.int32(DTYPE_CODES[dtype]), np.int64(x.size), x))
-            reply = reply[:tokens]
-            self._timed(layer, x, ids[:tokens], weights[:tokens], reply)
+            self._timed(lambda: self._slot_experts(index, layer, dtype, tokens))
             if self.transport == "device":
                 record(cupy, self.exported.outgoing[index], stream)
             else:
                 copy(cupy, self.arena.slots[index].frame_addresses()[0], reply.data.ptr, reply.nbytes, stream)
                 stream.synchronize()
 
-    def _timed(self, layer: int, x, ids, weights, out=None):
-        """The experts' output (into `out` when given), its device time measured by a pair of events."""
+    def _slot_experts(self, index: int, layer: int, dtype: str, tokens: int) -> None:
+        """Slot `index`'s experts into its reply buffer: a one-token request's launches eager the
+        first time for its (slot, layer, dtype), captured the second, replayed after."""
+        key, stream = (index, layer, dtype), self.backend.stream
+        if tokens > 1 or not self.backend.graphs_enabled or key not in self._seen:
+            self._seen.add(key)
+            self._launch_slot_experts(index, layer, dtype, tokens)
+        elif key in self._graphs:
+            self._graphs[key][0].launch(stream)
+        else:
+            cupy = self.backend.cupy
+            pool = cupy.cuda.MemoryPool()                    # the graph's buffers, kept with it
+            with cupy.cuda.using_allocator(pool.malloc):
+                stream.begin_capture()
+                try:
+                    self._launch_slot_experts(index, layer, dtype, tokens)
+                finally:
+                    graph = stream.end_capture()
+            self._graphs[key] = graph, pool
+            graph.launch(stream)
+
+    def _launch_slot_experts(self, index: int, layer: int, dtype: str, tokens: int) -> None:
+        x, ids, weights, reply = self._views[index]
+        if dtype == "f32":
+            x = x[:tokens]
+        else:
+            payload, x = x, self.backend.cupy.empty((tokens, x.shape[1]), self.backend.cupy.float32)
+            self.backend.kernels.elementwise("unpack_payload", x.size, (
+                payload, np.int32(DTYPE_CODES[dtype]), np.int64(x.size), x))
+        self.experts.compute(layer, x, ids[:tokens], weights[:tokens], reply[:tokens])
+
+    def _timed(self, work: Callable[[], object]) -> object:
+        """work()'s result, its device time measured by a pair of events around it."""
         if self._timed_count == len(self._timings):
             self.device_seconds()
         start, end = self._timings[self._timed_count]
         self._timed_count += 1
         start.record()
-        out = self.experts.compute(layer, x, ids, weights, out)
+        out = work()
         end.record()
         return out
+
+    @property
+    def captured(self) -> int:
+        """One-token requests' launches captured so far (one graph per slot, layer and dtype)."""
+        return len(self._graphs)
+
+    def _forget_graphs(self) -> None:
+        self.backend.stream.synchronize()
+        self._graphs, self._seen = {}, set()
 
     def device_seconds(self) -> float:
         """Device time of every compute so far (waits for the queued ones)."""
@@ -151,7 +188,7 @@ class GpuExpertSet:
         return self._seconds
 
     def detach(self) -> None:
-        self.backend.stream.synchronize()
+        self._forget_graphs()
         if self.exported is not None:
             self.exported.release()
         self.arena, self.exported, self.transport = None, None, ""

@@ -42,8 +42,9 @@ def check_device(device: str) -> str:
 class ExpertDaemon:
     """The Handler behind moerun.ipc.server.Server for one model file on one device."""
 
-    def __init__(self, model_path: str, device: str, threads: int | None = None):
-        """threads: the CPU kernels' (default_threads() if None)."""
+    def __init__(self, model_path: str, device: str, threads: int | None = None, graphs: bool = True):
+        """threads: the CPU kernels' (default_threads() if None); graphs: a GPU daemon replays its
+        one-token requests' launches as CUDA graphs."""
         self.backend = check_device(device)
         self.device = device
         self.threads = threads
@@ -53,7 +54,7 @@ class ExpertDaemon:
         self.assigned: dict[int, np.ndarray] = {}                  # layer -> global ids, index = local id
         self.store: ExpertStore | None = None                      # on the CPU
         self.prefetch: threading.Thread | None = None              # reads the assigned experts' pages ahead
-        self.gpu = None if device == "cpu" else GpuExpertSet(device, self.gguf, self.spec)
+        self.gpu = None if device == "cpu" else GpuExpertSet(device, self.gguf, self.spec, graphs)
         self.arena: Arena | None = None                            # the attached parent's, for a CPU daemon
         self.slot_server: SlotServer | None = None                 # its compiled loop, for these experts
         self.calls = self.tokens = self.pairs = 0
@@ -198,4 +199,5 @@ class ExpertDaemon:
         compute_seconds = self.gpu.device_seconds() if self.gpu is not None else self.compute_seconds
         return {"calls": self.calls, "loop_calls": self.loop_calls, "tokens": self.tokens, "pairs": self.pairs,
                 "compute_seconds": compute_seconds,
+                "captured_steps": self.gpu.captured if self.gpu is not None else 0,
                 "experts_loaded": sum(len(ids) for ids in self.assigned.values())}

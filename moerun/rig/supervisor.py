@@ -181,7 +181,8 @@ class Rig:
         try:
             check_device(spec)
             return spawn_local_daemon(spec, self.model_path, self.run_dir, index, **self.cpus.spawn_settings(index),
-                                      extra_args=entry.node_flags if entry else ())
+                                      extra_args=(*(entry.node_flags if entry else ()),
+                                                  *(() if self.config.graphs else ("--no-graph",))))
         except (ValueError, BackendUnavailable) as err:      # a GPU this process cannot see or drive
             raise RigError(f"--daemon {err}") from None
 

@@ -53,6 +53,7 @@ def test_two_gpus_match_all_local(model, all_local, transport, mode):
         stats = runtime.moe_stats()
         link = runtime.rig.links[0]
         calls = link.client.counters.calls
+        daemon_captured = link.client.stats()["captured_steps"]
         parent_experts = {layer: experts.down.experts for layer, experts in runtime.model.weights.experts.layers.items()}
     assert link.transport == transport
     assert relative_error(got, want_logits) <= PREFILL_BOUND["f32"]
@@ -61,6 +62,8 @@ def test_two_gpus_match_all_local(model, all_local, transport, mode):
     assert parent_experts == {0: HOT, 1: HOT}                 # the parent holds its hot experts only
     prefill_calls = 2 * (40 // 4 if mode == "stream" else 1)    # per logits() pass: layers x calls per layer
     assert calls >= prefill_calls + 2 * 32
+    # a slotted daemon replays each layer's one-token work as a graph (per slot it came through)
+    assert daemon_captured >= 2 if transport in ("device", "shared") else daemon_captured == 0
 
 
 @pytest.mark.parametrize("payload_dtype", ["f16", "bf16"])

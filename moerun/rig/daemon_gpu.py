@@ -132,7 +132,7 @@ class GpuExpertSet:
         first time for its (slot, layer, dtype), captured the second, replayed after."""
         key, stream = (index, layer, dtype), self.backend.stream
         if tokens > 1 or not self.backend.graphs_enabled or key not in self._seen:
-            self._seen.add(key)
+            self._seen.update([key] if tokens == 1 else [])
             self._launch_slot_experts(index, layer, dtype, tokens)
         elif key in self._graphs:
             self._graphs[key][0].launch(stream)

@@ -51,7 +51,7 @@ NORMED_VALUES = 8              # values of a row each thread converts when q/k/v
 NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
 MAX_KEY_DIM, MAX_CONV_WIDTH = 128, 8     # a DeltaNet's key heads and convolution (delta_net.cu)
-DELTA_COLUMNS, DELTA_GROUPS = 32, 4     # delta_rule's block: value columns x groups of state rows
+DELTA_COLUMNS, DELTA_GROUPS = 32, 8     # delta_rule's block: value columns x groups of state rows
 
 
 def i32(value: int) -> np.int32:
@@ -79,11 +79,12 @@ class GpuKVCache:
     captured decode step keeps pointing at the same memory; a DeltaNet layer's states instead
     (conv [W-1, C], ssm [HV, DK, DV], f32), zeroed for each new sequence."""
 
-    def __init__(self, buffers: tuple[list, list, dict, dict], capacity: int, stream):
+    def __init__(self, buffers: tuple[list, list, dict, dict], capacity: int, stream, pinned):
         self.k, self.v, self.conv, self.ssm = buffers   # per layer: [S, NKV, D], [S, NKV, Dv] of f16 or f32
         self.capacity = capacity
         self.length = 0
         self.stream = stream                  # the backend's: what writes the buffers
+        self.pinned = pinned                  # (shape, dtype) -> a page-locked numpy array
         for state in (*self.conv.values(), *self.ssm.values()):
             state.fill(0)
 
@@ -95,16 +96,26 @@ class GpuKVCache:
         self.length += n_tokens
 
     def snapshot(self) -> CacheState:
-        self.stream.synchronize()
-        end, stream = self.length, self.stream
+        """Into page-locked arrays (CuPy's pool keeps the memory of dropped ones for the next),
+        every copy queued before the one wait."""
+        end = self.length
         attention = [i for i in range(len(self.k)) if i not in self.conv]
-        return CacheState(end, keys={i: self.k[i][:end].get(stream=stream) for i in attention},
-                          values={i: self.v[i][:end].get(stream=stream) for i in attention},
-                          conv={i: a.get(stream=stream) for i, a in self.conv.items()},
-                          ssm={i: a.get(stream=stream) for i, a in self.ssm.items()})
+
+        def host(array):
+            out = self.pinned(array.shape, array.dtype)
+            array.get(stream=self.stream, out=out, blocking=False)
+            return out
+
+        state = CacheState(end, keys={i: host(self.k[i][:end]) for i in attention},
+                           values={i: host(self.v[i][:end]) for i in attention},
+                           conv={i: host(a) for i, a in self.conv.items()}, ssm={i: host(a) for i, a in self.ssm.items()})
+        self.stream.synchronize()
+        return state
 
     def restore(self, state: CacheState) -> None:
-        """Hold `state` (of a cache of this model and element type) from position 0."""
+        """Hold `state` (of a cache of this model and element type) from position 0: from
+        page-locked arrays (snapshot()'s, or a file read by host_bytes) the copies are all queued
+        before the one wait."""
         self.reserve(state.length)
         for layer, keys in state.keys.items():
             self.k[layer][:state.length].set(keys, stream=self.stream)
@@ -224,12 +235,15 @@ class GpuBackend:
                 {i: cupy.zeros((shape.conv_kernel - 1, shape.channels), cupy.float32) for i in recurrent},
                 {i: cupy.zeros((shape.value_heads, shape.key_dim, shape.value_dim), cupy.float32) for i in recurrent})
         with self.stream:
-            return GpuKVCache(self._kv_buffers[capacity], capacity, self.stream)
+            return GpuKVCache(self._kv_buffers[capacity], capacity, self.stream, self.pinned)
 
     def restore_cache(self, state: CacheState, capacity: int) -> GpuKVCache:
         cache = self.new_cache(capacity)
         cache.restore(state)
         return cache
+
+    def host_bytes(self, nbytes: int) -> np.ndarray:
+        return self.pinned((nbytes,), np.uint8)
 
     # -- the step
     @property
@@ -472,8 +486,10 @@ class GpuBackend:
         n_tokens = channels.shape[0]
         channels, z, beta, alpha = (cupy.ascontiguousarray(x) for x in (channels, z, beta, alpha))
         mixed = cupy.empty((n_tokens, shape.channels), cupy.float32)                   # [T, C]
-        self.kernels.elementwise("delta_conv", shape.channels, (
+        self.kernels.elementwise("delta_conv", n_tokens * shape.channels, (
             channels, conv_weight, cache.conv[layer], mixed, i32(n_tokens), i32(shape.channels), i32(shape.conv_kernel)))
+        self.kernels.elementwise("delta_conv_state", shape.channels, (
+            channels, cache.conv[layer], i32(n_tokens), i32(shape.channels), i32(shape.conv_kernel)))
         eps = np.float32(self.spec.rms_eps)
         heads = (i32(shape.key_heads), i32(shape.value_heads), i32(shape.key_dim), i32(shape.value_dim))
         block = (-(-max(shape.key_dim, shape.value_dim) // 32) * 32,)                # whole warps over DK and DV

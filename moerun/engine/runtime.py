@@ -111,7 +111,8 @@ class Runtime:
             routing = RoutingCounter(self.spec) if count_routing else None
             self.model = MoEModel(self.spec, self.backend, weights, executor, routing, self.shards)
             if prefix_cache is not None:
-                prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_dtype}")
+                prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_dtype}",
+                                        self.backend.host_bytes)
         except BaseException:
             self.close()
             raise

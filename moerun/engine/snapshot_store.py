@@ -16,6 +16,7 @@ layer, dtype, shape, offset) | arrays, each 64-byte aligned | digest (32 bytes).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -23,7 +24,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,12 +72,16 @@ class StoredSnapshot:
 
 
 class SnapshotStore:
-    def __init__(self, folder: str | Path, budget: int, fingerprint: str, layout: str):
+    def __init__(self, folder: str | Path, budget: int, fingerprint: str, layout: str,
+                 host_bytes: Callable[[int], np.ndarray]):
+        """host_bytes: where a file is read back (the backend's: page-locked on a GPU, so its
+        arrays reach the device without another copy)."""
         if budget < 1:
             raise ValueError(f"the prefix cache's disk budget must be at least 1 byte (got {budget})")
         self.key = hashlib.sha256(f"{fingerprint}|{layout}|{VERSION}".encode()).hexdigest()[:32]
         self.folder = Path(folder) / self.key
         self.budget = budget
+        self.host_bytes = host_bytes
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -85,7 +90,8 @@ class SnapshotStore:
         for path in sorted(self.folder.glob("*.snap")):
             if (stored := self._index(path)) is not None:
                 self.files[stored.tokens] = stored
-        self._lock = threading.Lock()             # files, between the requests' thread and the writer
+        self._pending: dict[tuple[int, ...], Snapshot] = {}     # saved, not yet written
+        self._lock = threading.Lock()             # files and _pending, between the requests' thread and the writer
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moerun-snapshots")
 
     def close(self) -> None:
@@ -97,15 +103,22 @@ class SnapshotStore:
         with self._lock:
             return sum(stored.nbytes for stored in self.files.values())
 
-    def longest(self, ids: tuple[int, ...]) -> StoredSnapshot | None:
+    def longest(self, ids: tuple[int, ...]) -> StoredSnapshot | Snapshot | None:
+        """The longest prefix of `ids` among the files and the snapshots still waiting for
+        their write (those are in memory: the answer itself)."""
         with self._lock:
-            return longest_prefix(self.files, ids)
+            return longest_prefix({**self.files, **self._pending}, ids)
 
-    def load(self, stored: StoredSnapshot) -> Snapshot | None:
+    def load(self, stored: StoredSnapshot | Snapshot) -> Snapshot | None:
         """The snapshot in `stored`'s file, or None (and the file gone) if it does not check out."""
+        if isinstance(stored, Snapshot):
+            return stored
         try:
-            data = stored.path.read_bytes()
-            snapshot = self._decode(data)
+            with open(stored.path, "rb") as file:
+                data = self.host_bytes(os.fstat(file.fileno()).st_size)
+                if file.readinto(data) != len(data):
+                    raise ValueError("shorter than when it was opened")
+            snapshot = self._decode(memoryview(data))
         except (OSError, ValueError) as err:
             self._discard(stored.path, err)
             with self._lock:
@@ -117,9 +130,18 @@ class SnapshotStore:
 
     def save(self, snapshot: Snapshot) -> None:
         """Have `snapshot` written (a failure to write, a full disk, is a warning: the cache is only a cache)."""
+        with self._lock:
+            self._pending[snapshot.tokens] = snapshot
         self._writer.submit(self._write, snapshot)
 
     def _write(self, snapshot: Snapshot) -> None:
+        try:
+            self._write_file(snapshot)
+        finally:
+            with self._lock:
+                self._pending.pop(snapshot.tokens, None)
+
+    def _write_file(self, snapshot: Snapshot) -> None:
         name = hashlib.sha256(np.asarray(snapshot.tokens, np.int64).tobytes()).hexdigest()[:32] + ".snap"
         path, temporary = self.folder / name, self.folder / f".{name}.{os.getpid()}.tmp"
         try:
@@ -195,9 +217,9 @@ class SnapshotStore:
         head = PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
         return [memoryview(head + b"\0" * (-len(head) % ALIGN)), *arrays]
 
-    def _decode(self, data: bytes) -> Snapshot:
-        """The arrays are read-only views of `data` (restoring a cache copies them)."""
-        body, expected = memoryview(data)[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
+    def _decode(self, data: memoryview) -> Snapshot:
+        """The arrays are views of `data` (restoring a cache copies them)."""
+        body, expected = data[:-DIGEST_BYTES], bytes(data[-DIGEST_BYTES:])
         whole = len(data) > PREAMBLE.size + DIGEST_BYTES
         if not whole or digest([body]) != expected:
             raise ValueError("truncated or corrupt (its digest does not match)")
@@ -224,20 +246,28 @@ class SnapshotStore:
 
 def digest(parts: list[memoryview]) -> bytes:
     """BLAKE2b of the BLAKE2b digests of the DIGEST_BLOCK-byte blocks of the parts laid end to
-    end, hashed by parallel threads."""
-    blocks = list(_blocks(parts))
+    end, hashed by parallel threads; a block across parts is hashed piece by piece (no copy,
+    the GIL let go for every piece)."""
+    def block_digest(pieces: list[memoryview]) -> bytes:
+        hasher = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        for piece in pieces:
+            hasher.update(piece)
+        return hasher.digest()
 
-    def block_digest(block: memoryview | bytes) -> bytes:
-        return hashlib.blake2b(block, digest_size=DIGEST_BYTES).digest()
-
-    with ThreadPoolExecutor(max_workers=max(1, min(len(blocks), os.cpu_count() or 1))) as pool:
-        digests = b"".join(pool.map(block_digest, blocks))
+    digests = b"".join(_hashers().map(block_digest, _blocks(parts)))
     return hashlib.blake2b(digests, digest_size=DIGEST_BYTES).digest()
 
 
-def _blocks(parts: list[memoryview]) -> Iterator[memoryview | bytes]:
-    """The parts' bytes (byte views, as _encode gives them) in DIGEST_BLOCK-byte blocks (the last shorter): a block within one part
-    is a view of it, one across parts a joined copy."""
+@functools.cache
+def _hashers() -> ThreadPoolExecutor:
+    """The threads that hash blocks, started once: starting them for every file cost more
+    than a small file's hashing."""
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="moerun-digest")
+
+
+def _blocks(parts: list[memoryview]) -> Iterator[list[memoryview]]:
+    """The parts' bytes (byte views, as _encode gives them) in DIGEST_BLOCK-byte blocks (the
+    last shorter), each block the views of its pieces."""
     pending, size = [], 0
     for view in parts:
         while len(view):
@@ -246,7 +276,7 @@ def _blocks(parts: list[memoryview]) -> Iterator[memoryview | bytes]:
             size += len(piece)
             view = view[len(piece):]
             if size == DIGEST_BLOCK:
-                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                yield pending
                 pending, size = [], 0
     if pending:
-        yield pending[0] if len(pending) == 1 else b"".join(pending)
+        yield pending

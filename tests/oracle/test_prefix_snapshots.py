@@ -3,6 +3,8 @@ logits and greedy tokens of a full prefill (a hybrid model, whose recurrent stat
 must carry, and an attention-only one), and the cache keeps what it should."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -175,6 +177,22 @@ def test_a_failed_write_is_a_warning(model_path, tmp_path, caplog):
         store.folder.write_text("not a folder")      # every write there fails, as on a full disk
         tokens, _ = answer(runtime, SYSTEM)
     assert len(tokens) == 8 and "not written" in caplog.text and store.files == {}
+
+
+def test_a_snapshot_still_being_written_is_found(model_path, tmp_path, monkeypatch):
+    """Out of RAM (one slot) while its file waits for the writer: the store answers with it."""
+    from moerun.engine.snapshot_store import SnapshotStore
+    release, write_file = threading.Event(), SnapshotStore._write_file
+    monkeypatch.setattr(SnapshotStore, "_write_file", lambda store, snapshot: (release.wait(30), write_file(store, snapshot)))
+    cache = PrefixCache(slots=1, interval=0, folder=tmp_path, disk_budget=1 << 30)
+    with Runtime(model_path, prefix_cache=cache) as runtime:
+        answer(runtime, SYSTEM, 0)
+        answer(runtime, QUESTION, 0)                  # SYSTEM's snapshot leaves RAM
+        _, stats = answer(runtime, SYSTEM + FOLLOW_UP, 0)
+        release.set()
+    assert stats.restored_tokens == len(SYSTEM) and snapshot_files(tmp_path) != []
+    full = prompt_logits(model_path, SYSTEM + FOLLOW_UP)
+    assert np.max(np.abs(cache.longest(SYSTEM + FOLLOW_UP).logits - full)) / np.max(np.abs(full)) <= BOUND
 
 
 def test_a_short_rest_goes_in_captured_steps(model_path, monkeypatch):

@@ -114,8 +114,7 @@ class GpuKVCache:
 
     def restore(self, state: CacheState) -> None:
         """Hold `state` (of a cache of this model and element type) from position 0: from
-        page-locked arrays (snapshot()'s, or a file read by host_bytes) the copies are all queued
-        before the one wait."""
+        page-locked arrays (snapshot()'s) the copies are all queued before the one wait."""
         self.reserve(state.length)
         for layer, keys in state.keys.items():
             self.k[layer][:state.length].set(keys, stream=self.stream)
@@ -241,9 +240,6 @@ class GpuBackend:
         cache = self.new_cache(capacity)
         cache.restore(state)
         return cache
-
-    def host_bytes(self, nbytes: int) -> np.ndarray:
-        return self.pinned((nbytes,), np.uint8)
 
     # -- the step
     @property

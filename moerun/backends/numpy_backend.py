@@ -125,9 +125,6 @@ class NumpyBackend:
     def new_cache(self, capacity: int) -> PagedKVCache:
         return PagedKVCache(self.spec, capacity)
 
-    def host_bytes(self, nbytes: int) -> np.ndarray:
-        return np.empty(nbytes, np.uint8)
-
     def restore_cache(self, state: CacheState, capacity: int) -> PagedKVCache:
         cache = PagedKVCache(self.spec, capacity)
         cache.reserve(state.length)

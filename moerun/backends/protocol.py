@@ -93,8 +93,6 @@ class Backend(Protocol):
 
     def restore_cache(self, state: CacheState, capacity: int) -> KVCache: ...   # a cache holding `state`
 
-    def host_bytes(self, nbytes: int) -> np.ndarray: ...    # uint8 host memory copies to the device go fastest from
-
     def run_step(self, forward: Forward, inputs: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
         """forward() for host inputs — token ids [T], or a layer shard's hidden states f32 [T, H]
         — at positions start.. on this backend's arrays; its output comes back to the host as

@@ -10,7 +10,7 @@ Shape legend: V vocab.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +46,11 @@ class PrefixCache:
         self.stats = PrefixStats()
         self._snapshots: OrderedDict[tuple[int, ...], Snapshot] = OrderedDict()
 
-    def open_store(self, fingerprint: str, layout: str, host_bytes: Callable[[int], np.ndarray]) -> None:
+    def open_store(self, fingerprint: str, layout: str) -> None:
         """Use the folder's snapshots of this model file and cache layout (a runtime calls this
-        once it has loaded the model; host_bytes: its backend's, where files are read back)."""
+        once it has loaded the model)."""
         if self.folder is not None:
-            self.store = SnapshotStore(self.folder, self.disk_budget, fingerprint, layout, host_bytes)
+            self.store = SnapshotStore(self.folder, self.disk_budget, fingerprint, layout)
 
     def close(self) -> None:
         """Finish writing to the folder (a runtime calls this as it closes)."""

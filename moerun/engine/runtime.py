@@ -111,8 +111,7 @@ class Runtime:
             routing = RoutingCounter(self.spec) if count_routing else None
             self.model = MoEModel(self.spec, self.backend, weights, executor, routing, self.shards)
             if prefix_cache is not None:
-                prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_dtype}",
-                                        self.backend.host_bytes)
+                prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_dtype}")
         except BaseException:
             self.close()
             raise

@@ -4,8 +4,8 @@ their copies on disk, so that they outlive the server: one file per snapshot und
 backend and its KV element type), so a snapshot is only ever offered to the model and layout
 that made it. A file is written whole to a temporary name and renamed into place; it ends
 with a digest of everything before it: BLAKE2b over the BLAKE2b digests of its 8 MiB blocks,
-which threads hash in parallel (hashlib lets go of the GIL), so checking a file read back
-costs a fraction of hashing it in one thread. A file that is truncated, corrupt, of another
+which threads hash in parallel (hashlib lets go of the GIL), so checking a file costs a
+fraction of hashing it in one thread; reading it back, each thread reads the blocks it hashes. A file that is truncated, corrupt, of another
 format version or of another model is skipped with a warning and deleted, never loaded. Past
 `budget` bytes the files of the lowest score — hits per hour of age per byte — go first.
 Files are written by a thread of their own, off the requests' path; close() waits for them.
@@ -24,7 +24,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,16 +72,12 @@ class StoredSnapshot:
 
 
 class SnapshotStore:
-    def __init__(self, folder: str | Path, budget: int, fingerprint: str, layout: str,
-                 host_bytes: Callable[[int], np.ndarray]):
-        """host_bytes: where a file is read back (the backend's: page-locked on a GPU, so its
-        arrays reach the device without another copy)."""
+    def __init__(self, folder: str | Path, budget: int, fingerprint: str, layout: str):
         if budget < 1:
             raise ValueError(f"the prefix cache's disk budget must be at least 1 byte (got {budget})")
         self.key = hashlib.sha256(f"{fingerprint}|{layout}|{VERSION}".encode()).hexdigest()[:32]
         self.folder = Path(folder) / self.key
         self.budget = budget
-        self.host_bytes = host_bytes
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -114,11 +110,7 @@ class SnapshotStore:
         if isinstance(stored, Snapshot):
             return stored
         try:
-            with open(stored.path, "rb") as file:
-                data = self.host_bytes(os.fstat(file.fileno()).st_size)
-                if file.readinto(data) != len(data):
-                    raise ValueError("shorter than when it was opened")
-            snapshot = self._decode(memoryview(data))
+            snapshot = self._decode(read_checked(stored.path))
         except (OSError, ValueError) as err:
             self._discard(stored.path, err)
             with self._lock:
@@ -217,12 +209,9 @@ class SnapshotStore:
         head = PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
         return [memoryview(head + b"\0" * (-len(head) % ALIGN)), *arrays]
 
-    def _decode(self, data: memoryview) -> Snapshot:
-        """The arrays are views of `data` (restoring a cache copies them)."""
-        body, expected = data[:-DIGEST_BYTES], bytes(data[-DIGEST_BYTES:])
-        whole = len(data) > PREAMBLE.size + DIGEST_BYTES
-        if not whole or digest([body]) != expected:
-            raise ValueError("truncated or corrupt (its digest does not match)")
+    def _decode(self, body: memoryview) -> Snapshot:
+        """The arrays are views of `body` (a file's bytes but its digest, checked; restoring a
+        cache copies them)."""
         header = self._header(bytes(body[:PREAMBLE.size]), lambda n: bytes(body[PREAMBLE.size:PREAMBLE.size + n]))
         start = PREAMBLE.size + PREAMBLE.unpack(body[:PREAMBLE.size])[2]
         start += -start % ALIGN
@@ -248,14 +237,40 @@ def digest(parts: list[memoryview]) -> bytes:
     """BLAKE2b of the BLAKE2b digests of the DIGEST_BLOCK-byte blocks of the parts laid end to
     end, hashed by parallel threads; a block across parts is hashed piece by piece (no copy,
     the GIL let go for every piece)."""
-    def block_digest(pieces: list[memoryview]) -> bytes:
-        hasher = hashlib.blake2b(digest_size=DIGEST_BYTES)
-        for piece in pieces:
-            hasher.update(piece)
-        return hasher.digest()
+    return _combined(_hashers().map(_block_digest, _blocks(parts)))
 
-    digests = b"".join(_hashers().map(block_digest, _blocks(parts)))
-    return hashlib.blake2b(digests, digest_size=DIGEST_BYTES).digest()
+
+def read_checked(path: Path) -> memoryview:
+    """The bytes of the file at `path` but its digest, which they match (ValueError if not):
+    read by the hashing threads, each block hashed as it arrives."""
+    with open(path, "rb") as file:
+        fd = file.fileno()
+        size = os.fstat(fd).st_size - DIGEST_BYTES
+        if size <= PREAMBLE.size:
+            raise ValueError("truncated (shorter than a header and a digest)")
+        body = memoryview(np.empty(size, np.uint8))
+
+        def read_block(start: int) -> bytes:
+            block = body[start:start + DIGEST_BLOCK]
+            if os.preadv(fd, [block], start) != len(block):
+                raise ValueError("truncated while it was read")
+            return _block_digest([block])
+
+        digests = _hashers().map(read_block, range(0, size, DIGEST_BLOCK))
+        if _combined(digests) != os.pread(fd, DIGEST_BYTES, size):
+            raise ValueError("truncated or corrupt (its digest does not match)")
+    return body
+
+
+def _block_digest(pieces: list[memoryview]) -> bytes:
+    hasher = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.digest()
+
+
+def _combined(block_digests: Iterable[bytes]) -> bytes:
+    return hashlib.blake2b(b"".join(block_digests), digest_size=DIGEST_BYTES).digest()
 
 
 @functools.cache

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moerun.engine import snapshot_store
-from moerun.engine.snapshot_store import digest
+from moerun.engine.snapshot_store import digest, read_checked
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -29,3 +29,17 @@ def test_the_digest_is_of_the_blocks_digests(monkeypatch):
                            digest_size=32).digest()
     assert digest([memoryview(data)]) == want
     assert digest([memoryview(np.arange(5, dtype=np.float16).view(np.uint8))]) != digest([memoryview(data)])
+
+
+@pytest.mark.parametrize("size", [200, 64 * 7, 1000])
+def test_a_file_read_back_by_blocks_checks_against_its_digest(monkeypatch, tmp_path, size):
+    monkeypatch.setattr(snapshot_store, "DIGEST_BLOCK", 64)
+    body = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path = tmp_path / "snap"
+    path.write_bytes(body + digest([memoryview(body)]))
+    assert bytes(read_checked(path)) == body
+    damaged = bytearray(body)
+    damaged[size - 1] ^= 1                                           # in the last block
+    path.write_bytes(bytes(damaged) + digest([memoryview(body)]))
+    with pytest.raises(ValueError, match="digest"):
+        read_checked(path)

@@ -133,19 +133,81 @@ def causal_conv(u: np.ndarray, weight: np.ndarray, state: np.ndarray) -> tuple[n
     return silu(out), window[len(window) - (width - 1):].copy()
 
 
+DELTA_CHUNK = 32  # tokens a chunk of the gated delta rule at most: the fastest of 16 to 128 (docs/benchmarks.md)
+
+
 def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
-                     state: np.ndarray) -> np.ndarray:
-    """The gated delta rule, one token at a time: per value head h (reading key head h % HK),
+                     state: np.ndarray, chunk: int = DELTA_CHUNK) -> np.ndarray:
+    """The gated delta rule: per value head h (reading key head h % HK), token after token,
     S ← e^decay · S; S ← S + k (beta · (v - Sᵀk))ᵀ; o = Sᵀq / sqrt(DK). q, k [T, HK, DK] (unit
-    norm), v [T, HV, DV], decay and beta [T, HV]; state [HV, DK, DV], updated in place -> o [T, HV, DV]."""
+    norm), v [T, HV, DV], decay (<= 0) and beta [T, HV]; state [HV, DK, DV], updated in place
+    -> o [T, HV, DV].
+
+    One token (a decode step) takes one step of the recurrence (`delta_rule_token`); two or more
+    go in ⌈T / chunk⌉ chunks of near-equal size, each in closed form (`delta_rule_chunk`): a few
+    matrix products a chunk instead of passes over the whole state a token. A chunk of one token
+    is slower than the step (numpy multiplies the outer product of its state update slowly),
+    hence the rule, and a split that leaves no such chunk."""
+    if len(v) == 1:
+        return delta_rule_token(q[0], k[0], v[0], decay[0], beta[0], state)[None]
+    pieces = -(-len(v) // chunk)
+    parts = zip(*(np.array_split(x, pieces) for x in (q, k, v, decay, beta)))
+    return np.concatenate([delta_rule_chunk(*part, state) for part in parts])
+
+
+def delta_rule_token(q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
+                     state: np.ndarray) -> np.ndarray:
+    """One token of the gated delta rule: q, k [HK, DK], v [HV, DV], decay and beta [HV];
+    state [HV, DK, DV], updated in place -> o [HV, DV]."""
     n_value_heads, key_dim = state.shape[0], state.shape[1]
+    key_head = np.arange(n_value_heads) % len(q)
+    qh, kh = q[key_head], k[key_head]                                          # [HV, DK]
+    state *= np.exp(decay)[:, None, None]
+    delta = beta[:, None] * (v - np.einsum("hk,hkv->hv", kh, state))            # [HV, DV]
+    state += kh[:, :, None] * delta[:, None, :]
+    return np.einsum("hk,hkv->hv", qh, state) * np.float32(1.0 / np.sqrt(key_dim))
+
+
+def delta_rule_chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
+                     state: np.ndarray) -> np.ndarray:
+    """C tokens of the gated delta rule at once (the WY form of chunk_gated_delta_rule in
+    flash-linear-attention). With S₀ the state before the chunk, g the cumulative decays and
+    Γ[t, s] = e^(g_t - g_s) for s <= t, the state after token t is
+    S_t = e^g_t S₀ + Σ_{s<=t} Γ[t, s] k_s δ_sᵀ, so the updates δ [C, DV] solve
+    (I + A) δ = diag(β) (V - diag(e^g) K S₀), A[t, s] = β_t Γ[t, s] k_t·k_s strictly below the
+    diagonal; then o_t = (e^g_t S₀ᵀq_t + Σ_{s<=t} Γ[t, s] (q_t·k_s) δ_s) / sqrt(DK).
+    q, k [C, HK, DK], v [C, HV, DV], decay and beta [C, HV]; state [HV, DK, DV], updated in
+    place -> o [C, HV, DV]."""
+    n_tokens, n_value_heads = beta.shape
+    key_dim = state.shape[1]
     key_head = np.arange(n_value_heads) % q.shape[1]
-    scale = np.float32(1.0 / np.sqrt(key_dim))
-    out = np.empty_like(v)
-    for t in range(len(v)):
-        qt, kt = q[t, key_head], k[t, key_head]                               # [HV, DK]
-        state *= np.exp(decay[t])[:, None, None]
-        delta = beta[t][:, None] * (v[t] - np.einsum("hk,hkv->hv", kt, state))  # [HV, DV]
-        state += kt[:, :, None] * delta[:, None, :]
-        out[t] = np.einsum("hk,hkv->hv", qt, state) * scale
-    return out
+    qh, kh = q.transpose(1, 0, 2), k.transpose(1, 0, 2)                         # [HK, C, DK]
+    keys = kh[key_head]                                                          # [HV, C, DK]
+    scores = (qh @ kh.transpose(0, 2, 1))[key_head]                              # [HV, C, C] q_t·k_s
+    overlaps = (kh @ kh.transpose(0, 2, 1))[key_head]                            # [HV, C, C] k_t·k_s
+    # The decays summed in float64: e^(g_t - g_s) of two long sums loses digits in float32.
+    g = np.cumsum(decay.T, axis=1, dtype=np.float64)                             # [HV, C]
+    causal = np.tril(np.ones((n_tokens, n_tokens), bool))
+    exponents = np.where(causal, g[:, :, None] - g[:, None, :], -np.inf)        # [HV, C, C]
+    gaps = np.exp(exponents.astype(np.float32))                                  # [HV, C, C] Γ
+    decayed = np.exp(g).astype(np.float32)                                       # [HV, C] e^g_t
+    to_end = np.exp(g[:, -1:] - g).astype(np.float32)                            # [HV, C] e^(g_C - g_t)
+    b = beta.T                                                                   # [HV, C]
+    inverse = unit_lower_inverse(np.tril(overlaps * gaps, -1) * b[:, :, None])   # [HV, C, C] (I + A)⁻¹
+    from_values = inverse @ (v.transpose(1, 0, 2) * b[:, :, None])               # [HV, C, DV]
+    from_state = inverse @ (keys * (b * decayed)[:, :, None])                    # [HV, C, DK]
+    delta = from_values - from_state @ state                                     # [HV, C, DV]
+    out = decayed[:, :, None] * (qh[key_head] @ state) + (scores * gaps) @ delta  # [HV, C, DV]
+    state *= decayed[:, -1, None, None]
+    state += (keys * to_end[:, :, None]).transpose(0, 2, 1) @ delta
+    return out.transpose(1, 0, 2) * np.float32(1.0 / np.sqrt(key_dim))
+
+
+def unit_lower_inverse(a: np.ndarray) -> np.ndarray:
+    """(I + a)⁻¹ of a [..., C, C] strictly lower triangular, by forward substitution a row at a
+    time (a is overwritten)."""
+    inverse = np.negative(a, out=a)
+    for i in range(1, a.shape[-1]):
+        inverse[..., i:i + 1, :i] += inverse[..., i:i + 1, :i] @ inverse[..., :i, :i]
+    inverse += np.eye(a.shape[-1], dtype=a.dtype)
+    return inverse

@@ -40,12 +40,13 @@ def main() -> None:
             row += [f"{n}@{cache.length} {forward(cache, n):.1f}" for n in (16, 64, 32)]
             print(f"round {round_}, ms (tokens@position):", ", ".join(row))
         if runtime.backend.kind != "CPU":
-            for start, n_tokens in ((1536, 512), (2048, 16)):
+            for start, n_tokens in ((1536, 512), (2048, 16), (2048, 8), (2048, 1)):
                 print(f"{n_tokens}@{start}: device ms by call:", device_time_by_call(runtime, start, n_tokens, rng))
 
 
 def device_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dict[str, float]:
-    """One eager chunk of n_tokens at `start`, CUDA events around every backend and executor call."""
+    """One eager chunk of n_tokens at `start`, CUDA events around every backend and executor call,
+    each call begun on a drained stream (its time: its own launches and kernels, no queue before it)."""
     backend, model = runtime.backend, runtime.model
     cupy, times, events = backend.cupy, collections.defaultdict(float), []
 
@@ -54,6 +55,7 @@ def device_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dic
 
         def call(*args, **kwargs):
             begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+            backend.stream.synchronize()
             begin.record(backend.stream)
             out = inner(*args, **kwargs)
             end.record(backend.stream)

@@ -1,7 +1,6 @@
-"""A gated DeltaNet layer's mixing on the GPU against the numpy backend's, through both forms of
-the delta rule: token by token (few tokens: decode and a prompt's short rest) and in chunks
-(prefill steps of CHUNKED_RULE_TOKENS or more, a last chunk partly full), with the conv and
-recurrent states carried from one call into the next."""
+"""A gated DeltaNet layer's mixing on the GPU (its delta rule token by token) against the numpy
+backend's (in chunks of up to 32 tokens from two tokens on), for steps of one token to a few
+hundred, with the conv and recurrent states carried from one call into the next."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +37,7 @@ def layer_inputs(shape: DeltaNetShape, n_tokens: int, rng) -> tuple:
 
 
 @pytest.mark.parametrize("lengths", [(1, 7), (40,), (64,), (200, 77), (100, 1, 65)])
-def test_the_delta_rule_matches_numpy_in_either_form(backends, lengths):
+def test_the_delta_net_matches_numpy(backends, lengths):
     reference, gpu = backends
     shape, cupy = gpu.spec.delta_net, gpu.cupy
     rng = np.random.default_rng(sum(lengths))

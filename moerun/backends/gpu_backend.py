@@ -52,8 +52,6 @@ NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory o
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
 MAX_KEY_DIM, MAX_CONV_WIDTH = 128, 8     # a DeltaNet's key heads and convolution (delta_net.cu)
 DELTA_COLUMNS, DELTA_GROUPS = 32, 8     # delta_rule's block: value columns x groups of state rows
-DELTA_CHUNK, CHUNK_GROUPS = 32, 4       # the chunked rule's tokens a chunk; delta_chunk_state's groups of rows
-CHUNKED_RULE_TOKENS = 64                # steps of at least this many tokens take the chunked delta rule
 
 
 def i32(value: int) -> np.int32:
@@ -495,21 +493,8 @@ class GpuBackend:
         self.kernels.launch("delta_prepare", (n_tokens, shape.key_heads + shape.value_heads), block,
                             (mixed, beta, alpha, a, dt, gates, *heads, eps))
         out = cupy.empty((n_tokens, shape.value_heads * shape.value_dim), cupy.float32)   # [T, HV*DV]
-        columns = -(-shape.value_dim // DELTA_COLUMNS)
-        if n_tokens < CHUNKED_RULE_TOKENS:
-            self.kernels.launch("delta_rule", (shape.value_heads, columns), (DELTA_COLUMNS, DELTA_GROUPS),
-                                (mixed, gates, cache.ssm[layer], out, i32(n_tokens), *heads))
-        else:
-            pieces = -(-n_tokens // DELTA_CHUNK) * shape.value_heads                    # (chunk, value head)
-            w, qe, kd = (cupy.empty((pieces, DELTA_CHUNK, shape.key_dim), cupy.float32) for _ in range(3))
-            u = cupy.empty((pieces, DELTA_CHUNK, shape.value_dim), cupy.float32)
-            p = cupy.empty((pieces, DELTA_CHUNK, DELTA_CHUNK), cupy.float32)
-            chunk_decay = cupy.empty(pieces, cupy.float32)
-            self.kernels.launch("delta_chunk_prepare", (pieces // shape.value_heads, shape.value_heads), (256,),
-                                (mixed, gates, i32(n_tokens), *heads, w, u, qe, kd, p, chunk_decay))
-            self.kernels.launch("delta_chunk_state", (shape.value_heads, columns), (DELTA_COLUMNS, CHUNK_GROUPS),
-                                (w, u, qe, kd, p, chunk_decay, cache.ssm[layer], out, i32(n_tokens),
-                                 i32(shape.value_heads), i32(shape.key_dim), i32(shape.value_dim)))
+        self.kernels.launch("delta_rule", (shape.value_heads, -(-shape.value_dim // DELTA_COLUMNS)), (DELTA_COLUMNS, DELTA_GROUPS),
+                            (mixed, gates, cache.ssm[layer], out, i32(n_tokens), *heads))
         self.kernels.launch("delta_gate_norm", (n_tokens, shape.value_heads), block,
                             (out, z, norm, i32(shape.value_heads), i32(shape.value_dim), eps))
         return out

@@ -1,8 +1,9 @@
 """Each decode-step operation of a model on its own, timed at full speed: every
 operation is captured 50 times over into a CUDA graph and the replays timed with
-device events, so launch gaps stay out of the figures.
+device events, so launch gaps stay out of the figures. With --tokens N, the operations
+of a step of N tokens (the GEMV path takes up to 8), to see what each costs a token more.
 
-    python scripts/gpu_microbench.py -m model.gguf [--device cuda:0] [--position 512]
+    python scripts/gpu_microbench.py -m model.gguf [--device cuda:0] [--position 512] [--tokens 8]
 
 Prints microseconds per call and per layer (calls per layer × time), their sum
 over the layers plus the head, and the captured decode step for comparison.
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("-m", "--model", required=True)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--position", type=int, default=512, help="cache positions before the timed step")
+    parser.add_argument("--tokens", type=int, default=1, help="tokens of the timed step [default: 1, decode]")
     parser.add_argument("--row-group", type=int, default=gpu_kernels.ROW_GROUP,
                         help="threads per output row in the GEMVs (8, 16 or 32)")
     args = parser.parse_args()
@@ -59,12 +61,12 @@ def main() -> None:
         rng = np.random.default_rng(0)
 
         def activation(width: int):
-            return cupy.asarray(rng.normal(size=(1, width)).astype(np.float32))
+            return cupy.asarray(rng.normal(size=(args.tokens, width)).astype(np.float32))
 
         x, h = activation(spec.hidden), activation(spec.hidden)
         q = activation(spec.n_heads * spec.head_dim_k)
         k, v = activation(spec.n_kv_heads * spec.head_dim_k), activation(spec.n_kv_heads * spec.head_dim_v)
-        positions = cupy.asarray(np.array([args.position], np.int32))
+        positions = cupy.asarray(np.arange(args.position, args.position + args.tokens, dtype=np.int32))
         _, ids, weights = backend.route(x, layer.ffn_norm, layer.ffn_gate_inp)
         attended = activation(spec.n_heads * spec.head_dim_v)
         operations = [  # name, calls per layer, operation
@@ -81,14 +83,14 @@ def main() -> None:
         per_layer = {}
         for name, calls, operation in operations:
             per_layer[name] = (calls, graph_time_us(cupy, stream, operation))
-        head = graph_time_us(cupy, stream, lambda: backend.linear(x, model.weights.output))
+        head = graph_time_us(cupy, stream, lambda: backend.linear(x[-1:], model.weights.output))   # the last row, as a step
         layer_us = sum(calls * us for calls, us in per_layer.values())
         print("| operation | µs per call | calls per layer | µs per layer | share |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for name, (calls, us) in sorted(per_layer.items(), key=lambda item: -item[1][0] * item[1][1]):
             print(f"| {name} | {us:.1f} | {calls} | {calls * us:.1f} | {100 * calls * us / layer_us:.1f}% |")
         print(f"\nper layer {layer_us:.1f} µs × {spec.n_layers} layers + head {head:.1f} µs = "
-              f"{(layer_us * spec.n_layers + head) / 1e3:.3f} ms per token")
+              f"{(layer_us * spec.n_layers + head) / 1e3:.3f} ms a step of {args.tokens} token(s)")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,19 @@ class PrefixCache:
             self.stats.restored_tokens += len(best.tokens)
         return best
 
+    def confirm(self, snapshot: Snapshot) -> bool:
+        """Whether `snapshot` stands: one read from a file is used while its digest is checked,
+        and this waits for that; one that did not match leaves RAM (its file is gone already)
+        and counts as no hit."""
+        if snapshot.check is None or snapshot.check():
+            return True
+        if self._snapshots.get(snapshot.tokens) is snapshot:
+            del self._snapshots[snapshot.tokens]
+        self.stats.hits -= 1
+        self.stats.disk_hits -= 1
+        self.stats.restored_tokens -= len(snapshot.tokens)
+        return False
+
     def add(self, tokens: Sequence[int], state: CacheState, logits: np.ndarray) -> None:
         key = tuple(tokens)
         if len(key) != state.length:

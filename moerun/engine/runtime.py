@@ -22,6 +22,7 @@ from moerun.backends.protocol import KVCache
 from moerun.engine.model import MoEModel
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
+from moerun.engine.snapshot_store import Snapshot
 from moerun.engine.weights import load_weights
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.gguf.tokenizer import Tokenizer, TokenizerError
@@ -216,7 +217,10 @@ class Runtime:
     def _prefill(self, prompt: Sequence[int], stats: RunStats) -> tuple[KVCache, np.ndarray]:
         """The prompt's cache and the logits [1, V] after it: from the longest snapshot of its
         prefix where there is one, the rest in chunks, snapshots taken every `interval`
-        positions (the prompt's end waits for its first token: _sample)."""
+        positions (the prompt's end waits for its first token: _sample). A snapshot read from
+        a file is used while its digest is checked; before any snapshot is taken from it, and
+        before the logits go out, the check must have passed, else the prompt starts over
+        without that snapshot."""
         self._check_prompt(prompt)
         capacity = self.kv_pool or self.ctx
         snapshot = self.prefix_cache.longest(prompt) if self.prefix_cache is not None else None
@@ -228,8 +232,20 @@ class Runtime:
         for chunk in self._chunks(prompt, cache.length):
             logits = self.model.forward(chunk, cache, all_logits=False)
             if self.prefix_cache is not None and self.prefix_cache.due(cache.length):
+                if not self._stands(snapshot):
+                    return self._prefill_again(prompt, stats)
                 self._snapshot(prompt[:cache.length], cache, logits)
+        if not self._stands(snapshot):
+            return self._prefill_again(prompt, stats)
         return cache, logits
+
+    def _stands(self, snapshot: Snapshot | None) -> bool:
+        return snapshot is None or self.prefix_cache.confirm(snapshot)
+
+    def _prefill_again(self, prompt: Sequence[int], stats: RunStats) -> tuple[KVCache, np.ndarray]:
+        """The prompt once more, its snapshot having failed its check (and gone)."""
+        stats.restored_tokens = 0
+        return self._prefill(prompt, stats)
 
     def _new_cache(self) -> KVCache:
         """A fresh sequence's cache; the layer shards start one too (restarting a broken shard)."""

@@ -5,7 +5,9 @@ backend and its KV element type), so a snapshot is only ever offered to the mode
 that made it. A file is written whole to a temporary name and renamed into place; it ends
 with a digest of everything before it: BLAKE2b over the BLAKE2b digests of its 8 MiB blocks,
 which threads hash in parallel (hashlib lets go of the GIL), so checking a file costs a
-fraction of hashing it in one thread; reading it back, each thread reads the blocks it hashes. A file that is truncated, corrupt, of another
+fraction of hashing it in one thread. A file read back is checked while the request that
+loaded it goes on (its state restored, the rest of its prompt prefilled); nothing that request
+gives out, and no snapshot taken after it, comes before the check says the file matched. A file that is truncated, corrupt, of another
 format version or of another model is skipped with a warning and deleted, never loaded. Past
 `budget` bytes the files of the lowest score — hits per hour of age per byte — go first.
 Files are written by a thread of their own, off the requests' path; close() waits for them.
@@ -16,6 +18,7 @@ layer, dtype, shape, offset) | arrays, each 64-byte aligned | digest (32 bytes).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -24,7 +27,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +54,7 @@ class Snapshot:
     tokens: tuple[int, ...]     # the tokens of positions 0 .. len - 1
     state: CacheState           # the cache after them
     logits: np.ndarray          # [V] f32, after the last of them
+    check: Callable[[], bool] | None = None     # read from a file: whether its digest matched (waits for it)
 
     @property
     def nbytes(self) -> int:
@@ -106,19 +110,33 @@ class SnapshotStore:
             return longest_prefix({**self.files, **self._pending}, ids)
 
     def load(self, stored: StoredSnapshot | Snapshot) -> Snapshot | None:
-        """The snapshot in `stored`'s file, or None (and the file gone) if it does not check out."""
+        """The snapshot in `stored`'s file, or None (and the file gone) if it is truncated or its
+        header does not check out. Its digest is checked while the caller goes on: the
+        snapshot's check() says whether it matched (and, if not, the file is gone too)."""
         if isinstance(stored, Snapshot):
             return stored
         try:
-            snapshot = self._decode(read_checked(stored.path))
+            body, matches = read_body(stored.path)
+            snapshot = self._decode(body)
         except (OSError, ValueError) as err:
-            self._discard(stored.path, err)
-            with self._lock:
-                self.files.pop(stored.tokens, None)
+            self._forget(stored, err)
             return None
         stored.hits += 1
         os.utime(stored.path)                 # its age counts from its last use
-        return snapshot
+
+        @functools.cache
+        def check() -> bool:
+            if matches():
+                return True
+            self._forget(stored, ValueError("corrupt (its digest does not match)"))
+            return False
+
+        return dataclasses.replace(snapshot, check=check)
+
+    def _forget(self, stored: StoredSnapshot, err: Exception) -> None:
+        self._discard(stored.path, err)
+        with self._lock:
+            self.files.pop(stored.tokens, None)
 
     def save(self, snapshot: Snapshot) -> None:
         """Have `snapshot` written (a failure to write, a full disk, is a warning: the cache is only a cache)."""
@@ -240,26 +258,27 @@ def digest(parts: list[memoryview]) -> bytes:
     return _combined(_hashers().map(_block_digest, _blocks(parts)))
 
 
-def read_checked(path: Path) -> memoryview:
-    """The bytes of the file at `path` but its digest, which they match (ValueError if not):
-    read by the hashing threads, each block hashed as it arrives."""
+def read_body(path: Path) -> tuple[memoryview, Callable[[], bool]]:
+    """The bytes of the file at `path` but its digest, read by the hashing threads, and a call
+    that says whether they match the digest: their blocks are hashed meanwhile (ValueError for
+    a file cut short)."""
     with open(path, "rb") as file:
         fd = file.fileno()
         size = os.fstat(fd).st_size - DIGEST_BYTES
         if size <= PREAMBLE.size:
             raise ValueError("truncated (shorter than a header and a digest)")
         body = memoryview(np.empty(size, np.uint8))
+        expected = os.pread(fd, DIGEST_BYTES, size)
 
-        def read_block(start: int) -> bytes:
+        def read_block(start: int) -> None:
             block = body[start:start + DIGEST_BLOCK]
             if os.preadv(fd, [block], start) != len(block):
                 raise ValueError("truncated while it was read")
-            return _block_digest([block])
 
-        digests = _hashers().map(read_block, range(0, size, DIGEST_BLOCK))
-        if _combined(digests) != os.pread(fd, DIGEST_BYTES, size):
-            raise ValueError("truncated or corrupt (its digest does not match)")
-    return body
+        starts = range(0, size, DIGEST_BLOCK)
+        list(_hashers().map(read_block, starts))
+    digests = [_hashers().submit(_block_digest, [body[start:start + DIGEST_BLOCK]]) for start in starts]
+    return body, lambda: _combined(digest.result() for digest in digests) == expected
 
 
 def _block_digest(pieces: list[memoryview]) -> bytes:

@@ -154,6 +154,34 @@ def test_a_damaged_or_foreign_file_is_never_loaded(model_path, tmp_path, damage,
         assert "skipped and deleted" in caplog.text
 
 
+def test_a_file_is_used_while_its_digest_is_checked_and_refused_when_it_fails(model_path, tmp_path, caplog):
+    """Every file of a prompt damaged past its header: each is restored and its rest prefilled
+    while its check runs, then refused before any snapshot is taken from it or a token goes
+    out; the prompt ends up prefilled whole, its answer a fresh runtime's."""
+    with Runtime(model_path, prefix_cache=PrefixCache(slots=4, interval=8, folder=tmp_path, disk_budget=1 << 30)) as runtime:
+        answer(runtime, SYSTEM, 0)                  # files at 8, 16 and 23 tokens
+    files = snapshot_files(tmp_path)
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-33] ^= 0xFF                           # the body's last byte: the header still reads
+        path.write_bytes(bytes(data))
+    cache = PrefixCache(slots=4, interval=8, folder=tmp_path, disk_budget=1 << 30)
+    with Runtime(model_path, prefix_cache=cache) as runtime:
+        restored, restore = [], runtime.backend.restore_cache
+        runtime.backend.restore_cache = lambda state, capacity: restored.append(state.length) or restore(state, capacity)
+        tokens, stats = answer(runtime, SYSTEM + FOLLOW_UP)
+    with Runtime(model_path) as fresh:
+        assert tokens == answer(fresh, SYSTEM + FOLLOW_UP)[0]
+    assert len(files) == 3 and restored == [23, 16, 8]          # each used while checked, then refused
+    assert stats.restored_tokens == 0 and cache.stats.disk_hits == 0
+    assert caplog.text.count("digest does not match") == 3
+    again = disk_cache(tmp_path)                    # the files now: written from the whole prefill
+    with Runtime(model_path, prefix_cache=again):
+        assert again.confirm(snapshot := again.longest(SYSTEM[:16]))
+    full = prompt_logits(model_path, SYSTEM[:16])
+    assert np.max(np.abs(snapshot.logits - full)) / np.max(np.abs(full)) <= BOUND
+
+
 def test_the_disk_budget_keeps_the_newest(model_path, tmp_path):
     oldest, older, newest = SYSTEM[:9], QUESTION, SYSTEM[9:18]          # snapshots of one size
     with Runtime(model_path, prefix_cache=disk_cache(tmp_path)) as runtime:

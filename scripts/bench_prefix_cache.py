@@ -8,7 +8,8 @@ start-up, a step's first run and its capture as a graph) is in none of the figur
 
     python scripts/bench_prefix_cache.py -m /tmp/qwen36-4l.gguf --prefix 2048 --device cpu
 
-Prints the three times and their ratios to the first.
+Prints the three times, their ratios to the first, and the milliseconds of each spent in the
+prefix lookup (a file's read there), the restore and the forward passes.
 """
 from __future__ import annotations
 
@@ -27,12 +28,35 @@ QUESTION_TOKENS = 16
 INTERVAL = 1024         # --snapshot-interval: the prefix's tokens are a multiple of it by default
 
 
-def first_token_seconds(runtime: Runtime, prompt: list[int]) -> tuple[float, int]:
-    """Seconds from the request to its first sampled token, and the prompt tokens restored."""
-    stats = RunStats()
+def first_token_seconds(runtime: Runtime, prompt: list[int]) -> tuple[float, int, dict[str, float]]:
+    """Seconds from the request to its first sampled token, the prompt tokens restored, and
+    the seconds spent in its lookup (a file read there), restore and forward passes."""
+    stats, spent = RunStats(), dict.fromkeys(("lookup", "restore", "forward"), 0.0)
+    timed = {"lookup": (runtime.prefix_cache, "longest"), "restore": (runtime.backend, "restore_cache"),
+             "forward": (runtime.model, "forward")}
+    for name, (owner, method) in timed.items():
+        setattr(owner, method, _timing(getattr(owner, method), spent, name))
     started = time.perf_counter()
-    next(iter(runtime.generate(prompt, 1, SamplingParams(temperature=0.0), stats=stats)))
-    return time.perf_counter() - started, stats.restored_tokens
+    try:
+        next(iter(runtime.generate(prompt, 1, SamplingParams(temperature=0.0), stats=stats)))
+    finally:
+        for owner, method in timed.values():
+            delattr(owner, method)
+    return time.perf_counter() - started, stats.restored_tokens, spent
+
+
+def _timing(call, spent: dict[str, float], name: str):
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - started
+    return timed
+
+
+def pieces(spent: dict[str, float]) -> str:
+    return ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in spent.items())
 
 
 def main() -> None:
@@ -58,16 +82,17 @@ def main() -> None:
                                                        for _ in range(3))
     with runtime() as server:
         first_token_seconds(server, warm_up)
-        first, _ = first_token_seconds(server, prefix + first_question)
-        second, restored = first_token_seconds(server, prefix + second_question)
+        first, _, first_spent = first_token_seconds(server, prefix + first_question)
+        second, restored, second_spent = first_token_seconds(server, prefix + second_question)
     with runtime() as restarted:
         first_token_seconds(restarted, warm_up)
-        after_restart, restored_disk = first_token_seconds(restarted, prefix + third_question)
+        after_restart, restored_disk, restart_spent = first_token_seconds(restarted, prefix + third_question)
     print(f"model {args.model}, {args.prefix}-token prefix + {QUESTION_TOKENS}-token question, device {args.device}")
-    print(f"first request          {first * 1e3:9.1f} ms")
-    print(f"second request         {second * 1e3:9.1f} ms  ({second / first:.3f}x; {restored} tokens restored)")
+    print(f"first request          {first * 1e3:9.1f} ms  [{pieces(first_spent)}]")
+    print(f"second request         {second * 1e3:9.1f} ms  ({second / first:.3f}x; {restored} tokens restored) "
+          f"[{pieces(second_spent)}]")
     print(f"third, after restart   {after_restart * 1e3:9.1f} ms  ({after_restart / first:.3f}x; "
-          f"{restored_disk} tokens restored from disk)")
+          f"{restored_disk} tokens restored from disk) [{pieces(restart_spent)}]")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ with a digest of everything before it: BLAKE2b over the BLAKE2b digests of its 8
 which threads hash in parallel (hashlib lets go of the GIL), so checking a file costs a
 fraction of hashing it in one thread. A file read back is checked while the request that
 loaded it goes on (its state restored, the rest of its prompt prefilled); nothing that request
-gives out, and no snapshot taken after it, comes before the check says the file matched. A file that is truncated, corrupt, of another
-format version or of another model is skipped with a warning and deleted, never loaded. Past
+gives out, and no snapshot taken after it, comes before the check says the file matched. A
+file that is truncated, corrupt, of another format version or of another model is skipped
+with a warning and deleted, never used to answer. Past
 `budget` bytes the files of the lowest score — hits per hour of age per byte — go first.
 Files are written by a thread of their own, off the requests' path; close() waits for them.
 
@@ -228,8 +229,8 @@ class SnapshotStore:
         return [memoryview(head + b"\0" * (-len(head) % ALIGN)), *arrays]
 
     def _decode(self, body: memoryview) -> Snapshot:
-        """The arrays are views of `body` (a file's bytes but its digest, checked; restoring a
-        cache copies them)."""
+        """The arrays are views of `body` (a file's bytes but its digest, which the snapshot's
+        check compares; restoring a cache copies them)."""
         header = self._header(bytes(body[:PREAMBLE.size]), lambda n: bytes(body[PREAMBLE.size:PREAMBLE.size + n]))
         start = PREAMBLE.size + PREAMBLE.unpack(body[:PREAMBLE.size])[2]
         start += -start % ALIGN

@@ -131,8 +131,10 @@ class GpuExpertSet:
         """Slot `index`'s experts into its reply buffer: a one-token request's launches eager the
         first time for its (slot, layer, dtype), captured the second, replayed after."""
         key, stream = (index, layer, dtype), self.backend.stream
-        if tokens > 1 or not self.backend.graphs_enabled or key not in self._seen:
-            self._seen.update([key] if tokens == 1 else [])
+        if tokens > 1 or not self.backend.graphs_enabled:
+            self._launch_slot_experts(index, layer, dtype, tokens)
+        elif key not in self._seen:
+            self._seen.add(key)
             self._launch_slot_experts(index, layer, dtype, tokens)
         elif key in self._graphs:
             self._graphs[key][0].launch(stream)

@@ -3,7 +3,9 @@ runs those layers for one parent at a time — their attention with its own KV c
 routers and every expert of them (or, with expert daemons of its own, its hot ones, the cold
 ones on those daemons as a parent's are) — taking the hidden state [T, H] at some positions of a
 sequence and giving back the state after its last layer (FORWARD in moerun.ipc.server, over
-its socket or, from a parent on this host, through the slots of a shared arena).
+its socket or, from a parent on this host, through a slot of a shared arena: the state in the
+slot, or, from a parent on a GPU of the shard's vendor, in device buffers the shard exports
+through CUDA/HIP IPC, ordered by IPC events, neither side's host waiting for a device).
 It holds one sequence: position 0 starts one, every other step must continue it exactly
 (a shard that restarted, or missed a step, says so and the parent starts over).
 
@@ -12,6 +14,7 @@ Shape legend: T tokens, H hidden.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,6 +27,7 @@ from moerun.models import load_spec
 from moerun.moe.executor import LocalExecutor
 from moerun.moe.placement import PARENT
 from moerun.rig.cores import HostShares, share_host
+from moerun.rig.gpu_ipc import ExportedBuffers, record, valid_handles, wait
 from moerun.rig.settings import RigConfig
 from moerun.rig.supervisor import Rig
 from moerun.units import available_host_bytes
@@ -42,6 +46,8 @@ class LayerShard:
         self.gguf = GGUFFile(model_path)
         self.rig: Rig | None = None
         self.cpus: HostShares | None = None
+        self.exported: ExportedBuffers | None = None     # "device": [x | reply], each [C, H] f32
+        self._buffer_rows = 0                            # C, the attached arena's batch capacity
         try:
             self.spec = load_spec(self.gguf)
             if not 1 <= layers.start < layers.stop <= self.spec.n_layers:
@@ -79,6 +85,30 @@ class LayerShard:
 
     def forward(self, sequence: int, start: int, x: np.ndarray) -> np.ndarray:
         """x f32 [T, H] at positions start.. of `sequence` -> f32 [T, H] after layer B-1."""
+        self._continue(sequence, start, len(x))
+        started = time.perf_counter()
+        out = self.model.forward_hidden(x, self.cache)
+        self._count(len(x), started)
+        return out
+
+    def _forward_slot(self, index: int, sequence: int, start: int, tokens: int) -> None:
+        """As forward, the state [T, H] in the exported buffers ("device"): the stream waits for
+        the parent's event, runs the layers, writes the reply and records the shard's event;
+        the host returns once that is queued."""
+        self._continue(sequence, start, tokens)
+        exported, cupy, stream = self.exported, self.backend.cupy, self.backend.stream
+        capacity, hidden = self._buffer_rows, self.spec.hidden
+        x, reply = (cupy.ndarray((capacity, hidden), cupy.float32, cupy.cuda.MemoryPointer(exported.memory, offset))
+                    for offset in (0, capacity * hidden * 4))
+        started = time.perf_counter()
+        with stream:
+            wait(cupy, stream, exported.incoming[index])
+            reply[:tokens] = self.model.forward_hidden(x[:tokens], self.cache)
+            record(cupy, exported.outgoing[index], stream)
+        self._count(tokens, started)
+
+    def _continue(self, sequence: int, start: int, tokens: int) -> None:
+        """Position 0 starts `sequence`; any other start must continue the one held."""
         if start == 0:
             self.cache, self.sequence = self.backend.new_cache(self.ctx), sequence
         elif self.cache is None or sequence != self.sequence or start != self.cache.length:
@@ -86,15 +116,14 @@ class LayerShard:
                     f"sequence {self.sequence} at position {self.cache.length}")
             raise ValueError(f"sequence {sequence} at position {start} does not continue what this shard holds "
                              f"({held}): start the sequence again from position 0")
-        if start + len(x) > self.ctx:
-            raise ValueError(f"positions {start}..{start + len(x) - 1} do not fit this shard's context of "
+        if start + tokens > self.ctx:
+            raise ValueError(f"positions {start}..{start + tokens - 1} do not fit this shard's context of "
                              f"{self.ctx} (--ctx)")
-        started = time.perf_counter()
-        out = self.model.forward_hidden(x, self.cache)
+
+    def _count(self, tokens: int, started: float) -> None:
         self.calls += 1
-        self.tokens += len(x)
+        self.tokens += tokens
         self.compute_seconds += time.perf_counter() - started
-        return out
 
     def assign(self, experts, progress) -> None:
         raise ValueError(f"a layer shard holds the experts of its layers {self.layers.start}..{self.layers.stop - 1} "
@@ -103,14 +132,32 @@ class LayerShard:
     def compute(self, layer, x, counts, local_ids, weights) -> np.ndarray:
         raise ValueError("a layer shard takes FORWARD requests, not COMPUTE (start an expert daemon without --layers)")
 
-    def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, None, None]:
-        """A parent on this host: its FORWARD requests come through the arena's slots."""
-        if transport != "shared":
-            raise ValueError(f"a layer shard takes the hidden state through shared memory or its socket, "
-                             f"not the {transport} transport")
-        return {}, None, None
+    def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None, None]:
+        """A parent on this host: its FORWARD requests come through the arena's slots, with the
+        hidden state in them ("shared") or in this shard's device buffers ("device": the reply
+        fields carry their IPC handles and the shard's events; the parent's events come in
+        `header`, one a slot)."""
+        self._release_buffers()
+        if transport == "shared":
+            return {}, None, None
+        if transport != "device" or self.backend.kind == "CPU":
+            raise ValueError(f"a layer shard on {self.device} takes the hidden state through shared memory "
+                             f"or its socket, not the {transport} transport")
+        incoming = header.get("incoming", [])
+        if not valid_handles(incoming, arena.layout.slots):
+            raise ValueError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event handles")
+        self._buffer_rows = arena.layout.batch_capacity
+        self.exported = ExportedBuffers(self.backend.cupy, 2 * self._buffer_rows * self.spec.hidden * 4, incoming)
+        return {"device_buffers": self.exported.handles()}, self._forward_slot, None
+
+    def _release_buffers(self) -> None:
+        if self.exported is not None:
+            self.backend.stream.synchronize()
+            self.exported.release()
+            self.exported = None
 
     def release(self) -> None:
+        self._release_buffers()
         self.cache, self.sequence = None, None
 
     def stats(self) -> dict:
@@ -124,6 +171,7 @@ class LayerShard:
 
     def close(self) -> None:
         """Stop the expert daemons it spawned; release the model file."""
+        self._release_buffers()
         if self.rig is not None:
             self.rig.close()
             self.rig = None

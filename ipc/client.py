@@ -231,6 +231,15 @@ class DaemonClient:
         self._shared.post(slot, request_id, int(layer), dtype, tokens)
         return request_id
 
+    def post_forward(self, sequence: int, start: int, tokens: int) -> int:
+        """A layer shard's step whose hidden state is in its device buffers (transport "device"),
+        through slot 0; collect() waits for the shard to have queued its work. Returns the
+        request id."""
+        request_id = self._next_id()
+        self.counters.calls += 1
+        self._shared.post_forward(0, request_id, sequence, start, tokens)
+        return request_id
+
     def forward(self, sequence: int, start: int, x: np.ndarray, dtype: str, timeout_s: float,
                 alive: Callable[[], bool] | None = None) -> np.ndarray:
         """A layer shard's step: x f32 [T, H] at positions start.. of `sequence` (start 0 begins

@@ -60,8 +60,10 @@ class Handler(Protocol):
 
     # The arena a parent attached with transport "shared" or "device" (header: the ATTACH
     # request, for the parent's IPC event handles): the reply fields for ATTACH; for a
-    # handler that serves padded requests in place, a callable (slot index, layer, dtype, T)
-    # (None: the server hands padded requests to compute() as ragged ones); and for one that
+    # handler that serves requests in place, a callable: an expert daemon's for padded COMPUTE
+    # requests (slot index, layer, dtype, T), a layer shard's for FORWARD requests whose hidden
+    # state is in its device buffers (slot index, sequence, start, T) (None: the server hands
+    # padded requests to compute() as ragged ones, FORWARD ones to forward()); and for one that
     # serves the arena's requests in a loop of its own, a callable (spin_s, max_s) -> requests
     # served, which returns once the arena was idle for spin_s, its doorbell changed, max_s
     # passed, or a request is left that it does not serve (the server then serves it).
@@ -205,7 +207,7 @@ class Server:
         layer, dtype, tokens, pairs, padded = shm.read_request_header(slot.buffer, layout)
         self._require_ready()
         if padded and session.slot_compute is not None:
-            compute_us = self._run_in_place(session.slot_compute, index, layer, dtype, tokens)
+            compute_us = self._run_in_place("compute", session.slot_compute, index, layer, dtype, tokens)
         else:
             request = p.ComputeRequest(layer, *slot.request_frames(dtype, tokens, pairs))
             if padded:
@@ -216,10 +218,14 @@ class Server:
         shm.write_result_header(slot.buffer, request_id, layer, tokens, layout.hidden, compute_us)
 
     def _serve_forward_slot(self, index: int, slot: Slot, layout: ArenaLayout, request_id: int) -> None:
-        """A layer shard's FORWARD in slot `index`: x [T, H] in, the f32 state after its layers out."""
+        """A layer shard's FORWARD in slot `index`: x [T, H] in, the f32 state after its layers out
+        (with transport "device", both in the shard's own device buffers: its in-place call)."""
         sequence, start, dtype, tokens = shm.read_forward_header(slot.buffer, layout)
-        out, compute_us = self._run_forward(sequence, start, slot.request_frames(dtype, tokens, 0)[0])
-        slot.write_result(out)
+        if self._session.slot_compute is not None:
+            compute_us = self._run_in_place("forward", self._session.slot_compute, index, sequence, start, tokens)
+        else:
+            out, compute_us = self._run_forward(sequence, start, slot.request_frames(dtype, tokens, 0)[0])
+            slot.write_result(out)
         shm.write_result_header(slot.buffer, request_id, 0, tokens, layout.hidden, compute_us)
 
     # -- the socket ---------------------------------------------------------------------------
@@ -413,14 +419,13 @@ class Server:
                                             f"x of shape {request.x.shape}")
         return out, compute_us
 
-    def _run_in_place(self, slot_compute: Callable, index: int, layer: int, dtype: str,
-                      tokens: int) -> float:
-        """A padded request the handler serves from and into its own buffers; its time in µs."""
+    def _run_in_place(self, op: str, slot_compute: Callable, index: int, *request: object) -> float:
+        """A request the handler serves from and into its own buffers; its time in µs."""
         start = time.perf_counter()
         try:
-            slot_compute(index, layer, dtype, tokens)
+            slot_compute(index, *request)
         except (ValueError, KeyError, IndexError) as e:
-            raise ProtocolError(p.BAD_REQUEST, f"compute: {type(e).__name__}: {e}") from None
+            raise ProtocolError(p.BAD_REQUEST, f"{op}: {type(e).__name__}: {e}") from None
         return (time.perf_counter() - start) * 1e6
 
     def _stats(self, peer: bytes, header: dict, frames: list) -> None:

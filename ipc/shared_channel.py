@@ -76,6 +76,19 @@ class SharedChannel:
         self._ring(index, request_id, tokens, shm.FORWARD_REQUEST.size + x.size * p.WIRE_ITEMSIZE[dtype])
         return self.wait(request_id, deadline, alive)
 
+    def post_forward(self, index: int, request_id: int, sequence: int, start: int, tokens: int) -> None:
+        """A layer shard's FORWARD whose hidden state [T, H] is already in the shard's device
+        buffers (transport "device"): the header alone goes into idle slot `index`."""
+        layout = self.arena.layout
+        if tokens > layout.batch_capacity:
+            raise ValueError(f"{tokens} tokens do not fit the arena's batch capacity {layout.batch_capacity}")
+        self._raise_if_detached()
+        if not self.idle(index):
+            raise RuntimeError(f"slot {index} still holds a request")
+        shm.write_forward_header(self.arena.slots[index].buffer, request_id, sequence, start, "f32", tokens,
+                                 layout.hidden)
+        self._ring(index, request_id, tokens, shm.FORWARD_REQUEST.size)
+
     def _ring(self, index: int, request_id: int, tokens: int, sent_bytes: int) -> None:
         """The request written into slot `index` goes out: its sequence word, then the doorbell."""
         slot = self.arena.slots[index]

@@ -50,6 +50,7 @@ MAX_EXPERTS, MAX_TOP_K = 1024, 32   # most experts and experts per token routing
 NORMED_VALUES = 8              # values of a row each thread converts when q/k/v fold the norm (q8_dot.cuh) ...
 NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
+COPY_DEFAULT = 4               # cudaMemcpyDefault: the runtime infers the direction from the addresses
 MAX_KEY_DIM, MAX_CONV_WIDTH = 128, 8     # a DeltaNet's key heads and convolution (delta_net.cu)
 DELTA_COLUMNS, DELTA_GROUPS = 32, 8     # delta_rule's block: value columns x groups of state rows
 
@@ -251,14 +252,20 @@ class GpuBackend:
         """The most tokens a captured step takes (decode, and a prompt's last few tokens); 0: none."""
         return MAX_GEMV_TOKENS if self.graphs_enabled else 0
 
-    def run_step(self, forward: Forward, inputs: np.ndarray, start: int, graph_key: tuple | None) -> np.ndarray:
+    def run_step(self, forward: Forward, inputs: Any, start: int, graph_key: tuple | None) -> Any:
+        """As the protocol's; a layer shard's hidden state may come on the device (a parent's
+        device-direct hop), and its output then stays there, queued on the stream."""
         with self.stream:
             if self.before_step is not None:
                 self.before_step()
+            on_host = isinstance(inputs, np.ndarray)
             if graph_key is not None and len(inputs) <= self.step_tokens and (inputs.ndim == 1 or len(inputs) == 1):
-                return self._graphs.step(forward, inputs, start, graph_key)
-            device_inputs = self.upload_ids(inputs) if inputs.ndim == 1 else self.vector(inputs)
-            return self.to_host(forward(device_inputs, self.positions(start, len(inputs))))
+                out = self._graphs.step(forward, inputs, start, graph_key)
+            else:
+                device_inputs = inputs if not on_host else (
+                    self.upload_ids(inputs) if inputs.ndim == 1 else self.vector(inputs))
+                out = forward(device_inputs, self.positions(start, len(inputs)))
+            return self.to_host(out) if on_host else out
 
     def hop(self, x: Any, action) -> Any:
         """Eagerly: x to the host and the action's result back. While a step is captured: the
@@ -278,6 +285,18 @@ class GpuBackend:
         self.cut(through_host)
         out = cupy.empty_like(x)
         runtime.memcpyAsync(out.data.ptr, received.ctypes.data, x.nbytes, runtime.memcpyHostToDevice, self.stream.ptr)
+        return out
+
+    def hop_through(self, x: Any, destination: int, source: int, action) -> Any:
+        """x [T, H] into another process's device buffer at `destination` (opened through IPC),
+        the action (its doorbell and event waits: a cut while a step is captured), then [T, H]
+        back from its buffer at `source`: no host copy, and the copies are graph nodes."""
+        cupy, runtime = self.cupy, self.cupy.cuda.runtime
+        x = cupy.ascontiguousarray(x)
+        runtime.memcpyAsync(destination, x.data.ptr, x.nbytes, COPY_DEFAULT, self.stream.ptr)
+        self.cut(action)
+        out = cupy.empty_like(x)
+        runtime.memcpyAsync(out.data.ptr, source, x.nbytes, COPY_DEFAULT, self.stream.ptr)
         return out
 
     # -- operations

@@ -70,17 +70,21 @@ class GraphCache:
         self.hidden = cupy.zeros((1, backend.spec.hidden), cupy.float32)   # a layer shard's step input
         self._host_hidden = backend.pinned((1, backend.spec.hidden), np.float32)
 
-    def step(self, forward: Callable[[Any, Any], Any], inputs: np.ndarray, position: int, key: tuple) -> np.ndarray:
-        """inputs: the step's tokens [T], or a layer shard's hidden state f32 [1, H]."""
+    def step(self, forward: Callable[[Any, Any], Any], inputs: Any, position: int, key: tuple) -> Any:
+        """inputs: the step's tokens [T], or a layer shard's hidden state f32 [1, H] (on the host,
+        or on the device: a parent's device-direct hop) -> the step's output on the device (a
+        captured step's own buffer, rewritten by its next replay)."""
         backend = self.backend
         hidden = inputs.ndim == 2
         n_tokens = len(inputs)
         self._host_inputs[0, :n_tokens] = 0 if hidden else inputs
         self._host_inputs[1, :n_tokens] = np.arange(position, position + n_tokens)
         self.inputs.set(self._host_inputs, stream=backend.stream)
-        if hidden:
+        if hidden and isinstance(inputs, np.ndarray):
             self._host_hidden[:] = inputs
             self.hidden.set(self._host_hidden, stream=backend.stream)
+        elif hidden:
+            self.hidden[...] = inputs
         step_input = self.hidden if hidden else self.inputs[0, :n_tokens]
         positions = self.inputs[1, :n_tokens]
         if key not in self._seen:
@@ -95,14 +99,15 @@ class GraphCache:
         except StepRetry:
             self._forget(key)
             return self._eager(forward, step_input, positions)
-        return backend.to_host(self._steps[key].logits)
+        return self._steps[key].logits
 
     @property
     def captured(self) -> int:
         return len(self._steps)
 
-    def _eager(self, forward: Callable[[Any, Any], Any], step_input: Any, positions: Any) -> np.ndarray:
-        return self.backend.to_host(forward(step_input, positions))
+    @staticmethod
+    def _eager(forward: Callable[[Any, Any], Any], step_input: Any, positions: Any) -> Any:
+        return forward(step_input, positions)
 
     def _replay(self, step: CapturedStep) -> None:
         stream, guard = self.backend.stream, self.backend.step_guard

@@ -7,6 +7,7 @@ E experts, K experts per token, L layers.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,7 +22,10 @@ from moerun.moe.hotness import RoutingCounter
 class Shards(Protocol):
     """The layers after this process's, on layer shards (moerun.rig.shards)."""
 
-    def forward(self, x: np.ndarray, start: int) -> np.ndarray: ...   # f32 [T, H] at positions start.. -> [T, H]
+    def hop(self, x: Any, start: Callable[[], int]) -> Any:
+        """x [T, H] on the model's backend at positions start().. through every shard -> [T, H] there."""
+
+    def graph_key(self) -> tuple: ...   # what a captured step's hops depend on (the shards' device buffers)
 
 
 class MoEModel:
@@ -29,7 +33,7 @@ class MoEModel:
                  routing: RoutingCounter | None = None, shards: Shards | None = None):
         """routing: counts every MoE layer's routed ids (`moerun profile`); steps then run eagerly.
         weights: the layers this process runs; shards: the ones after them, whose hidden state
-        crosses the host between graph segments of a captured step."""
+        crosses between graph segments of a captured step."""
         self.spec = spec
         self.backend = backend
         self.weights = weights
@@ -53,12 +57,15 @@ class MoEModel:
         self._count(cache, len(ids))
         return logits
 
-    def forward_hidden(self, x: np.ndarray, cache: KVCache) -> np.ndarray:
+    def forward_hidden(self, x: Any, cache: KVCache) -> Any:
         """A layer shard's step: x f32 [T, H] at positions cache.length.. through this
-        process's layers, extending the cache -> f32 [T, H]."""
+        process's layers, extending the cache -> f32 [T, H], on the host, or, for x on the
+        backend's device (a parent's device-direct hop), there, queued on its stream."""
         cache.reserve(len(x))
+        if isinstance(x, np.ndarray):
+            x = np.ascontiguousarray(x, np.float32)
         out = self.backend.run_step(lambda hidden, positions: self._layers(hidden, positions, cache),
-                                    np.ascontiguousarray(x, np.float32), cache.length, self._graph_key(cache, "hidden", len(x)))
+                                    x, cache.length, self._graph_key(cache, "hidden", len(x)))
         self._count(cache, len(x))
         return out
 
@@ -81,11 +88,12 @@ class MoEModel:
 
     def _graph_key(self, cache: KVCache, output: bool | str, n_tokens: int) -> tuple | None:
         """What a captured step depends on: the cache's capacity, what it returns, the
-        executor's state and the step's tokens; None where the step runs eagerly."""
+        executor's state, the step's tokens and the layer shards' buffers; None where the step
+        runs eagerly."""
         executor_key = self._executor_key()
         if n_tokens > self._step_tokens(executor_key):
             return None
-        return cache.capacity, output, executor_key, n_tokens
+        return cache.capacity, output, executor_key, n_tokens, self.shards.graph_key() if self.shards else ()
 
     def _count(self, cache: KVCache, n_tokens: int) -> None:
         cache.advance(n_tokens)
@@ -97,14 +105,14 @@ class MoEModel:
 
     def _forward(self, ids: Any, positions: Any, cache: KVCache, all_logits: bool) -> Any:
         """The pass on the backend's arrays: ids [T], positions [T] -> logits. Launches device
-        work only (host actions go through backend.cut and backend.hop), so a GPU backend can
+        work only (host actions go through the backend's cuts and hops), so a GPU backend can
         capture it as a graph; the layer shards, where there are any, take the hidden state
-        through the host between this process's layers and the head (at the step's own start
-        when a captured step replays)."""
+        between this process's layers and the head, device to device or through the host (at
+        the step's own start when a captured step replays)."""
         backend, weights = self.backend, self.weights
         x = self._layers(backend.embed(weights.token_embd, ids), positions, cache)     # [T, H]
         if self.shards is not None:
-            x = backend.hop(x, lambda hidden: self.shards.forward(hidden, self._start))
+            x = self.shards.hop(x, lambda: self._start)
         if not all_logits:
             x = x[-1:]
         return backend.linear(backend.rms_norm(x, weights.output_norm), weights.output)   # [T, V]

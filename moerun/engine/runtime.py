@@ -100,7 +100,8 @@ class Runtime:
                 rig = dataclasses.replace(rig, splits=auto_splits(self.gguf, self.spec, rig, positions),
                                           split_auto=False)
             if rig.splits:
-                self.shards = LayerShards(rig, self.gguf.path, self.gguf.fingerprint(), self.spec, positions, ubatch)
+                self.shards = LayerShards(rig, self.gguf.path, self.gguf.fingerprint(), self.spec, positions, ubatch,
+                                          self.backend)
             layers = range(self.shards.first_layer) if self.shards else None
             if rig.daemons:
                 self.rig = Rig(rig, self.gguf, self.spec, self.backend, kv_tokens=positions, cpus=self.cpus,

@@ -25,9 +25,9 @@ from moerun.gguf.reader import GGUFFile
 from moerun.ipc.shm import Arena
 from moerun.models import load_spec
 from moerun.rig.daemon_gpu import GpuExpertSet
+from moerun.rig.gpu_ipc import IPC_HANDLE_BYTES, valid_handles
 from moerun.units import available_host_bytes
 
-IPC_HANDLE_BYTES = 64
 
 
 def check_device(device: str) -> str:
@@ -142,9 +142,7 @@ class ExpertDaemon:
             self.arena, self.slot_server = arena, None
             return {}, self._compute_cpu_slot, self._serve_pending
         incoming = header.get("incoming", [])
-        if transport == "device" and (not isinstance(incoming, list) or len(incoming) != arena.layout.slots
-                                      or not all(isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES
-                                                 for h in incoming)):
+        if transport == "device" and not valid_handles(incoming, arena.layout.slots):
             raise ValueError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event "
                              f"handles of {IPC_HANDLE_BYTES} bytes")
         fields = self.gpu.attach(arena, transport, incoming)

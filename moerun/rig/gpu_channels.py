@@ -53,7 +53,7 @@ class GpuAttachments:
     def attach_device(self, link: DaemonLink, **layout) -> None:
         """Device-direct: raises TransportUnavailable or a daemon failure when it cannot open."""
         cupy = self._use_device()
-        self._release(link)
+        self.release_link(link)
         events = [cupy.cuda.runtime.eventCreateWithFlags(IPC_EVENT_FLAGS) for _ in range(layout["slots"])]
         handles = [bytes(cupy.cuda.runtime.ipcGetEventHandle(e)) for e in events]
         try:
@@ -68,7 +68,7 @@ class GpuAttachments:
     def attach_shared(self, link: DaemonLink, mapped: bool, **layout) -> None:
         """The shared arena; `mapped`: registered here so that kernels write it in place."""
         cupy = self._use_device()
-        self._release(link)
+        self.release_link(link)
         link.client.attach_shared(transport="shared", **layout)
         if mapped:
             register_arena(cupy, link.client.arena, self.backend.device_index, mapped=True)
@@ -84,7 +84,7 @@ class GpuAttachments:
         cupy.cuda.Device(self.backend.device_index).use()      # this may run on a watcher thread
         return cupy
 
-    def _release(self, link: DaemonLink) -> None:
+    def release_link(self, link: DaemonLink) -> None:
         old = self.attached.pop(link.index, None)
         if old is not None:
             old.release()

@@ -13,6 +13,7 @@ HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 1, 2
 IPC_EVENT_FLAGS = 4 | 2          # interprocess, no timing
 COPY_DEFAULT = 4                 # the runtime infers the direction from the addresses
 CAN_USE_HOST_POINTER = 91        # device attribute: registered host memory at its own address
+IPC_HANDLE_BYTES = 64            # a CUDA/HIP IPC handle (memory or event)
 
 
 class TransportUnavailable(RigError):
@@ -92,6 +93,12 @@ class ImportedBuffers:
             runtime.eventDestroy(event)
         runtime.ipcCloseMemHandle(self.address)
         self.outgoing = []
+
+
+def valid_handles(handles: object, count: int) -> bool:
+    """Whether `handles` are `count` IPC handles (a parent's events in an ATTACH request)."""
+    return (isinstance(handles, list) and len(handles) == count
+            and all(isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES for h in handles))
 
 
 def record(cupy, event: int, stream: Any) -> None:

@@ -2,8 +2,11 @@
 the next run in a shard process (`moerun daemon --layers A:B`, moerun.daemons.shard),
 spawned here on cpu, cuda:N or hip:N, or reached at an ipc:// or tcp:// endpoint; the parent
 keeps the embedding, the layers before the first boundary and the head. A step's hidden
-state [T, H] goes through the shards in order: through a one-slot shared arena to a shard on
-this host, over its socket to one elsewhere, in each shard's payload dtype.
+state [T, H] goes through the shards in order: to shards on GPUs of the parent's vendor on
+this host device to device (transport "device": the shard's buffers opened through IPC, the
+order kept by IPC events, a doorbell each way in a one-slot arena, f32), else through the
+host: a one-slot shared arena to a shard on this host, its socket to one elsewhere, in each
+shard's payload dtype. moerun.rig.transport decides, as for expert daemons.
 
 A shard that dies or stops answering fails the step in flight with ShardFailed (its KV cache
 is gone with it, so the request cannot go on); the next sequence restarts it (a spawned one
@@ -14,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import zmq
@@ -27,14 +32,18 @@ from moerun.ipc.protocol import MAX_BATCH_CAPACITY
 from moerun.models.spec import ModelSpec
 from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
 from moerun.moe.planner import DeviceBudget
+from moerun.rig.gpu_channels import Attached, GpuAttachments
+from moerun.rig.gpu_ipc import TransportUnavailable, record, wait
 from moerun.rig.links import DAEMON_FAILURES, RigError, failure_reason
 from moerun.rig.settings import RigConfig, SplitEntry, default_kv_dtype, shard_flags
 from moerun.rig.spawn import LocalDaemon, make_run_dir, remove_run_dir, spawn_daemon
+from moerun.rig.transport import Facts, choose_transport
 
 SHARD_START_TIMEOUT_S = 300.0        # a spawned shard loads its layers before it answers HELLO
 AUTO_RESERVE_BYTES = 1 << 30         # --split auto keeps this much of each GPU free (workspace, graphs, allocator)
 
 logger = logging.getLogger(__name__)
+Answer = TypeVar("Answer")
 
 
 class ShardFailed(RigError):
@@ -52,7 +61,8 @@ class ShardLink:
     restarts: int = 0
     times_down: int = 0
     counters: Counters = field(default_factory=Counters)    # its clients' calls, bytes and waits, over restarts
-    dtype: str = "f32"                 # the hidden state's payload dtype
+    dtype: str = "f32"                 # the hidden state's payload dtype (through the host)
+    device: Attached | None = None     # transport "device": the parent's event, the shard's buffers
 
     @property
     def name(self) -> str:
@@ -64,9 +74,10 @@ class ShardLink:
 
 class LayerShards:
     def __init__(self, config: RigConfig, model_path: str | Path, fingerprint: str, spec: ModelSpec, ctx: int,
-                 chunk: int):
+                 chunk: int, backend):
         """ctx: the positions each shard's KV cache holds (the parent's); chunk: the most tokens
-        one step carries (the parent's prefill chunk), which a shard's arena holds."""
+        one step carries (the parent's prefill chunk), which a shard's arena holds; backend:
+        the parent's."""
         boundaries = [layer for _, layer in config.splits]
         for layer in boundaries:
             if layer >= spec.n_layers:
@@ -77,6 +88,8 @@ class LayerShards:
         self.links = [ShardLink(i, shard_spec, range(layer, end), dtype=config.shard_payload_dtype(shard_spec))
                       for i, ((shard_spec, layer), end) in enumerate(zip(config.splits, ends))]
         self.sequence = 0
+        self.backend = backend
+        self.attachments = GpuAttachments(backend) if backend.kind != "CPU" else None
         self.context = zmq.Context()
         self.run_dir = make_run_dir()
         try:
@@ -103,20 +116,54 @@ class LayerShards:
                 self._restart(link)
         self.sequence += 1
 
+    def hop(self, x, start: Callable[[], int]):
+        """x [T, H] on the parent's backend at positions start().. of the current sequence
+        through every shard -> [T, H] there: device to device where every shard takes it so,
+        else through the host (the backend's hop)."""
+        if not all(link.device is not None for link in self.links):
+            return self.backend.hop(x, lambda hidden: self.forward(hidden, start()))
+        for link in self.links:
+            buffers, tokens = link.device.imported.address, len(x)
+            x = self.backend.hop_through(x, buffers, buffers + self.chunk * self.hidden * 4,
+                                         lambda link=link, tokens=tokens: self._device_step(link, start(), tokens))
+        return x
+
+    def graph_key(self) -> tuple:
+        """What a captured step's device-direct hops depend on: the buffers of each shard's
+        process (a restarted shard exports new ones)."""
+        return tuple(link.restarts for link in self.links if link.device is not None)
+
     def forward(self, x: np.ndarray, start: int) -> np.ndarray:
         """x f32 [T, H] at positions start.. of the current sequence through every shard -> [T, H]."""
         timeout_s = self.config.daemon_timeout_s
         for link in self.links:
-            if link.broken is not None:
-                raise ShardFailed(self._failure(link))
-            try:
-                x = link.client.forward(self.sequence, start, x, link.dtype, timeout_s, link.alive)
-            except DAEMON_FAILURES as err:
-                link.broken = failure_reason(err, timeout_s)
-                link.times_down += 1
-                logger.info(f"layer shard {link.name} {link.broken}")
-                raise ShardFailed(self._failure(link)) from None
+            x = self._step(link, lambda: link.client.forward(self.sequence, start, x, link.dtype, timeout_s, link.alive))
         return x
+
+    def _device_step(self, link: ShardLink, start: int, tokens: int) -> None:
+        """A shard's step whose state is in its device buffers: the parent's event after its
+        copy, the request, the shard's answer once its work is queued, then this stream waits
+        for the shard's event (no host waits for either device)."""
+        cupy, stream, timeout_s = self.backend.cupy, self.backend.stream, self.config.daemon_timeout_s
+
+        def post_and_collect() -> None:
+            record(cupy, link.device.incoming[0], stream)
+            link.client.collect(link.client.post_forward(self.sequence, start, tokens), timeout_s, link.alive)
+
+        self._step(link, post_and_collect)
+        wait(cupy, stream, link.device.imported.outgoing[0])
+
+    def _step(self, link: ShardLink, request: Callable[[], Answer]) -> Answer:
+        """request()'s answer from a shard; ShardFailed when it is broken or fails now."""
+        if link.broken is not None:
+            raise ShardFailed(self._failure(link))
+        try:
+            return request()
+        except DAEMON_FAILURES as err:
+            link.broken = failure_reason(err, self.config.daemon_timeout_s)
+            link.times_down += 1
+            logger.info(f"layer shard {link.name} {link.broken}")
+            raise ShardFailed(self._failure(link)) from None
 
     def _failure(self, link: ShardLink) -> str:
         return (f"layer shard {link.name} {link.broken}: the request fails (its KV cache is gone); the shard "
@@ -158,12 +205,24 @@ class LayerShards:
 
     def _attach(self, link: ShardLink) -> None:
         """A shard on this host takes its steps through a shared arena of one slot (a doorbell
-        each way instead of a socket round trip), unless --transport stream."""
+        each way instead of a socket round trip), its hidden state in the arena or, device to
+        device, in the shard's buffers (moerun.rig.transport decides; --transport stream: none)."""
         if self.config.transport == "stream" or not link.client.same_host() or self.chunk > MAX_BATCH_CAPACITY:
             return
+        layout = dict(batch_capacity=self.chunk, hidden=self.hidden, max_pairs_per_token=1, slots=1)
+        facts = Facts(link.name, self.config.transport, True, self.config.device,
+                      str(link.client.info.get("device", "cpu")), parent_maps_arena=False)
         try:
-            link.client.attach_shared(batch_capacity=self.chunk, hidden=self.hidden, max_pairs_per_token=1, slots=1,
-                                      alive=link.alive)
+            choice = choose_transport(facts)
+            if choice.transport == "device":
+                try:
+                    self.attachments.attach_device(link, **layout)
+                    link.device = self.attachments.attached[link.index]
+                    return
+                except TransportUnavailable as err:
+                    choice = choose_transport(facts, device_failure=str(err))
+                    logger.info(choice.note)
+            link.client.attach_shared(**layout, alive=link.alive)
         except DAEMON_FAILURES as err:
             raise RigError(f"layer shard {link.name} could not map the shared arena: {err}") from None
 
@@ -194,6 +253,9 @@ class LayerShards:
             raise ShardFailed(str(err)) from None
 
     def _drop(self, link: ShardLink) -> None:
+        if link.device is not None:
+            self.attachments.release_link(link)
+            link.device = None
         if link.client is not None:
             link.client.close()
             link.client = None

@@ -6,8 +6,10 @@ miss goes to its CPU daemon as before.
 Every step the split kernel counts the routed pairs per expert on the device. Every
 REFRESH_STEPS steps, before the step, the counts of the last refresh come back (copied
 asynchronously then, so no step waits), decay into scores, and the best-scored host experts
-not resident replace the worst-scored residents (by SWAP_MARGIN at least, at most SWAP_BYTES a
-refresh): an expert leaving is given back to its daemon in the routing tables first, in stream
+not resident replace the worst-scored residents (at most SWAP_BYTES a refresh). Scores are
+routed-pair counts, as noisy as counts are: a newcomer replaces a resident only when its lead is
+beyond that noise (NOISE_SIGMAS), else two experts routed alike would trade places every refresh
+and the copies would take the host memory's bandwidth from the daemons: an expert leaving is given back to its daemon in the routing tables first, in stream
 order; its slot is overwritten on a copy stream only after every step queued before; the new
 expert is entered in the tables once its copy has finished. So no step reads a slot being
 written, a step never loses an expert it routes to, and captured steps replay unchanged.
@@ -27,8 +29,8 @@ from moerun.rig.routing_tables import RoutingTables
 from moerun.units import format_bytes
 
 REFRESH_STEPS = 4
-DECAY = 0.8                  # a score's weight after each refresh
-SWAP_MARGIN = 1.25           # a newcomer's score over the resident it replaces
+DECAY = 0.95                 # a score's weight after each refresh: the last ~80 steps count
+NOISE_SIGMAS = 2.0           # a newcomer's lead over the resident it replaces, in the scores' noise
 SWAP_BYTES = 256 << 20       # most bytes copied in by one refresh
 
 logger = logging.getLogger(__name__)
@@ -49,10 +51,16 @@ def cache_slots(budget_bytes: int, expert_bytes: dict[int, int], host_experts: d
             return {layer: n for layer, n in slots.items() if n}
 
 
+def clearly_ahead(newcomer: np.ndarray, resident: np.ndarray) -> np.ndarray:
+    """Whether newcomers' scores lead residents' by more than NOISE_SIGMAS standard deviations of
+    their difference, taking scores as counts (a count's variance is about its mean)."""
+    return newcomer - resident > NOISE_SIGMAS * np.sqrt(newcomer + resident)
+
+
 def choose_swaps(scores: np.ndarray, resident: np.ndarray) -> list[tuple[int, int]]:
     """(slot, host index) pairs that bring the best-scored experts in: scores [N], resident [C]
     (host index per slot, -1: empty). Empty slots first, then the worst-scored residents; a
-    newcomer must have been routed to and beat the resident it replaces by SWAP_MARGIN."""
+    newcomer must have been routed to and be clearly ahead of the resident it replaces."""
     outside = np.ones(len(scores), bool)
     outside[resident[resident >= 0]] = False
     candidates = np.flatnonzero(outside & (scores > 0))
@@ -60,7 +68,7 @@ def choose_swaps(scores: np.ndarray, resident: np.ndarray) -> list[tuple[int, in
     slot_scores = np.where(resident >= 0, scores[np.maximum(resident, 0)], -1.0)          # empty: -1
     slots = np.argsort(slot_scores, kind="stable")[:len(newcomers)]                       # worst first
     newcomers = newcomers[:len(slots)]
-    beats = (resident[slots] < 0) | (scores[newcomers] > SWAP_MARGIN * slot_scores[slots])
+    beats = (resident[slots] < 0) | clearly_ahead(scores[newcomers], np.maximum(slot_scores[slots], 0))
     taken = len(beats) if beats.all() else int(np.argmin(beats))
     return list(zip(slots[:taken].tolist(), newcomers[:taken].tolist()))
 

@@ -1,10 +1,13 @@
 """Prefill streaming: for a big enough prefill chunk a GPU parent computes the experts in host
 RAM itself instead of sending the chunk's tokens to the CPU daemons. A layer's host experts
-(moerun.rig.host_experts) are copied whole into one of two device buffers on a copy stream,
-the next layer's while this one computes, and multiplied like the hot ones (every token that
-chose an expert against that expert's copy, tile by tile); the CPU daemons get no call for
-that layer. A copied layer stays valid in its buffer (the bytes never change), so the next
-chunk's first layer is copied at the end of this one's.
+(moerun.rig.host_experts) are copied into one of two device buffers on a copy stream, the next
+layer's while this one computes, and multiplied like the hot ones (every token that chose an
+expert against that expert's copy, tile by tile); the CPU daemons get no call for that layer.
+The experts the expert cache holds are computed from the cache and not copied. A copied expert
+stays valid in its buffer (the bytes never change): the next chunk's first layer is copied at
+the end of this one's, and a layer already in a buffer gets only the experts it lacks (one the
+cache gave back since). No kernel reads an expert's place before its copy: a computation reads
+only the experts the tables stream at its step, all copied by then.
 
 A layer streams when the chunk has at least its threshold of tokens: --stream-threshold N for
 every layer, or (auto) the token count at which copying the layer's host experts takes as long
@@ -85,6 +88,7 @@ class PrefillStreamer:
         self._holds: list[int | None] = [None, None]      # the layer each buffer holds (copied or being copied)
         self._copied: list[Any] = [None, None]            # event: the buffer's copy is done
         self._free: list[Any] = [None, None]              # event: the last compute that read it is done
+        self._present: list[np.ndarray | None] = [None, None]   # [N]: the host experts copied into it
         self.layers_streamed = 0
         self.bytes_streamed = 0
         bandwidth = self._measure()
@@ -93,16 +97,17 @@ class PrefillStreamer:
             self.tokens = self._auto(bandwidth, pair_seconds)
 
     def _measure(self) -> float:
-        """Bytes per second of copying the largest layer (twice; the second counts); it stays copied."""
+        """Bytes per second of copying the largest layer whole (twice; the second counts); it stays copied."""
         cupy = self.backend.cupy
         layer = max(self.order, key=lambda layer: self.host.layers[layer].nbytes)
+        every = np.ones(len(self.host.layers[layer].ids), bool)
         for _ in range(2):
             start = self.copy_stream.record()
-            self.host.copy_layer(layer, self._buffers[0], self.copy_stream)
+            copied = self.host.copy_experts(layer, every, self._buffers[0], self.copy_stream)
             end = self.copy_stream.record()
             end.synchronize()
-        self._holds[0], self._copied[0] = layer, end
-        return self.host.layers[layer].nbytes / (cupy.cuda.get_elapsed_time(start, end) / 1e3)
+        self._holds[0], self._copied[0], self._present[0] = layer, end, every
+        return copied / (cupy.cuda.get_elapsed_time(start, end) / 1e3)
 
     def _auto(self, bandwidth: float, pair_seconds: float | None) -> dict[int, int | None]:
         spec = self.backend.spec
@@ -136,15 +141,25 @@ class PrefillStreamer:
             self._copy(following, keep=layer)
 
     def _copy(self, layer: int, keep: int | None) -> None:
+        """Queue the copies of `layer`'s streamed experts its buffer lacks (a buffer not holding
+        `layer` is taken over once the last computation that read it is done)."""
+        streamed = self.tables.streamed[layer]                          # [E] -> host index, -1: not streamed
+        wanted = np.zeros(len(self.host.layers[layer].ids), bool)      # [N]
+        wanted[streamed[streamed >= 0]] = True
         if layer in self._holds:
+            buffer = self._holds.index(layer)
+            missing = wanted & ~self._present[buffer]
+        else:
+            buffer = 1 if self._holds[0] == keep else 0
+            if self._free[buffer] is not None:
+                self.copy_stream.wait_event(self._free[buffer])
+            self._holds[buffer], self._present[buffer] = layer, np.zeros_like(wanted)
+            missing = wanted
+        if not missing.any():
             return
-        buffer = 1 if self._holds[0] == keep else 0
-        if self._free[buffer] is not None:
-            self.copy_stream.wait_event(self._free[buffer])
-        self.host.copy_layer(layer, self._buffers[buffer], self.copy_stream)
+        self.bytes_streamed += self.host.copy_experts(layer, missing, self._buffers[buffer], self.copy_stream)
+        self._present[buffer] |= missing
         self._copied[buffer] = self.copy_stream.record()
-        self._holds[buffer] = layer
-        self.bytes_streamed += self.host.layers[layer].nbytes
 
     def compute(self, layer: int, x: Any, ids: Any, weights: Any, hot: Any | None) -> Any:
         """x [T, H], global ids/weights [T, K]: the hot output [T, H] (None: zero) plus the layer's

@@ -1,6 +1,6 @@
 """A GPU parent's copy of the experts that live in host RAM (those homed on CPU daemons), in
 page-locked memory mapped for the GPU and in its stored layout, so that the copy engine brings a
-layer's whole set (prefill streaming, moerun.rig.expert_stream) or one expert (the expert cache,
+layer's set (prefill streaming, moerun.rig.expert_stream) or one expert (the expert cache,
 moerun.rig.expert_cache) to the device at the bus's full speed, and the GPU's kernels read any of
 them in place (moerun.rig.host_reads).
 
@@ -36,6 +36,12 @@ def stored_expert_bytes(gguf: GGUFFile, name: str) -> int:
 def expert_bytes(gguf: GGUFFile, spec: ModelSpec, layer: int) -> int:
     """One expert's bytes over all its tensors as the GPU keeps them."""
     return sum(stored_expert_bytes(gguf, name) for name in spec.expert_tensor_names(layer))
+
+
+def marked_runs(which: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive True in `which` [N], in order."""
+    edges = np.diff(np.concatenate(([0], which.astype(np.int8), [0])))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
 
 
 @dataclass
@@ -112,10 +118,18 @@ class HostExperts:
             stored, *_ = stored_tensor(gguf, name, ids.tolist(), self.converted)
             stack.data[:] = stored.reshape(len(ids), -1)
 
-    def copy_layer(self, layer: int, into: list, stream) -> None:
-        """Every host expert of `layer` into device buffers (uint8, one per tensor), queued on `stream`."""
+    def copy_experts(self, layer: int, which: np.ndarray, into: list, stream) -> int:
+        """The host experts of `layer` marked in `which` [N] into their own places in device
+        buffers (uint8, one per tensor), one copy per run of consecutive experts, queued on
+        `stream`; returns the bytes copied."""
+        copied = 0
         for stack, target in zip(self.layers[layer].stacks, into):
-            target.data.copy_from_host_async(stack.data.ctypes.data, stack.data.nbytes, stream)
+            size = stack.expert_bytes
+            for start, end in marked_runs(which):
+                target[start * size:end * size].data.copy_from_host_async(stack.data[start].ctypes.data,
+                                                                          (end - start) * size, stream)
+                copied += (end - start) * size
+        return copied
 
     def copy_expert(self, layer: int, index: int, into: list[DeviceMatrix], position: int, stream) -> None:
         """Host expert `index` of `layer` into expert `position` of device stacks (one per tensor)."""

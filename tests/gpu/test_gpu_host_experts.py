@@ -3,6 +3,8 @@ experts to the GPU and compute them there, the expert cache that keeps the ones 
 on the GPU, and the share the GPU reads in place, against the same model all on the GPU."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -122,3 +124,28 @@ def test_the_auto_threshold_measures_the_copy_and_the_daemon(model, all_local):
     assert sorted(thresholds) == [0, 1] and all(t >= 2 for t in thresholds.values())
     assert probes >= 5                                   # the probe requests
     assert relative_error(got, all_local[512]) <= 1e-3
+
+
+def test_streamed_chunks_copy_only_the_experts_the_cache_does_not_hold(tmp_path):
+    """Four host layers through two streaming buffers, so each chunk copies every layer anew: once
+    decode has filled the cache, a streamed chunk copies only the experts it does not hold, and
+    the logits and tokens stay all-local's."""
+    model = write_bench_model(tmp_path / "four.gguf", replace(PRESETS["tiny"], n_layers=4), MIXES["q4_k_m"], seed=7)
+    ids = np.random.default_rng(5).integers(0, 800, 40).tolist()
+    with Runtime(model, ubatch=16, rig=RigConfig(device=gpu_device())) as local:
+        want_tokens = list(local.generate(ids[:8], 24, GREEDY))
+        want = local.logits(ids)
+    with GGUFFile(model) as gguf:
+        expert_bytes = model_sizes(gguf, load_spec(gguf)).expert_bytes[0]
+    rig = with_cpu_daemon(expert_cache_bytes=12 * expert_bytes, stream_threshold="2")    # half of 4 × 6
+    with Runtime(model, ubatch=16, rig=rig) as runtime:
+        tokens = list(runtime.generate(ids[:8], 24, GREEDY))
+        streamer, cache = runtime.model.executor.streamer, runtime.model.executor.cache
+        layers_before, bytes_before = streamer.layers_streamed, streamer.bytes_streamed
+        got = runtime.logits(ids)
+        layers, copied = streamer.layers_streamed - layers_before, streamer.bytes_streamed - bytes_before
+        held = sum(int((resident >= 0).sum()) for resident in cache.resident.values())
+    assert tokens == want_tokens
+    assert relative_error(got, want) <= 1e-3
+    assert layers == 4 * 3 and held > 0
+    assert 0 < copied <= (4 * 6 * 3 - held * 3 + 2 * 6) * expert_bytes    # 3 chunks; 2 layers may be copied whole ahead

@@ -7,6 +7,7 @@ import pytest
 
 from moerun.moe.placement import PARENT
 from moerun.moe.planner import DeviceBudget, ModelSizes, PlanError, PlanRequest, plan, streaming_buffer_bytes
+from moerun.rig.host_experts import marked_runs
 from moerun.rig.expert_cache import DECAY, REFRESH_STEPS, cache_slots, choose_swaps, clearly_ahead
 from moerun.rig.expert_stream import auto_threshold
 from moerun.rig.host_reads import spread
@@ -64,6 +65,12 @@ def test_experts_routed_alike_do_not_trade_places_refresh_after_refresh():
     assert settled < 0.5                                             # copies a refresh, once settled
     best = np.argsort(-shares)[:n_slots]
     assert shares[resident].sum() > 0.9 * shares[best].sum()          # hit share near the best possible
+
+
+@pytest.mark.parametrize("marks, runs", [("", []), ("0000", []), ("1111", [(0, 4)]), ("0110", [(1, 3)]),
+                                          ("1001101", [(0, 1), (3, 5), (6, 7)])])
+def test_a_streamed_layer_is_copied_in_runs_of_the_experts_not_cached(marks, runs):
+    assert marked_runs(np.array([m == "1" for m in marks], bool)) == runs
 
 
 def test_a_full_cache_of_the_best_experts_stays():

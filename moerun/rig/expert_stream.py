@@ -149,14 +149,14 @@ class PrefillStreamer:
         if layer in self._holds:
             buffer = self._holds.index(layer)
             missing = wanted & ~self._present[buffer]
-        else:
+            if not missing.any():
+                return
+        else:                               # its event is recorded even with nothing to copy (all cached)
             buffer = 1 if self._holds[0] == keep else 0
             if self._free[buffer] is not None:
                 self.copy_stream.wait_event(self._free[buffer])
             self._holds[buffer], self._present[buffer] = layer, np.zeros_like(wanted)
             missing = wanted
-        if not missing.any():
-            return
         self.bytes_streamed += self.host.copy_experts(layer, missing, self._buffers[buffer], self.copy_stream)
         self._present[buffer] |= missing
         self._copied[buffer] = self.copy_stream.record()

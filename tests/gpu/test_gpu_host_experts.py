@@ -126,10 +126,12 @@ def test_the_auto_threshold_measures_the_copy_and_the_daemon(model, all_local):
     assert relative_error(got, all_local[512]) <= 1e-3
 
 
-def test_streamed_chunks_copy_only_the_experts_the_cache_does_not_hold(tmp_path):
+@pytest.mark.parametrize("cached", [12, 24], ids=["half", "every-host-expert"])
+def test_streamed_chunks_copy_only_the_experts_the_cache_does_not_hold(tmp_path, cached):
     """Four host layers through two streaming buffers, so each chunk copies every layer anew: once
-    decode has filled the cache, a streamed chunk copies only the experts it does not hold, and
-    the logits and tokens stay all-local's."""
+    decode has filled the cache (half of the host experts, or all: then a layer may have nothing
+    to copy), a streamed chunk copies only the experts it does not hold, and the logits and tokens
+    stay all-local's."""
     model = write_bench_model(tmp_path / "four.gguf", replace(PRESETS["tiny"], n_layers=4), MIXES["q4_k_m"], seed=7)
     ids = np.random.default_rng(5).integers(0, 800, 40).tolist()
     with Runtime(model, ubatch=16, rig=RigConfig(device=gpu_device())) as local:
@@ -137,7 +139,7 @@ def test_streamed_chunks_copy_only_the_experts_the_cache_does_not_hold(tmp_path)
         want = local.logits(ids)
     with GGUFFile(model) as gguf:
         expert_bytes = model_sizes(gguf, load_spec(gguf)).expert_bytes[0]
-    rig = with_cpu_daemon(expert_cache_bytes=12 * expert_bytes, stream_threshold="2")    # half of 4 × 6
+    rig = with_cpu_daemon(expert_cache_bytes=cached * expert_bytes, stream_threshold="2")    # of 4 × 6
     with Runtime(model, ubatch=16, rig=rig) as runtime:
         tokens = list(runtime.generate(ids[:8], 24, GREEDY))
         streamer, cache = runtime.model.executor.streamer, runtime.model.executor.cache

@@ -291,13 +291,18 @@ class GpuBackend:
         """x [T, H] into another process's device buffer at `destination` (opened through IPC),
         the action (its doorbell and event waits: a cut while a step is captured), then [T, H]
         back from its buffer at `source`: no host copy, and the copies are graph nodes."""
-        cupy, runtime = self.cupy, self.cupy.cuda.runtime
-        x = cupy.ascontiguousarray(x)
-        runtime.memcpyAsync(destination, x.data.ptr, x.nbytes, COPY_DEFAULT, self.stream.ptr)
+        x = self.cupy.ascontiguousarray(x)
+        self.copy_addresses(destination, x.data.ptr, x.nbytes)
         self.cut(action)
-        out = cupy.empty_like(x)
-        runtime.memcpyAsync(out.data.ptr, source, x.nbytes, COPY_DEFAULT, self.stream.ptr)
+        out = self.cupy.empty_like(x)
+        self.copy_addresses(out.data.ptr, source, x.nbytes)
         return out
+
+    def copy_addresses(self, destination: int, source: int, nbytes: int) -> None:
+        """A copy on the stream between any two addresses this process reaches (device, mapped
+        or page-locked host memory, another process's buffer opened through IPC)."""
+        if nbytes:
+            self.cupy.cuda.runtime.memcpyAsync(destination, source, nbytes, COPY_DEFAULT, self.stream.ptr)
 
     # -- operations
     def embed(self, table: DeviceMatrix, ids: Any) -> Any:

@@ -24,7 +24,7 @@ from moerun.ipc.device_slots import DeviceSlots
 from moerun.ipc.protocol import DTYPE_CODES, WIRE_ITEMSIZE
 from moerun.ipc.shm import Arena
 from moerun.models.spec import ModelSpec
-from moerun.rig.gpu_ipc import ExportedBuffers, copy, record, register_arena, wait
+from moerun.rig.gpu_ipc import ExportedBuffers, record, register_arena, wait
 
 TIMED_COMPUTES = 1024          # (start, end) event pairs, harvested when all are used
 
@@ -117,14 +117,14 @@ class GpuExpertSet:
                 wait(cupy, stream, self.exported.incoming[index])
             else:      # the arena's frames onto the device first
                 x_at, ids_at, weights_at = self.arena.slots[index].frame_addresses()
-                copy(cupy, x.data.ptr, x_at, tokens * hidden * WIRE_ITEMSIZE[dtype], stream)
-                copy(cupy, ids.data.ptr, ids_at, tokens * top_k * 4, stream)
-                copy(cupy, weights.data.ptr, weights_at, tokens * top_k * 4, stream)
+                self.backend.copy_addresses(x.data.ptr, x_at, tokens * hidden * WIRE_ITEMSIZE[dtype])
+                self.backend.copy_addresses(ids.data.ptr, ids_at, tokens * top_k * 4)
+                self.backend.copy_addresses(weights.data.ptr, weights_at, tokens * top_k * 4)
             self._timed(lambda: self._slot_experts(index, layer, dtype, tokens))
             if self.transport == "device":
                 record(cupy, self.exported.outgoing[index], stream)
             else:
-                copy(cupy, self.arena.slots[index].frame_addresses()[0], reply.data.ptr, reply.nbytes, stream)
+                self.backend.copy_addresses(self.arena.slots[index].frame_addresses()[0], reply.data.ptr, reply.nbytes)
                 stream.synchronize()
 
     def _slot_experts(self, index: int, layer: int, dtype: str, tokens: int) -> None:

@@ -29,7 +29,6 @@ from moerun.rig.gpu_ipc import IPC_HANDLE_BYTES, valid_handles
 from moerun.units import available_host_bytes
 
 
-
 def check_device(device: str) -> str:
     """The backend name for a device string (numpy, cuda or hip); ValueError for a malformed
     one, BackendUnavailable saying what is missing for one this machine cannot drive."""

@@ -1,6 +1,7 @@
 """What two GPU processes share on one host: the arena registered as pinned memory, device
-buffers and events exported through CUDA IPC (HIP IPC on ROCm), and the stream-ordered
-copies and event waits between them. Thin wrappers over the CuPy runtime module.
+buffers and events exported through CUDA IPC (HIP IPC on ROCm), and the event records and
+waits between them (the copies are the backend's copy_addresses). Thin wrappers over the CuPy
+runtime module.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from moerun.rig.links import RigError
 
 HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 1, 2
 IPC_EVENT_FLAGS = 4 | 2          # interprocess, no timing
-COPY_DEFAULT = 4                 # the runtime infers the direction from the addresses
 CAN_USE_HOST_POINTER = 91        # device attribute: registered host memory at its own address
 IPC_HANDLE_BYTES = 64            # a CUDA/HIP IPC handle (memory or event)
 
@@ -37,12 +37,6 @@ def register_arena(cupy, arena: Arena, device_index: int, mapped: bool) -> None:
     except runtime.CUDARuntimeError as err:
         raise TransportUnavailable(f"cannot register the shared arena as pinned memory: {err}") from None
     arena.before_close.append(lambda: runtime.hostUnregister(arena.address))
-
-
-def copy(cupy, destination: int, source: int, nbytes: int, stream: Any) -> None:
-    """Stream-ordered copy between any two addresses this process can reach."""
-    if nbytes:
-        cupy.cuda.runtime.memcpyAsync(destination, source, nbytes, COPY_DEFAULT, stream.ptr)
 
 
 class ExportedBuffers:

@@ -9,6 +9,13 @@
 #define MAX_CONV_WIDTH 8
 #define MAX_KEY_DIM 128
 
+// Channel c of the convolution's window at `row` of x [T, C]; rows before x (row < 0) are the
+// state's [W-1, C] last ones.
+__device__ __forceinline__ float window_value(const float* __restrict__ x, const float* __restrict__ state, int row,
+                                              int c, int channels, int width) {
+    return row >= 0 ? x[(long long)row * channels + c] : state[(row + width - 1) * channels + c];
+}
+
 // One thread per (token, channel) (grid ceil(T·C / blockDim)): out[t, c] =
 // silu(Σ_i window[t + i, c] · weight[c, i]), window = the W-1 earlier inputs (state [W-1, C])
 // then x [T, C]. The state is left as it was: delta_conv_state moves it on after.
@@ -20,11 +27,8 @@ extern "C" __global__ void delta_conv(const float* __restrict__ x, const float* 
     if (at >= (long long)n_tokens * channels) return;
     int t = at / channels, c = at % channels;
     float sum = 0.f;
-    for (int i = 0; i < width; i++) {
-        int row = t + i - (width - 1);                      // of x; before it, the state's rows
-        float value = row >= 0 ? x[(long long)row * channels + c] : state[(row + width - 1) * channels + c];
-        sum += value * weight[c * width + i];
-    }
+    for (int i = 0; i < width; i++)
+        sum += window_value(x, state, t + i - (width - 1), c, channels, width) * weight[c * width + i];
     out[at] = silu(sum);
 }
 
@@ -36,10 +40,7 @@ extern "C" __global__ void delta_conv_state(const float* __restrict__ x, float* 
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     float rows[MAX_CONV_WIDTH];
-    for (int r = 0; r < width - 1; r++) {
-        int row = n_tokens + r - (width - 1);               // of x; before it, the state's rows
-        rows[r] = row >= 0 ? x[(long long)row * channels + c] : state[(row + width - 1) * channels + c];
-    }
+    for (int r = 0; r < width - 1; r++) rows[r] = window_value(x, state, n_tokens + r - (width - 1), c, channels, width);
     for (int r = 0; r < width - 1; r++) state[r * channels + c] = rows[r];
 }
 

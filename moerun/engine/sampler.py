@@ -1,5 +1,9 @@
 """Token sampling: greedy, or llama.cpp's chain
-repetition penalty → top-k → top-p → min-p → temperature → draw.
+penalties → top-k → top-p → min-p → temperature → draw.
+
+The penalties look at the last `repeat_last_n` ids, as llama.cpp's do: a seen token's logit is
+divided by the repetition penalty (multiplied when negative), then lowered by the presence
+penalty once and by the frequency penalty for every time it was seen.
 
 Shape legend: V vocab.
 """
@@ -20,7 +24,9 @@ class SamplingParams:
     top_p: float = 0.95          # 1.0 = off
     min_p: float = 0.05          # 0.0 = off
     repeat_penalty: float = 1.0  # 1.0 = off
-    repeat_last_n: int = 64      # how many recent tokens the penalty looks at
+    repeat_last_n: int = 64      # how many recent tokens the penalties look at
+    presence_penalty: float = 0.0    # 0.0 = off
+    frequency_penalty: float = 0.0   # 0.0 = off
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -31,6 +37,8 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.repeat_penalty > 0.0, "repeat_penalty must be > 0"),
             (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -49,8 +57,7 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """logits [V] of the next position; history = ids so far (prompt included)."""
         p = self.params
-        logits = _penalize_repeats(logits.astype(np.float32), history[-p.repeat_last_n:] if p.repeat_last_n else [],
-                                   p.repeat_penalty)
+        logits = apply_penalties(logits.astype(np.float32), history[-p.repeat_last_n:] if p.repeat_last_n else [], p)
         if p.greedy:
             return int(np.argmax(logits))
         ids = np.argsort(-logits, kind="stable")                  # candidates, best first
@@ -67,12 +74,13 @@ class Sampler:
         return int(ids[self.rng.choice(len(ids), p=probs)])
 
 
-def _penalize_repeats(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
-    """Divide positive logits of recently seen tokens by `penalty`, multiply negative ones."""
-    if penalty == 1.0 or len(recent) == 0:
+def apply_penalties(logits: np.ndarray, recent: Sequence[int], p: SamplingParams) -> np.ndarray:
+    """logits [V] with the repetition, presence and frequency penalties of the `recent` ids applied."""
+    if len(recent) == 0 or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
         return logits
-    seen = np.unique(np.asarray(recent, dtype=np.int64))
+    seen, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
     logits = logits.copy()
     values = logits[seen]
-    logits[seen] = np.where(values > 0, values / penalty, values * penalty)
+    values = np.where(values > 0, values / p.repeat_penalty, values * p.repeat_penalty)
+    logits[seen] = values - np.float32(p.presence_penalty) - counts.astype(np.float32) * np.float32(p.frequency_penalty)
     return logits

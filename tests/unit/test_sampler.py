@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moerun.engine.sampler import Sampler, SamplingParams
+from moerun.engine.sampler import Sampler, SamplingParams, apply_penalties
 
 LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32))
 
@@ -77,8 +77,48 @@ def test_repeat_last_n_limits_the_window():
     assert Sampler(params)(logits, [0, 1]) == 0          # only token 1 is in the window
 
 
+def test_presence_penalty_counts_a_seen_token_once():
+    logits = np.array([2.0, 1.5, 1.0], dtype=np.float32)
+    params = SamplingParams(temperature=0.0, presence_penalty=0.6)
+    assert Sampler(params)(logits, [0]) == 1             # 2.0 - 0.6 < 1.5
+    assert Sampler(params)(logits, [0, 0, 0]) == 1       # still 1.4: presence, not count
+    assert Sampler(params)(logits, [0, 1]) == 0          # both lowered alike
+
+
+def test_frequency_penalty_grows_with_the_count():
+    logits = np.array([2.0, 1.5, 1.0], dtype=np.float32)
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.3)
+    assert Sampler(params)(logits, [0]) == 0             # 1.7 > 1.5
+    assert Sampler(params)(logits, [0, 0]) == 1          # 1.4 < 1.5
+    negative = SamplingParams(temperature=0.0, frequency_penalty=-0.3)
+    assert Sampler(negative)(logits, [2, 2, 2, 2]) == 2  # a negative penalty favours what was seen
+
+
+def llama_cpp_penalties(logits, window, repeat, frequency, presence):
+    """llama.cpp's llama_sampler_penalties_apply, token by token."""
+    out = logits.copy()
+    for token in set(window):
+        count = window.count(token)
+        out[token] = out[token] * repeat if out[token] <= 0 else out[token] / repeat
+        out[token] -= count * frequency + presence
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_penalties_match_llama_cpp(seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal(50).astype(np.float32) * 3
+    history = [int(t) for t in rng.integers(0, 50, 120)]
+    params = SamplingParams(temperature=0.0, repeat_penalty=1.3, repeat_last_n=64, presence_penalty=0.4,
+                            frequency_penalty=0.2)
+    expected = llama_cpp_penalties(logits, history[-64:], 1.3, 0.2, 0.4)
+    assert Sampler(params)(logits, history) == int(np.argmax(expected))
+    np.testing.assert_allclose(apply_penalties(logits, history[-64:], params), expected, rtol=1e-6)
+
+
 @pytest.mark.parametrize("bad", [dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1),
-                                 dict(repeat_penalty=0.0), dict(repeat_last_n=-1)])
+                                 dict(repeat_penalty=0.0), dict(repeat_last_n=-1), dict(presence_penalty=2.5),
+                                 dict(frequency_penalty=-3.0)])
 def test_invalid_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -7,11 +7,11 @@ Shape legend: T tokens, H hidden size, P routed (token, expert) pairs sent to on
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from dataclasses import dataclass
 
-import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -49,13 +49,13 @@ BAD_REQUEST = "bad_request"
 NOT_READY = "not_ready"
 INTERNAL = "internal"
 
-# Payload dtype tag -> (numpy dtype of the values, numpy dtype on the wire).
+# Payload dtype tag -> numpy dtype on the wire (bf16 travels as its raw uint16 bits).
 PAYLOAD_DTYPES = {
-    "f32": (np.dtype(np.float32), np.dtype(np.float32)),
-    "f16": (np.dtype(np.float16), np.dtype(np.float16)),
-    "bf16": (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)),
+    "f32": np.dtype(np.float32),
+    "f16": np.dtype(np.float16),
+    "bf16": np.dtype(np.uint16),
 }
-WIRE_ITEMSIZE = {dtype: wire.itemsize for dtype, (_, wire) in PAYLOAD_DTYPES.items()}
+WIRE_ITEMSIZE = {dtype: wire.itemsize for dtype, wire in PAYLOAD_DTYPES.items()}
 DTYPE_CODES = {dtype: code for code, dtype in enumerate(PAYLOAD_DTYPES)}   # binary slot headers, GPU kernels
 
 # How COMPUTE requests travel: through a GPU daemon's device buffers exported over CUDA/HIP
@@ -168,16 +168,23 @@ def int_field(header: dict, name: str, low: int, high: int | None = None) -> int
     return value
 
 
+@functools.cache
+def value_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a payload's values; ml_dtypes (slow to import) only once bf16 is used."""
+    if dtype == "bf16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return PAYLOAD_DTYPES[dtype]
+
+
 def encode_payload(x_f32: np.ndarray, dtype: str) -> np.ndarray:
     """The wire form of f32 activations: f32, f16, or bf16 as raw uint16 bits; contiguous."""
-    value_dtype, wire_dtype = PAYLOAD_DTYPES[dtype]
-    return np.ascontiguousarray(x_f32, dtype=value_dtype).view(wire_dtype)
+    return np.ascontiguousarray(x_f32, dtype=value_dtype(dtype)).view(PAYLOAD_DTYPES[dtype])
 
 
 def decode_payload(buffer, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """f32 activations from a wire buffer (a read-only view for f32, a new array otherwise)."""
-    value_dtype, _ = PAYLOAD_DTYPES[dtype]
-    values = np.frombuffer(buffer, dtype=value_dtype).reshape(shape)
+    values = np.frombuffer(buffer, dtype=value_dtype(dtype)).reshape(shape)
     return values if dtype == "f32" else values.astype(np.float32)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from moerun.ipc import protocol as p
 from moerun.ipc.doorbell import Doorbell, FutexUnavailable, require_futex
 from moerun.ipc.processes import pid_alive
-from moerun.ipc.protocol import BAD_REQUEST, PAYLOAD_DTYPES, ProtocolError, int_field
+from moerun.ipc.protocol import BAD_REQUEST, ProtocolError, int_field
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "moerun-"
@@ -242,8 +242,8 @@ class Slot:
         self._layout = layout
         rows = (layout.batch_capacity, layout.hidden)
         x_at, counts_at, local_ids_at, weights_at = layout.frame_offsets
-        self._x = {dtype: self._view(value_dtype, rows, x_at)   # [C, H] by payload dtype
-                   for dtype, (value_dtype, _) in PAYLOAD_DTYPES.items()}
+        self._x_at = x_at
+        self._x: dict[str, np.ndarray] = {}     # [C, H] by payload dtype, made on first use
         self._counts = self._view(np.int32, (layout.batch_capacity,), counts_at)
         self._local_ids = self._view(np.int32, (layout.max_pairs,), local_ids_at)
         self._weights = self._view(np.float32, (layout.max_pairs,), weights_at)
@@ -270,7 +270,7 @@ class Slot:
                              local_ids: np.ndarray, weights: np.ndarray) -> None:
         """Parent side: x [T, H] (encoded as `dtype` on the way in), counts [T], local_ids and
         weights [P]; the caller checked them against the capacity."""
-        self._x[dtype][:len(x)] = x
+        self._x_view(dtype)[:len(x)] = x
         self._counts[:len(counts)] = counts
         self._local_ids[:len(local_ids)] = local_ids
         self._weights[:len(weights)] = weights
@@ -278,13 +278,13 @@ class Slot:
     def request_frames(self, dtype: str, tokens: int, pairs: int) -> tuple:
         """Daemon side: x f32 [T, H] (a view for f32 payloads), counts [T], local_ids [P] and
         weights [P], as views of the slot."""
-        x = self._x[dtype][:tokens]
+        x = self._x_view(dtype)[:tokens]
         return (x if dtype == "f32" else x.astype(np.float32), self._counts[:tokens],
                 self._local_ids[:pairs], self._weights[:pairs])
 
     def write_x(self, dtype: str, x: np.ndarray) -> None:
         """Parent side: x [T, H] alone (a layer shard's FORWARD), encoded as `dtype`."""
-        self._x[dtype][:len(x)] = x
+        self._x_view(dtype)[:len(x)] = x
 
     def write_result(self, out: np.ndarray) -> None:
         """Daemon side: the f32 [T, H] result, at DATA_OFFSET."""
@@ -299,6 +299,13 @@ class Slot:
         lands at the x frame's address): for copies and kernels that reach the slot directly."""
         x_at, _, local_ids_at, weights_at = self._layout.frame_offsets
         return self.address + x_at, self.address + local_ids_at, self.address + weights_at
+
+    def _x_view(self, dtype: str) -> np.ndarray:
+        """The slot's x frame [C, H] as values of payload dtype `dtype`."""
+        if dtype not in self._x:
+            self._x[dtype] = self._view(p.value_dtype(dtype), (self._layout.batch_capacity, self._layout.hidden),
+                                        self._x_at)
+        return self._x[dtype]
 
     def _view(self, dtype, shape: tuple[int, ...], offset: int) -> np.ndarray:
         return np.frombuffer(self.buffer, dtype, math.prod(shape), offset).reshape(shape)

@@ -7,6 +7,8 @@ import signal
 
 import click
 
+from moerun.commands.llama_flags import refuse_foreign_flags
+
 # name -> the first sentence of its docstring, for `moerun --help` without importing it
 COMMANDS = {
     "run": "Generate text, streaming it to stdout.",
@@ -33,6 +35,11 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         return getattr(importlib.import_module(f"moerun.commands.{name}"), name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name, command, rest = super().resolve_command(ctx, args)
+        refuse_foreign_flags(command, rest)
+        return name, command, rest
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):

@@ -3,6 +3,8 @@ from them, and turning expected failures into one `Error:` line."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import sys
 
 import click
@@ -25,7 +27,7 @@ MODEL_HELP = "GGUF model file [default: the built-in demo model]."
 
 
 threads_option = click.option(
-    "--threads", type=click.IntRange(min=1), default=None,
+    "-t", "--threads", type=click.IntRange(min=1), default=None,
     help="The parent's CPU threads [default: its share of this host's CPUs, split with the CPU daemons that "
          "run here; one for a GPU parent beside them].")
 
@@ -39,12 +41,21 @@ def friendly_errors(command):
         # ValueError covers ConfigError, PlacementError, PlanError, HotnessError and bad sizes
         except (GGUFError, TokenizerError, RequestError, RigError, DaemonError, BackendUnavailable, ValueError) as err:
             raise click.ClickException(str(err)) from None
+        except BrokenPipeError:
+            _quiet_broken_pipe()
         except OSError as err:
             raise click.ClickException(f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")) from None
         except KeyboardInterrupt:
             click.echo("", err=True)
             sys.exit(130)
     return wrapper
+
+
+def _quiet_broken_pipe() -> None:
+    """The reader of stdout went away (`moerun run | head`): stop as a killed writer does, in
+    silence with status 128 + SIGPIPE, stdout pointed at /dev/null so the final flush cannot fail."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(128 + signal.SIGPIPE)
 
 
 def config_option(command):
@@ -109,11 +120,12 @@ def runtime_options(command):
                      help="Run GPU decode steps as CUDA graphs (--no-graph: eagerly)."),
         click.option("--kv-dtype", type=click.Choice(tuple(KV_DTYPES)), default=None,
                      help="A GPU parent's KV cache elements [default: f16; the CPU parent's are f32]."),
-        click.option("--ctx", type=click.IntRange(min=1), default=None,
+        click.option("-c", "--ctx", "--ctx-size", "ctx", type=click.IntRange(min=1), default=None,
                      help="Context length in tokens [default: the model's, at most 4096]."),
         click.option("--kv-pool", type=click.IntRange(min=1), default=None,
                      help="Hold at most this many tokens of KV cache (a sequence that outgrows it is an error)."),
-        click.option("--ubatch", type=click.IntRange(min=1), default=DEFAULT_UBATCH, show_default=True,
+        click.option("-ub", "--ubatch", "--ubatch-size", "ubatch", type=click.IntRange(min=1), default=DEFAULT_UBATCH,
+                     show_default=True,
                      help="Prefill chunk size in tokens."),
         click.option("--daemon", "daemons", multiple=True, metavar="SPEC",
                      help="Expert daemon: cpu, cuda:N or hip:N (spawned here) or ipc://PATH, tcp://HOST:PORT "

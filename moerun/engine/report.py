@@ -41,6 +41,15 @@ def stats_document(runtime: Runtime, run: RunStats, **extra) -> dict:
             "daemons": daemons}
 
 
+def timing_line(run: RunStats) -> str:
+    """The closing figures llama.cpp prints, in one line: prompt eval and eval time and speed."""
+    per_token = f"{run.decode_seconds * 1e3 / run.decode_steps:.2f} ms per token, " if run.decode_steps else ""
+    return (f"moerun: prompt eval {run.prompt_tokens} tokens in {run.prefill_seconds * 1e3:.2f} ms "
+            f"({run.prefill_tokens_per_second:.2f} t/s); eval {run.decode_steps} runs in "
+            f"{run.decode_seconds * 1e3:.2f} ms ({per_token}{run.decode_tokens_per_second:.2f} t/s); "
+            f"{run.generated_tokens} tokens generated")
+
+
 def stats_table(doc: dict, width: int | None = None) -> str:
     """The stats as text: throughput and MoE lines, then a table of the daemons laid out to
     `width` columns (the terminal's by default)."""

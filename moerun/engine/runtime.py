@@ -10,6 +10,7 @@ Shape legend: T prompt tokens, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -40,6 +41,8 @@ DEFAULT_UBATCH = 512
 DEFAULT_EXPERT_CACHE_BYTES = 4 << 30
 SHORT_REST_STEPS = 4    # a prompt's rest of up to this many captured steps goes in them (an H200, Qwen3.6 shape:
                         # a 16-token pass 41 ms eager, a replayed step ~4 ms)
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(Exception):
@@ -87,6 +90,9 @@ class Runtime:
         try:
             self.spec = load_spec(self.gguf)
             self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
+            if self.ctx > self.spec.context_train:
+                logger.warning(f"--ctx {self.ctx} is beyond the {self.spec.context_train} positions the model was "
+                               f"trained on: past them its output may degrade")
             self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
             if (rig.splits or rig.split_auto) and prefix_cache is not None:
                 raise ConfigError("--split: prefix snapshots do not reach the layer shards' KV caches yet; run "

@@ -27,6 +27,7 @@ class SamplingParams:
     repeat_last_n: int = 64      # how many recent tokens the penalties look at
     presence_penalty: float = 0.0    # 0.0 = off
     frequency_penalty: float = 0.0   # 0.0 = off
+    banned_ids: frozenset[int] = frozenset()   # never drawn (--ignore-eos: the end-of-generation ids)
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class Sampler:
         """logits [V] of the next position; history = ids so far (prompt included)."""
         p = self.params
         logits = apply_penalties(logits.astype(np.float32), history[-p.repeat_last_n:] if p.repeat_last_n else [], p)
+        if p.banned_ids:
+            logits[list(p.banned_ids)] = -np.inf
         if p.greedy:
             return int(np.argmax(logits))
         ids = np.argsort(-logits, kind="stable")                  # candidates, best first

@@ -79,9 +79,10 @@ class LayerShards:
         one step carries (the parent's prefill chunk), which a shard's arena holds; backend:
         the parent's."""
         boundaries = [layer for _, layer in config.splits]
-        for layer in boundaries:
+        for shard_spec, layer in config.splits:
             if layer >= spec.n_layers:
-                raise RigError(f"--split …@{layer}: the model has layers 0..{spec.n_layers - 1}")
+                raise RigError(f"--split {shard_spec}@{layer}: the model has layers 0..{spec.n_layers - 1}, "
+                               f"so a shard starts at a layer from 1 to {spec.n_layers - 1}")
         ends = [*boundaries[1:], spec.n_layers]
         self.config, self.model_path, self.fingerprint, self.ctx = config, model_path, fingerprint, ctx
         self.chunk, self.hidden = chunk, spec.hidden

@@ -154,7 +154,8 @@ def test_split_flags_are_checked():
 
 def test_a_boundary_past_the_model_is_refused(model):
     path, _, _ = model
-    with pytest.raises(RigError, match="the model has layers 0..3"):
+    with pytest.raises(RigError, match=r"--split cpu@4: the model has layers 0\.\.3, so a shard starts at a layer "
+                                       r"from 1 to 3"):
         Runtime(path, rig=RigConfig(splits=(("cpu", 4),)))
 
 

@@ -35,19 +35,20 @@ def parse_device(name: str) -> Device:
 
 def gpu_module(device: Device):
     """The CuPy module, checked to drive `device`'s platform and to see the device."""
-    extra = "cuda12 or cuda13" if device.platform == "cuda" else "rocm"
+    install = ("pip install 'moerun[cuda12]' (CUDA 12) or pip install 'moerun[cuda13]' (CUDA 13)"
+               if device.platform == "cuda" else "pip install 'moerun[rocm]'")
     try:
         import cupy
     except ImportError:
         raise BackendUnavailable(
-            f"{device.name} needs CuPy for {device.platform.upper()}: pip install 'moerun[{extra}]'"
+            f"{device.name} needs CuPy for {device.platform.upper()}: {install}"
         ) from None
     is_hip = bool(getattr(cupy.cuda.runtime, "is_hip", False))
     if is_hip != (device.platform == "hip"):
         built_for, other = ("ROCm", "hip") if is_hip else ("CUDA", "cuda")
         raise BackendUnavailable(
             f"{device.name}: the installed CuPy is built for {built_for}; use --device {other}:N, "
-            f"or install the {device.platform.upper()} build (pip install 'moerun[{extra}]')"
+            f"or install the {device.platform.upper()} build ({install})"
         )
     try:
         count = cupy.cuda.runtime.getDeviceCount()

@@ -28,9 +28,10 @@ SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "attention_combine", "rout
 
 
 def compiler_leftovers() -> set[Path]:
-    """hipcc's moerun-XXXXXX folders in /tmp (not the run folders, moerun-run-*, that moerun
-    processes running beside the test make and remove)."""
-    return {path for path in Path(tempfile.gettempdir()).glob("moerun-*") if not path.name.startswith("moerun-run-")}
+    """hipcc's moerun-XXXXXX folders in /tmp (six characters after the input's name: not the
+    moerun-run-* and moerun-ipc-* folders that moerun processes and tests beside it make)."""
+    return {path for path in Path(tempfile.gettempdir()).glob("moerun-*")
+            if re.fullmatch(r"moerun-[A-Za-z0-9]{6}", path.name)}
 
 
 def compile_kernels(command: list[str], output: Path, env: dict | None = None) -> bytes:

@@ -131,6 +131,14 @@ def daemon_specs(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
+def api_keys(value: object) -> tuple[str, ...]:
+    """A key or a list of keys, as --api-key takes them (the server checks each key's characters)."""
+    keys = [value] if isinstance(value, str) else value
+    if not isinstance(keys, list) or not keys or not all(isinstance(key, str) and key for key in keys):
+        raise ValueError("must be a key or a list of keys (non-empty strings)")
+    return tuple(keys)
+
+
 @dataclass(frozen=True)
 class Key:
     """A key sets the parameter of its own name (the flag with - for _)."""
@@ -192,6 +200,11 @@ TABLES = {
         "snapshot_interval": Key(integer(0)),
         "prefix_cache_dir": Key(text, path=True),
         "prefix_cache_budget": Key(size),
+        "api_key": Key(api_keys),
+        "api_key_file": Key(text, path=True),
+        "public_health": Key(boolean),
+        "public_metrics": Key(boolean),
+        "insecure": Key(boolean),
     },
 }
 DAEMON = {

@@ -55,19 +55,33 @@ SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long be
               help="Also keep every prefix snapshot in this folder, where a restarted server finds them.")
 @click.option("--prefix-cache-budget", default="8GiB", show_default=True, metavar="SIZE",
               help="Most bytes of snapshots in --prefix-cache-dir; the least used go first.")
+@click.option("--api-key", multiple=True, metavar="KEY",
+              help="A key clients must send, as 'Authorization: Bearer KEY' or 'x-api-key: KEY'. Repeatable; "
+                   "one value may hold several, comma-separated. A key here shows in ps: prefer --api-key-file.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="A file of API keys, one a line.")
+@click.option("--public-health/--private-health", default=True, show_default=True,
+              help="With API keys: answer /health without one (load balancers probe it).")
+@click.option("--public-metrics/--private-metrics", default=False, show_default=True,
+              help="With API keys: answer /metrics without one.")
+@click.option("--insecure", is_flag=True, default=False,
+              help="Listen on an address other machines reach (--host) without an API key.")
 @runtime_options
 @friendly_errors
 def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, max_queue, max_body,
-          prefix_cache_slots, snapshot_interval, prefix_cache_dir, prefix_cache_budget, **runtime_flags):
+          prefix_cache_slots, snapshot_interval, prefix_cache_dir, prefix_cache_budget, api_key, api_key_file,
+          public_health, public_metrics, insecure, **runtime_flags):
     """Serve the OpenAI chat and completions API over HTTP, with /health and /metrics.
 
     Requests queue in arrival order and are served one at a time, each resuming from the longest
     prefix snapshot of its prompt. Without -m, serves the built-in demo model with two CPU expert
-    daemons."""
+    daemons. Without an API key the server listens only on this machine's loopback addresses,
+    unless --insecure."""
     try:
         import uvicorn
 
         from moerun.server.app import create_app
+        from moerun.server.auth import Access, is_loopback, keys_given, refuse_open_listening
         from moerun.server.worker import Limits, Worker
     except ImportError as err:
         raise click.ClickException(f"moerun serve needs the server extra ({err.name} is missing): "
@@ -75,7 +89,11 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     max_body_bytes = parse_bytes(max_body, "--max-body")
     if max_body_bytes < 1:
         raise click.ClickException("--max-body must be at least 1 byte")
-    listening = bound_socket(host, port)      # a busy port ends the command before anything loads
+    access = Access(keys_given(api_key, api_key_file), public_health, public_metrics)
+    refuse_open_listening(host, access, insecure)
+    if not access.keys and not is_loopback(host):
+        logger.warning(f"--insecure: no API key, so whoever reaches --host {host} may use the server")
+    listening = listening_socket(host, port)  # a busy port ends the command before anything loads
     if model is None:
         runtime_flags["daemons"] = runtime_flags["daemons"] or DEMO_DAEMONS
     model = model_or_demo(model)
@@ -94,18 +112,24 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
         prefix_cache_slots = 0
     prefix_cache = (PrefixCache(prefix_cache_slots, snapshot_interval, prefix_cache_dir, budget)
                     if prefix_cache_slots else None)
+    model_id = served_model_name or Path(model).name.removesuffix(".gguf")
+
+    def announce() -> None:
+        logger.info(f"serving {model_id} at {url_of(listening)} (OpenAI API at /v1)")
+
     worker = Worker(partial(open_runtime, model, prefix_cache=prefix_cache, **runtime_flags),
                     Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue),
-                    on_load_failure=stop_serving)
-    app = create_app(worker, served_model_name or Path(model).name.removesuffix(".gguf"), max_body_bytes)
+                    on_load_failure=stop_serving, on_ready=announce)
+    app = create_app(worker, model_id, max_body_bytes, access)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     server.run(sockets=[listening])
     if worker.load_error:
         raise click.ClickException(worker.load_error)
 
 
-def bound_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (uvicorn listens on it), or one `Error:` line saying why not."""
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port (uvicorn accepts on it; connections wait in its backlog
+    until then), or one `Error:` line saying why not."""
     listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
                               socket.IPPROTO_TCP)     # asyncio sets TCP_NODELAY on TCP sockets only
     listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,4 +140,11 @@ def bound_socket(host: str, port: int) -> socket.socket:
         hint = ("another program listens there: stop it or pick another --port" if err.errno == errno.EADDRINUSE
                 else "check --host and --port")
         raise click.ClickException(f"cannot listen on {host}:{port}: {err.strerror or err} ({hint})") from None
+    listening.listen()
     return listening
+
+
+def url_of(listening: socket.socket) -> str:
+    """http://ADDRESS:PORT of a listening socket, with the port the system picked for --port 0."""
+    address, port = listening.getsockname()[:2]
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"

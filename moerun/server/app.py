@@ -2,6 +2,8 @@
 the model list, /health and /metrics. Every refusal is an OpenAI error body with a 4xx or 503
 status; nothing answers with a traceback.
 
+With API keys (auth.py), a request without a valid one gets 401 before anything else happens.
+
 The event loop only moves bytes: a body over --max-body is refused before it is read, and
 parsing, chat templates and tokenization run in threads (at most PREPARING_AT_ONCE requests at
 a time, which bounds the memory big prompts take), so /health and /metrics answer at once
@@ -21,10 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from moerun.server.auth import Access, RequireApiKey
 from moerun.server.responses import Reply, model_list
 from moerun.server.schemas import ApiError, Generation, parse_chat, parse_completion
 from moerun.server.worker import Failed, Finished, Job, Piece, Worker
@@ -33,9 +37,9 @@ PREPARING_AT_ONCE = 2          # requests parsed and tokenized at the same time;
 T = TypeVar("T")
 
 
-def create_app(worker: Worker, model_id: str, max_body: int) -> Starlette:
-    """The app serves `worker` under the name `model_id` and refuses request bodies over
-    `max_body` bytes; it starts the worker and stops it on shutdown."""
+def create_app(worker: Worker, model_id: str, max_body: int, access: Access = Access()) -> Starlette:
+    """The app serves `worker` under the name `model_id`, to the requests `access` lets through,
+    and refuses request bodies over `max_body` bytes; it starts the worker and stops it on shutdown."""
     @asynccontextmanager
     async def lifespan(app: Starlette):
         worker.start()
@@ -44,6 +48,7 @@ def create_app(worker: Worker, model_id: str, max_body: int) -> Starlette:
         finally:
             await run_in_threadpool(worker.stop)
 
+    rejected = worker.metrics.requests.labels("rejected")
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -54,6 +59,7 @@ def create_app(worker: Worker, model_id: str, max_body: int) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
         ],
         lifespan=lifespan,
+        middleware=[Middleware(RequireApiKey, access=access, on_refusal=rejected.inc)] if access.keys else [],
         exception_handlers={ApiError: refused, HTTPException: http_error, Exception: internal_error},
     )
     app.state.worker = worker
@@ -82,7 +88,7 @@ async def complete(request: Request, generation: Generation, prompt_ids: Callabl
                    chat: bool) -> Response:
     """Queue the request and answer it whole or as a stream of chunks."""
     model_id = request.app.state.model_id
-    if generation.model != model_id:
+    if generation.model not in (None, model_id):
         raise ApiError(404, f"the model '{generation.model}' does not exist; this server runs '{model_id}'",
                        param="model", code="model_not_found")
     worker: Worker = request.app.state.worker

@@ -3,9 +3,11 @@
 Every problem becomes an `ApiError` that the app sends as OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}` with a 4xx status. Sampling defaults are the
 API's, not llama.cpp's: temperature 1, top_p 1, and top_k, min_p, repeat_penalty off.
+`model` may be left out: the one model served answers, as llama-server's does.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +16,8 @@ from moerun.engine.sampler import SamplingParams
 
 MAX_STOP_SEQUENCES = 4
 SEED_MASK = (1 << 64) - 1
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TEMPLATE_ROLES = {"developer": "system"}    # roles chat templates know by another name
 
 # Fields of the API this server does not implement, and the values that mean "not used".
 UNSUPPORTED_UNLESS = {
@@ -23,8 +27,6 @@ UNSUPPORTED_UNLESS = {
     "suffix": (None, ""),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "functions": (None, []),
@@ -51,7 +53,7 @@ def invalid(param: str, message: str) -> ApiError:
 @dataclass(frozen=True)
 class Generation:
     """What both endpoints share: the model asked for, how many tokens, how to sample and stop, how to reply."""
-    model: str
+    model: str | None                  # None: whichever model the server runs
     max_tokens: int | None             # None: as many as the context leaves
     sampling: SamplingParams
     stop: tuple[str, ...]
@@ -61,7 +63,7 @@ class Generation:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict]               # [{"role": str, "content": str}]
+    messages: list[dict]               # [{"role", "content": str}, plus "tool_calls" or "tool_call_id"]
     generation: Generation
 
 
@@ -125,7 +127,7 @@ class Fields:
 
 
 _JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
-               dict: "an object"}
+               dict: "an object", type(None): "null"}
 
 
 def _generation(fields: Fields, chat: bool) -> Generation:
@@ -138,7 +140,7 @@ def _generation(fields: Fields, chat: bool) -> Generation:
     stream = fields.get("stream", bool, False)
     options = Fields(fields.get("stream_options", dict, {}))
     return Generation(
-        model=fields.require("model", str),
+        model=fields.get("model", str, None),
         max_tokens=max_tokens,
         sampling=_sampling(fields),
         stop=_stop(fields.get("stop", (str, list), [])),
@@ -156,6 +158,8 @@ def _sampling(fields: Fields) -> SamplingParams:
         min_p=fields.number("min_p", 0.0, 0.0, 1.0),
         repeat_penalty=fields.number("repeat_penalty", 1.0, 0.0, 10.0, low_open=True),
         repeat_last_n=fields.integer("repeat_last_n", 64, low=0),
+        presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
         seed=None if seed is None else seed & SEED_MASK,
     )
 
@@ -168,17 +172,57 @@ def _stop(stop: str | list) -> tuple[str, ...]:
 
 
 def _message(index: int, message: Any) -> dict:
+    """One message as the chat template reads it: a known role (developer as system), its content
+    as one string, and an assistant's tool_calls or a tool reply's tool_call_id where given.
+    Content may be null only beside tool_calls."""
     param = f"messages[{index}]"
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise invalid(param, f"{param} must be an object with a string 'role'")
-    content = message.get("content")
+    if not isinstance(message, dict):
+        raise invalid(param, f"{param} must be an object (got {_JSON_NAMES[type(message)]})")
+    role = message.get("role")
+    if role not in ROLES:
+        raise invalid(f"{param}.role", f"{param}.role must be one of {', '.join(ROLES)} (got {json_text(role)})")
+    rendered = {"role": TEMPLATE_ROLES.get(role, role)}
+    if message.get("tool_calls") not in (None, []):
+        if role != "assistant":
+            raise invalid(f"{param}.tool_calls", f"{param}.tool_calls: only an assistant message makes tool calls")
+        rendered["tool_calls"] = _tool_calls(f"{param}.tool_calls", message["tool_calls"])
+    if role == "tool" and message.get("tool_call_id") is not None:
+        if not isinstance(message["tool_call_id"], str):
+            raise invalid(f"{param}.tool_call_id", f"{param}.tool_call_id must be a string")
+        rendered["tool_call_id"] = message["tool_call_id"]
+    rendered["content"] = _content(f"{param}.content", message.get("content"), may_be_null="tool_calls" in rendered)
+    return rendered
+
+
+def _content(param: str, content: Any, may_be_null: bool) -> str:
+    if content is None and may_be_null:
+        return ""
     if content is None:
-        content = ""
-    elif isinstance(content, list):
-        content = "".join(_text_part(f"{param}.content[{i}]", part) for i, part in enumerate(content))
-    elif not isinstance(content, str):
-        raise invalid(f"{param}.content", f"{param}.content must be a string or an array of text parts")
-    return {"role": message["role"], "content": content}
+        raise invalid(param, f"{param} is missing or null; only an assistant message with tool_calls "
+                             "may leave it out")
+    if isinstance(content, list):
+        return "".join(_text_part(f"{param}[{i}]", part) for i, part in enumerate(content))
+    if not isinstance(content, str):
+        raise invalid(param, f"{param} must be a string or an array of text parts")
+    return content
+
+
+def _tool_calls(param: str, calls: Any) -> list[dict]:
+    """Calls the assistant made, as the API writes them: {"type": "function", "function": {"name", "arguments"}}."""
+    def well_formed(call: Any) -> bool:
+        function = call.get("function") if isinstance(call, dict) else None
+        return (isinstance(function, dict) and call.get("type", "function") == "function"
+                and isinstance(function.get("name"), str) and isinstance(function.get("arguments"), str))
+    if not isinstance(calls, list) or not all(well_formed(call) for call in calls):
+        raise invalid(param, f"{param} must be an array of {{\"type\": \"function\", \"function\": "
+                             "{\"name\": ..., \"arguments\": \"...\"}} objects")
+    return calls
+
+
+def json_text(value: Any) -> str:
+    """A short JSON rendering of a value for an error message."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _text_part(param: str, part: Any) -> str:

@@ -89,13 +89,16 @@ class Job:
 
 class Worker:
     def __init__(self, open_runtime: Callable[[], Runtime], limits: Limits = Limits(),
-                 metrics: ServerMetrics | None = None, on_load_failure: Callable[[], None] = lambda: None):
+                 metrics: ServerMetrics | None = None, on_load_failure: Callable[[], None] = lambda: None,
+                 on_ready: Callable[[], None] = lambda: None):
+        """`on_ready` and `on_load_failure` are called from the worker's thread once loading ends."""
         self.limits = limits
         self.metrics = metrics or ServerMetrics()
         self.runtime: Runtime | None = None
         self.load_error: str | None = None
         self._open_runtime = open_runtime
         self._on_load_failure = on_load_failure
+        self._on_ready = on_ready
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._current: Job | None = None
         self._stopping = False
@@ -203,8 +206,8 @@ class Worker:
             return
         self.metrics.watch(runtime)
         self.runtime = runtime
-        logger.info(f"ready to serve {runtime.gguf.path}")
         try:
+            self._on_ready()
             while (job := self._jobs.get()) is not None:
                 self.metrics.queued.dec()
                 self._serve(job)

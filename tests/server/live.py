@@ -1,6 +1,7 @@
 """A `moerun serve` process for the live tests, and reading its /metrics and memory."""
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -11,27 +12,20 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.live_processes import free_port, healthy
-
 SERVE = ["-P", "-m", "moerun", "serve"]     # -P: moerun as installed, not the current directory
 TIMEOUT_S = 60
+ANNOUNCED = re.compile(r"moerun: serving (?P<model>\S+) at (?P<url>http://\S+) \(OpenAI API at /v1\)\n")
 
 
 @contextmanager
 def live_server(log_path: Path, *args):
-    """A `moerun serve` process; yields (url, process) once /health answers 200, stops it with SIGINT."""
-    port = free_port()
+    """A `moerun serve` process on a port the system picks (--port 0); yields (url, process) once it
+    has said where it serves, which it says when the model is loaded; stops it with SIGINT."""
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, *SERVE, "--port", str(port), *map(str, args)],
+        process = subprocess.Popen([sys.executable, *SERVE, "--port", "0", *map(str, args)],
                                    stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not healthy(url):
-            assert process.poll() is None, f"the server exited:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"the server did not come up:\n{log_path.read_text()}"
-            time.sleep(0.1)
-        yield url, process
+        yield announced_url(process, log_path), process
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -39,6 +33,16 @@ def live_server(log_path: Path, *args):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def announced_url(process: subprocess.Popen, log_path: Path) -> str:
+    """The URL of the server's `serving MODEL at URL (OpenAI API at /v1)` line, waited for at most TIMEOUT_S."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (line := ANNOUNCED.search(log_path.read_text())):
+        assert process.poll() is None, f"the server exited:\n{log_path.read_text()}"
+        assert time.monotonic() < deadline, f"the server did not come up:\n{log_path.read_text()}"
+        time.sleep(0.1)
+    return line["url"]
 
 
 def scrape(url: str) -> dict:

@@ -18,8 +18,22 @@ def refusal(parse, body) -> ApiError:
 
 def test_api_defaults_not_llama_cpp_defaults():
     sampling = parse_chat(CHAT).generation.sampling
-    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.repeat_penalty) == \
-        (1.0, 1.0, 0, 0.0, 1.0)
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.repeat_penalty,
+            sampling.presence_penalty, sampling.frequency_penalty) == (1.0, 1.0, 0, 0.0, 1.0, 0.0, 0.0)
+
+
+def test_model_may_be_left_out():
+    chat = {key: value for key, value in CHAT.items() if key != "model"}
+    assert parse_chat(chat).generation.model is None
+    assert parse_completion({"prompt": "x"}).generation.model is None
+    assert parse_chat({**CHAT, "model": None}).generation.model is None
+
+
+def test_presence_and_frequency_penalties_reach_the_sampler():
+    sampling = parse_chat({**CHAT, "presence_penalty": -2, "frequency_penalty": 1.5}).generation.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (-2.0, 1.5)
+    sampling = parse_completion({"prompt": "x", "presence_penalty": 2.0, "frequency_penalty": -0.5}).generation.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (2.0, -0.5)
 
 
 def test_sampling_fields_and_extensions():
@@ -31,11 +45,61 @@ def test_sampling_fields_and_extensions():
     assert (g.max_tokens, g.stop, g.stream, g.include_usage) == (9, ("\n",), True, True)
 
 
-def test_content_parts_join_and_null_content_is_empty():
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+
+
+def test_content_parts_join():
     chat = parse_chat({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                         {"type": "text", "text": "b"}]},
-                                            {"role": "assistant", "content": None}]})
-    assert chat.messages == [{"role": "user", "content": "ab"}, {"role": "assistant", "content": ""}]
+                                                                         {"type": "text", "text": "b"}]}]})
+    assert chat.messages == [{"role": "user", "content": "ab"}]
+
+
+def test_every_role_the_api_has():
+    """developer is rendered as system; an assistant's tool calls and a tool reply's id reach the
+    template; null content is empty beside tool calls."""
+    chat = parse_chat({**CHAT, "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "system", "content": "You forecast."},
+        {"role": "user", "content": "Weather in Oslo?", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "rain"}]},
+        {"role": "assistant", "content": "Rain.", "tool_calls": []},
+    ]})
+    assert chat.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "You forecast."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        {"role": "assistant", "content": "Rain."},
+    ]
+
+
+ROLES_MESSAGE = "must be one of system, developer, user, assistant, tool"
+
+
+@pytest.mark.parametrize("message, param, words", [
+    ({"role": "wizard", "content": "x"}, "messages[1].role", f'{ROLES_MESSAGE} (got "wizard")'),
+    ({"role": 3, "content": "x"}, "messages[1].role", f"{ROLES_MESSAGE} (got 3)"),
+    ({"content": "x"}, "messages[1].role", f"{ROLES_MESSAGE} (got null)"),
+    ("hello", "messages[1]", "messages[1] must be an object (got a string)"),
+    (None, "messages[1]", "messages[1] must be an object (got null)"),
+    ({"role": "user", "content": None}, "messages[1].content", "missing or null"),
+    ({"role": "user"}, "messages[1].content", "missing or null"),
+    ({"role": "assistant", "content": None}, "messages[1].content",
+     "only an assistant message with tool_calls may leave it out"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, "messages[1].content", "missing or null"),
+    ({"role": "user", "content": "x", "tool_calls": [TOOL_CALL]}, "messages[1].tool_calls",
+     "only an assistant message makes tool calls"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+     "messages[1].tool_calls", "must be an array of"),
+    ({"role": "assistant", "content": None, "tool_calls": "call"}, "messages[1].tool_calls", "must be an array of"),
+    ({"role": "tool", "tool_call_id": 7, "content": "x"}, "messages[1].tool_call_id", "must be a string"),
+    ({"role": "user", "content": 5}, "messages[1].content", "a string or an array of text parts"),
+])
+def test_bad_messages_name_their_index(message, param, words):
+    error = refusal(parse_chat, {**CHAT, "messages": [{"role": "user", "content": "first"}, message]})
+    assert error.param == param and words in error.message and error.code == "invalid_value"
 
 
 @pytest.mark.parametrize("prompt, expected", [("x", "x"), (["x"], "x"), ([1, 2], [1, 2]), ([[3]], [3])])
@@ -57,9 +121,12 @@ def test_completion_prompts(prompt, expected):
     ({"logprobs": True}, "logprobs", "not supported"),
     ({"tools": [{"type": "function"}]}, "tools", "not supported"),
     ({"messages": []}, "messages", "at least one"),
-    ({"messages": [{"content": "x"}]}, "messages[0]", "role"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]", "text only"),
-    ({"model": None}, "model", "'model'"),
+    ({"model": 3}, "model", "a string"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
+    ({"frequency_penalty": "1"}, "frequency_penalty", "a number"),
     ({"stream_options": "yes"}, "stream_options", "an object"),
 ])
 def test_bad_chat_fields_name_the_parameter(change, param, words):

@@ -4,6 +4,7 @@ machine without a key."""
 from __future__ import annotations
 
 import hmac
+import socket
 import subprocess
 import sys
 
@@ -214,6 +215,17 @@ def test_a_live_server_with_keys_from_its_config_file(demo_model, tmp_path):
         with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong-key", max_retries=0, timeout=TIMEOUT_S) as client:
             with pytest.raises(openai.AuthenticationError, match="not valid"):
                 client.models.list()
+        assert refused_before_the_body(url) == 401
     assert reply.usage.completion_tokens == 3
     announced = ANNOUNCED.findall(log.read_text())
     assert announced == [("demo-moe-v2", url)] and url.startswith("http://127.0.0.1:")
+
+
+def refused_before_the_body(url: str) -> int:
+    """The status a POST declaring a 40 MB body gets without sending any of it (a server waiting
+    for the body would time the read out)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 40000000\r\n\r\n")
+        return int(connection.makefile("rb").readline().split()[1])

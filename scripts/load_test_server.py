@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,6 +52,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     parser.add_argument("--deadline", type=float, default=600.0, help="seconds the whole test may take")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--api-key", default=os.environ.get("MOERUN_API_KEY", "unused"),
+                        help="the server's API key [default: $MOERUN_API_KEY]")
     args = parser.parse_args()
     if urlparse(args.url).hostname not in LOCAL_HOSTS:
         parser.error(f"--url must point at this machine ({' or '.join(LOCAL_HOSTS)})")
@@ -73,7 +76,7 @@ async def load_test(args) -> dict:
 
 
 def client_for(args) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{args.url}/v1", api_key="unused", max_retries=0, timeout=args.timeout)
+    return AsyncOpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, max_retries=0, timeout=args.timeout)
 
 
 async def one_client(args, model: str, reference: dict[str, Answer], index: int) -> list[Outcome]:

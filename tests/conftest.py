@@ -1,10 +1,13 @@
-"""Shared fixtures: a moerun CLI runner and isolation of the user's cache directory."""
+"""Shared fixtures: a moerun CLI runner and isolation of the user's cache directory; every zmq
+context a test makes is closed by its end (tests/support/zmq_contexts.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
+pytest_plugins = ["tests.support.zmq_contexts"]
 
 
 @pytest.fixture(autouse=True)

@@ -43,13 +43,13 @@ def serve(model_path: str, device: str, listen: str, parent_pid: int | None,
         logger.info(f"on NUMA node {numa_node}: CPUs {format_cpus(cpus)}")
     daemon = (ExpertDaemon(model_path, device, threads, graphs) if layers is None
               else LayerShard(model_path, device, layers, ctx, threads, kv_dtype, experts, graphs))
-    server = Server(listen, daemon, curve=curve)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: server.stop())
-    if parent_pid is not None:
-        threading.Thread(target=_stop_when_gone, args=(parent_pid, server), daemon=True).start()
     try:
-        server.serve_forever()
+        with Server(listen, daemon, curve=curve) as server:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: server.stop())
+            if parent_pid is not None:
+                threading.Thread(target=_stop_when_gone, args=(parent_pid, server), daemon=True).start()
+            server.serve_forever()
     finally:
         daemon.close()
         if parent_pid is not None:

@@ -20,12 +20,13 @@ import numpy as np
 import zmq
 from moerun.ipc import protocol as p
 from moerun.ipc.curve import CurveClientKeys
-from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout, ProtocolError
+from moerun.ipc.dealer_monitor import DealerMonitor
+from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout, DaemonUnreachable, ProtocolError
 from moerun.ipc.shared_channel import PARENT_SPIN_S, SharedChannel
 from moerun.ipc.shm import Arena, ArenaLayout
 from moerun.ipc.sockets import connect_dealer, receive
 
-__all__ = ["Counters", "DaemonClient", "DaemonDied", "DaemonError", "DaemonTimeout"]
+__all__ = ["Counters", "DaemonClient", "DaemonDied", "DaemonError", "DaemonTimeout", "DaemonUnreachable"]
 
 HELLO_RESEND_S = 1.0       # a daemon that is still starting gets the HELLO again
 POLL_SLICE_S = 0.02        # socket waits between deadline and liveness checks
@@ -47,30 +48,46 @@ class Counters:
 class DaemonClient:
     def __init__(self, endpoint: str, *, context: zmq.Context | None = None,
                  connect_timeout_s: float = 30.0, spin_s: float = PARENT_SPIN_S,
-                 curve: CurveClientKeys | None = None):
+                 curve: CurveClientKeys | None = None, expect_listening: bool = False):
+        """expect_listening: the daemon should be listening already (it was started elsewhere), so
+        a connection attempt that fails is final (DaemonUnreachable); else (a process that may
+        still be starting) it is retried until connect_timeout_s."""
         self.endpoint = endpoint
         self.curve = curve                    # this parent's CURVE keys and the daemon's public key
         self.connect_timeout_s = connect_timeout_s
         self.spin_s = spin_s
+        self.expect_listening = expect_listening
         self.info: dict = {}
         self.transport = "stream"
         self.counters = Counters()
-        self._own_context = context is None
-        self._context = context if context is not None else zmq.Context()
-        self._connect()                       # self._socket, self._poller
         self._last_id = 0
         self.last_heard = time.monotonic()    # when the daemon's last message or slot reply came
         self._stream_pending: dict[int, tuple[int, int]] = {}   # request id -> (T, H)
         self._stream_done: dict[int, np.ndarray | DaemonError] = {}
         self._shared: SharedChannel | None = None
+        self._socket: zmq.Socket | None = None
+        self._monitor: DealerMonitor | None = None
+        self._own_context = context is None
+        self._context = context if context is not None else zmq.Context()
+        try:
+            self._connect()                   # self._socket, self._monitor, self._poller
+        except BaseException:
+            self.close()
+            raise
 
     # -- session ----------------------------------------------------------------------------
 
-    def hello(self, fingerprint: str, alive: Callable[[], bool] | None = None) -> dict:
+    def hello(self, fingerprint: str, alive: Callable[[], bool] | None = None, model: str = "") -> dict:
         """Start the session, or start it again: requests of an earlier session are
-        forgotten and its arena dropped. Retries until connect_timeout_s while the daemon may
-        still be starting; raises DaemonDied as soon as alive() says False."""
+        forgotten and its arena dropped. `model` names the parent's model file in a mismatch.
+        Retries until connect_timeout_s while no answer comes; raises at once the refusals
+        that will not change: DaemonError for an error reply (busy, fingerprint_mismatch...) or a
+        handshake the daemon refused (unauthenticated), DaemonUnreachable when a connection
+        attempt fails (with expect_listening), DaemonDied when alive() says False."""
         self._forget_session()
+        self._monitor.forget()
+        if self._monitor.refused_for_good:     # that socket never connects again
+            self.reconnect()
         deadline = time.monotonic() + self.connect_timeout_s
         sent: set[int] = set()
         resend_at = 0.0
@@ -79,11 +96,15 @@ class DaemonClient:
             if now >= deadline:
                 raise DaemonTimeout(f"daemon {self.endpoint}: no HELLO reply within "
                                     f"{self.connect_timeout_s:g} s (is it running?)")
-            if now >= resend_at:
-                sent.add(self._send(p.HELLO, fingerprint=fingerprint, parent=p.host_identity()))
+            if now >= resend_at:   # not sent while the DEALER has no connection that takes it
+                request_id = self._send(p.HELLO, wait=False, fingerprint=fingerprint, model=model,
+                                        parent=p.host_identity())
+                if request_id is not None:
+                    sent.add(request_id)
                 resend_at = now + HELLO_RESEND_S
             message = self._receive(min(deadline, resend_at, now + POLL_SLICE_S) - now)
             if message is None:
+                self._raise_if_refused()
                 if alive is not None and not alive():
                     raise DaemonDied(f"daemon {self.endpoint} died before answering HELLO")
                 continue
@@ -92,9 +113,8 @@ class DaemonClient:
                 header = self._raise_if_error(message[0])
                 break
         if header.get("fingerprint") != fingerprint:
-            raise DaemonError(p.FINGERPRINT_MISMATCH, f"model fingerprint mismatch: parent "
-                              f"expects {fingerprint!r}, daemon has "
-                              f"{header.get('fingerprint')!r}", self.endpoint)
+            raise DaemonError(p.FINGERPRINT_MISMATCH, p.fingerprint_mismatch(
+                fingerprint, model, header.get("fingerprint"), header.get("model", "")), self.endpoint)
         self.info = p.own_fields(header)
         return self.info
 
@@ -172,16 +192,16 @@ class DaemonClient:
     def reconnect(self) -> None:
         """A new socket to the endpoint, for a daemon process that replaced the one there:
         nothing queued for the old process is delivered to the new one. hello() comes next."""
-        self._socket.close(linger=0)
+        self._close_socket()
         self._connect()
 
     def close(self) -> None:
-        """Unmap the arena and close the socket; never blocks."""
+        """Unmap the arena, close the socket and its monitor, and the context if this client
+        made it; never blocks. Safe to call again."""
         self._drop_shared()
-        if not self._socket.closed:
-            self._socket.close(linger=0)
-            if self._own_context:
-                self._context.term()
+        self._close_socket()
+        if self._own_context and not self._context.closed:
+            self._context.destroy(linger=0)
 
     def __enter__(self) -> DaemonClient:
         return self
@@ -316,19 +336,32 @@ class DaemonClient:
 
     def _connect(self) -> None:
         self._socket = connect_dealer(self._context, self.endpoint, self.curve)
+        self._monitor = DealerMonitor(self._socket, self.endpoint, self.curve)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
+
+    def _close_socket(self) -> None:
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
 
     def _next_id(self) -> int:
         self._last_id += 1
         return self._last_id
 
-    def _send(self, op: str, **fields) -> int:
+    def _send(self, op: str, *, wait: bool = True, **fields) -> int | None:
+        """Send a control message; its request id. wait=False: None at once when the socket
+        cannot take it now (no connection to the daemon, or its queue full)."""
         request_id = self._next_id()
         header = p.pack_header(op, id=request_id, **fields)
         try:
-            self._socket.send(header)
+            self._socket.send(header, 0 if wait else zmq.NOBLOCK)
         except zmq.Again:
+            if not wait:
+                return None
             raise DaemonTimeout(f"daemon {self.endpoint}: send queue full") from None
         self.counters.bytes_sent += len(header)
         if self._shared is not None:
@@ -371,6 +404,7 @@ class DaemonClient:
             message = self._receive(min(remaining, POLL_SLICE_S), spin_s)
             spin_s = 0.0
             if message is None:
+                self._raise_if_refused()
                 if alive is not None and not alive():
                     raise DaemonDied(f"daemon {self.endpoint} died while serving {_what(what)}")
                 continue
@@ -399,6 +433,13 @@ class DaemonClient:
         if header["op"] == p.ERROR:
             raise self._error(header)
         return header
+
+    def _raise_if_refused(self) -> None:
+        """The failure the socket's monitor reports, if any: nothing listens at the endpoint
+        (with expect_listening), or the daemon refused the handshake."""
+        failure = self._monitor.failure(refused_is_final=self.expect_listening)
+        if failure is not None:
+            raise failure
 
     def _forget_session(self) -> None:
         self._drop_shared()

@@ -46,22 +46,27 @@ class CurveGuard:
         self._repeats = RepeatFilter(log)
 
     def protect(self, context: zmq.Context, router: zmq.Socket) -> None:
-        """Make `router` a CURVE server behind this guard; call it before binding the socket."""
+        """Make `router` a CURVE server behind this guard; call it before binding the socket.
+        The guard's sockets belong to its thread from its start; until then, a failure closes them."""
         set_server_keys(router, self.keys)
-        zap = context.socket(zmq.REP)
-        zap.linger = 0
+        sockets = []
         try:
+            zap = context.socket(zmq.REP)
+            sockets.append(zap)
+            zap.linger = 0
             zap.bind(ZAP_ENDPOINT)
-        except zmq.ZMQError:
-            zap.close()
+            monitor_endpoint = f"inproc://moerun-monitor-{id(router):x}"
+            router.monitor(monitor_endpoint, MONITORED)
+            events = context.socket(zmq.PAIR)
+            sockets.append(events)
+            events.linger = 0
+            events.connect(monitor_endpoint)
+            threading.Thread(target=self._run, args=(zap, events), name="moerun-curve-guard",
+                             daemon=True).start()
+        except BaseException:
+            for made in sockets:
+                made.close(linger=0)
             raise
-        monitor_endpoint = f"inproc://moerun-monitor-{id(router):x}"
-        router.monitor(monitor_endpoint, MONITORED)
-        events = context.socket(zmq.PAIR)
-        events.linger = 0
-        events.connect(monitor_endpoint)
-        threading.Thread(target=self._run, args=(zap, events), name="moerun-curve-guard",
-                         daemon=True).start()
 
     def _run(self, zap: zmq.Socket, events: zmq.Socket) -> None:
         poller = zmq.Poller()

@@ -48,6 +48,7 @@ NO_SESSION = "no_session"
 BAD_REQUEST = "bad_request"
 NOT_READY = "not_ready"
 INTERNAL = "internal"
+UNAUTHENTICATED = "unauthenticated"   # the parent's own: the daemon refused its CURVE handshake (never on the wire)
 
 # Payload dtype tag -> numpy dtype on the wire (bf16 travels as its raw uint16 bits).
 PAYLOAD_DTYPES = {
@@ -95,6 +96,15 @@ class DaemonTimeout(TimeoutError):
 
 class DaemonDied(RuntimeError):
     """The caller's liveness check reported the daemon gone while a request was pending."""
+
+
+class DaemonUnreachable(ConnectionError):
+    """Nothing accepts connections at a daemon's endpoint (refused, no socket file): no reply can come."""
+
+    def __init__(self, endpoint: str, reason: str):
+        super().__init__(f"daemon {endpoint}: {reason}")
+        self.endpoint = endpoint
+        self.reason = reason
 
 
 def _plain(value):
@@ -147,6 +157,13 @@ def version_mismatch(version, sender: str, receiver: str, request_id=None) -> Pr
     return ProtocolError(VERSION_MISMATCH, f"protocol version mismatch: {sender} speaks version "
                                            f"{version!r}, {receiver} speaks version "
                                            f"{PROTOCOL_VERSION}", request_id)
+
+
+def fingerprint_mismatch(parent: str, parent_model: str, daemon: str, daemon_model: str) -> str:
+    """The message for a parent and a daemon of different models, naming both files."""
+    files = [f"the parent runs {parent_model}" if parent_model else "", f"the daemon serves {daemon_model}"]
+    return (f"model fingerprint mismatch: parent expects {parent!r}, daemon has {daemon!r} "
+            f"({', '.join(filter(None, files))}: give both the same GGUF file)")
 
 
 def host_identity() -> dict:

@@ -105,12 +105,13 @@ class Server:
         self.info = dict(handler.info())
         self.hidden = int(self.info["hidden"])
         self._context = zmq.Context()
+        self._socket: zmq.Socket | None = None
         guard = CurveGuard(curve, logger.info) if curve is not None else None
         try:
             self._socket = bind_router(self._context, endpoint,
                                        batch_capacity_max * self.hidden * 4, guard)
         except BaseException:
-            self._context.term()   # also ends the guard's thread
+            self.close()
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
@@ -128,6 +129,21 @@ class Server:
         """Ask serve_forever to return; safe from a signal handler."""
         self._stopping = True
 
+    def close(self) -> None:
+        """Close the socket and the context (which ends the CURVE guard's thread, that closes
+        its own sockets first); never blocks. Safe to call again; serve_forever ends with it."""
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        if not self._context.closed:
+            self._context.term()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def serve_forever(self) -> None:
         access = (f"CURVE, {len(self.curve.authorized)} authorized parent keys" if self.curve
                   else "without CURVE")
@@ -143,8 +159,7 @@ class Server:
         finally:
             if self._session is not None:
                 self._end_session("daemon stopping")
-            self._socket.close(linger=0)
-            self._context.term()
+            self.close()
             remove_socket_file(self.endpoint)
             logger.info(f"stopped serving {self.endpoint}")
 
@@ -305,8 +320,8 @@ class Server:
         who = f"parent pid {parent['pid']} on {parent['hostname']}"
         ours = self.info.get("fingerprint")
         if header.get("fingerprint") != ours:
-            message = (f"model fingerprint mismatch: parent expects {header.get('fingerprint')!r}, "
-                       f"daemon has {ours!r}")
+            message = p.fingerprint_mismatch(header.get("fingerprint"), str(header.get("model") or ""), ours,
+                                             str(self.info.get("model", "")))
             logger.info(f"refused {who}: {message}")
             raise ProtocolError(p.FINGERPRINT_MISMATCH, message)
         session = self._session
@@ -318,8 +333,9 @@ class Server:
                 self._end_session(f"its process is gone, taken over by {who}")
             else:
                 since = time.strftime("%H:%M:%S", time.localtime(session.started))
-                message = (f"serving {session.describe()} since {since} (last heard "
-                           f"{silent_s:.1f} s ago, lease {self.lease_s:g} s)")
+                message = (f"serving {session.describe()} since {since} (last heard {silent_s:.1f} s ago; "
+                           f"another parent gets it once that one ends its session or exits, or after "
+                           f"{self.lease_s:g} s of silence)")
                 logger.info(f"refused {who} (busy): {message}")
                 raise ProtocolError(p.BUSY, message)
         if self._session is None:

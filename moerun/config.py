@@ -237,20 +237,23 @@ SPLIT = {                      # one [[split]] table: a layer shard and the firs
 TOP_LEVEL_NAMES = (*TOP_LEVEL, *TABLES, "daemon", "split")
 
 
-def load_config_file(path: str | Path, *rules: Rule) -> dict[str, object]:
+def load_config_file(path: str | Path, *rules: Rule, parent_key_given: bool = False) -> dict[str, object]:
     """The file's values by parameter name: model, ctx, prompt, port, ... as the flags take
     them, plus `daemons` (the --daemon specs), `daemon_entries` (their [[daemon]] tables),
     `client_secret_key`, `workload` and `memory`. Keys the file leaves out are absent.
 
     `rules` are a command's own checks: each is called with the values read so far (without
     those that had a problem) and the reader, and reports through reader.problem(). One
-    ConfigError lists every problem of the reader and the rules, one a line in file order."""
-    return _Reader(Path(path)).read(rules)
+    ConfigError lists every problem of the reader and the rules, one a line in file order.
+    parent_key_given: the command line gives the parent's CURVE secret key (--curve-secret-key),
+    so a curve_public_key needs no [auth] client_secret_key here."""
+    return _Reader(Path(path), parent_key_given).read(rules)
 
 
 class _Reader:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, parent_key_given: bool = False):
         self.path = path
+        self.parent_key_given = parent_key_given
         self.lines: dict[tuple, int] = {}
         self.problems: list[tuple[int, str]] = []     # (line to order by, message)
         self.reported: list[tuple] = []                # where each problem is, and the key a typo meant
@@ -285,7 +288,7 @@ class _Reader:
                 self._unknown((name,), TOP_LEVEL_NAMES)
         if "hot" in values and "placement" in values:
             self.problem(("placement",), "give hot or placement, not both")
-        if "client_secret_key" not in values and not self.failed(("auth",)):
+        if "client_secret_key" not in values and not self.parent_key_given and not self.failed(("auth",)):
             for table in ("daemon", "split"):
                 for index, entry in enumerate(values.get(f"{table}_entries", ())):
                     if entry.curve_public_key:

@@ -97,18 +97,18 @@ def fill_from_file(params: dict, values: dict) -> None:
 
 def runtime_options(command):
     """Flags shared by every command that loads a model: context, prefill chunking, the rig,
-    and --config. The command receives them all, plus `daemon_entries`, `split_entries` and
-    `client_secret_key` from the file, to hand to open_runtime(model, **runtime_flags)."""
+    and --config. The command receives them all, plus `daemon_entries` and `split_entries`
+    from the file, to hand to open_runtime(model, **runtime_flags)."""
     @functools.wraps(command)
     @friendly_errors
     def with_config_file(*args, config_file, **params):
-        values = load_config_file(config_file) if config_file else {}
+        parent_key_given = given_on_command_line("client_secret_key")     # --curve-secret-key
+        values = load_config_file(config_file, parent_key_given=parent_key_given) if config_file else {}
         daemons_from_file = "daemons" in values and not given_on_command_line("daemons")
         fill_from_file(params, values)
         params["daemon_entries"] = values["daemon_entries"] if daemons_from_file else ()
         splits_from_file = "splits" in values and not given_on_command_line("splits")
         params["split_entries"] = values["split_entries"] if splits_from_file else ()
-        params["client_secret_key"] = values.get("client_secret_key")
         return command(*args, **params)
 
     decorated = with_config_file
@@ -163,6 +163,13 @@ def runtime_options(command):
                                              "its experts itself."),
         click.option("--require-daemons", is_flag=True,
                      help="Stop with an error instead of computing a failed daemon's experts on the parent."),
+        click.option("--curve-secret-key", "client_secret_key", type=click.Path(dir_okay=False), default=None,
+                     metavar="FILE",
+                     help="This parent's CURVE secret key file (`moerun keys`), for daemons that authenticate "
+                          "their parents."),
+        click.option("--daemon-public-key", "daemon_public_keys", multiple=True, metavar="FILE",
+                     help="The CURVE public key file of a daemon the parent connects to: one for each ipc:// or "
+                          "tcp:// --daemon, then --split, in order, or one for all. Repeatable."),
         threads_option,
         click.option("--pin", is_flag=True,
                      help="Hold the parent and each CPU daemon it starts to CPUs of its own (Linux)."),
@@ -174,12 +181,13 @@ def runtime_options(command):
 def open_runtime(model, ctx, kv_pool, ubatch, device, graphs, kv_dtype, daemons, splits, hot, placement, transport,
                  mode, batch_capacity, payload_dtype, stream_threshold, expert_cache, gpu_reads, daemon_timeout,
                  require_daemons,
-                 threads, pin, daemon_entries, split_entries, client_secret_key,
+                 threads, pin, daemon_entries, split_entries, client_secret_key, daemon_public_keys,
                  prefix_cache: PrefixCache | None = None) -> Runtime:
     rig = RigConfig(daemons=tuple(daemons), hot=hot, placement=placement, transport=transport, mode=mode,
                     batch_capacity=batch_capacity, payload_dtype=payload_dtype, daemon_timeout_s=daemon_timeout,
                     require_daemons=require_daemons, device=device, graphs=graphs, kv_dtype=kv_dtype,
-                    daemon_entries=daemon_entries, client_secret_key=client_secret_key, threads=threads, pin=pin,
+                    daemon_entries=daemon_entries, client_secret_key=client_secret_key,
+                    daemon_public_keys=tuple(daemon_public_keys), threads=threads, pin=pin,
                     splits=tuple(parse_split(text) for text in splits if text != AUTO), split_auto=AUTO in splits,
                     split_entries=split_entries, stream_threshold=stream_threshold,
                     expert_cache_bytes=parse_bytes(expert_cache, "--expert-cache"), gpu_reads=gpu_reads)

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 from moerun.ipc.client import DaemonClient
-from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout
+from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout, DaemonUnreachable
 from moerun.rig.spawn import LocalDaemon
 
 DAEMON_FAILURES = (DaemonTimeout, DaemonDied, DaemonError, OSError)
@@ -28,6 +28,7 @@ class DaemonLink:
     spec: str
     client: DaemonClient
     local: LocalDaemon | None
+    label: str = ""                         # its [[daemon]] table's name; "": d<index>
     transport: str = "stream"               # chosen at the handshake
     lock: threading.Lock = field(default_factory=threading.Lock)    # one thread talks to the daemon at a time
     wake: threading.Event = field(default_factory=threading.Event)  # rouses the watcher early
@@ -40,18 +41,26 @@ class DaemonLink:
     rejoins: int = 0
     fallback_calls: int = 0                 # layer calls whose work for it the parent computed instead
 
+    def __post_init__(self) -> None:
+        self.label = self.label or f"d{self.index}"
+
     @property
     def name(self) -> str:
-        return f"d{self.index} {self.spec}"
+        """How messages and the stats name it: "gpu1 cuda:1", "d0 cpu"."""
+        return f"{self.label} {self.spec}"
 
     def alive(self) -> bool:
         return self.local.alive() if self.local else True
 
 
-def failure_reason(err: Exception, timeout_s: float) -> str:
-    """How a daemon failed, for the log and the stats: "died", "did not answer within 30 s"..."""
+def failure_reason(err: Exception, timeout_s: float, when: str = "") -> str:
+    """How a daemon failed, for the log and the stats: "died", "did not answer within 30 s",
+    "is unreachable: no socket file at ..."; `when` ("at start") follows the verb."""
+    when = f" {when}" if when else ""
+    if isinstance(err, DaemonUnreachable):
+        return f"is unreachable{when}: {err.reason}"
     if isinstance(err, DaemonTimeout):
-        return f"did not answer within {timeout_s:g} s"
+        return f"did not answer within {timeout_s:g} s{when}"
     if isinstance(err, DaemonDied):
-        return "died"
-    return f"failed: {err}"
+        return f"died{when}"
+    return f"failed{when}: {err}"

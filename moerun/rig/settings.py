@@ -120,7 +120,8 @@ class RigConfig:
     kv_dtype: str | None = None          # --kv-dtype f16 | f32 of a GPU parent's KV cache; None: f16 (the CPU: f32)
     daemon_entries: tuple[DaemonEntry, ...] = ()   # the config file's [[daemon]] tables behind `daemons`, if any
     split_entries: tuple[SplitEntry, ...] = ()     # the config file's [[split]] tables behind `splits`, if any
-    client_secret_key: str | None = None           # the parent's CURVE secret key file ([auth])
+    client_secret_key: str | None = None           # the parent's CURVE secret key file (--curve-secret-key, [auth])
+    daemon_public_keys: tuple[str, ...] = ()       # --daemon-public-key: the connected daemons' public key files
     threads: int | None = None           # the parent's CPU threads [default: its share of this host's CPUs]
     pin: bool = False                    # hold the parent and its CPU daemons to their own cores
     splits: tuple[tuple[str, int], ...] = ()   # (shard, first layer): --split SPEC@LAYER, boundaries ascending
@@ -172,10 +173,42 @@ class RigConfig:
              "the [[daemon]] tables do not match the --daemon list"),
             (not self.split_entries or tuple((entry.spec, entry.layer) for entry in self.split_entries) == self.splits,
              "the [[split]] tables do not match the --split list"),
+            (not self.daemon_public_keys or self._connected(),
+             "--daemon-public-key is for the daemons the parent connects to (--daemon or --split ipc://… or "
+             "tcp://…); a daemon it spawns needs no keys"),
+            (len(self.daemon_public_keys) in (0, 1, len(self._connected())),
+             f"--daemon-public-key is given {len(self.daemon_public_keys)} times for the {len(self._connected())} "
+             f"daemons the parent connects to: give one for each, in the order of --daemon then --split, or one "
+             f"for all"),
+            (not self.daemon_public_keys or self.client_secret_key is not None,
+             "--daemon-public-key needs this parent's own key pair: give --curve-secret-key FILE (or [auth] "
+             "client_secret_key in the config; `moerun keys -o DIR` makes a pair)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+    def curve_public_key(self, table: str, index: int) -> str | None:
+        """The CURVE public key file of daemon ("daemon") or layer shard ("split") `index`, when the
+        parent connects to it: from --daemon-public-key (one for each such process, daemons first,
+        or one for all), else its config table's curve_public_key; None: no CURVE."""
+        return self._public_keys().get((table, index))
+
+    def _connected(self) -> list[tuple[str, int]]:
+        """The daemons and shards the parent connects to (an endpoint, not a device), in order."""
+        return ([("daemon", i) for i, spec in enumerate(self.daemons) if ENDPOINT.match(spec)]
+                + [("split", i) for i, (spec, _) in enumerate(self.splits) if ENDPOINT.match(spec)])
+
+    def _public_keys(self) -> dict[tuple[str, int], str]:
+        connected = self._connected()
+        if self.daemon_public_keys:
+            files = self.daemon_public_keys * len(connected) if len(self.daemon_public_keys) == 1 \
+                else self.daemon_public_keys
+            return dict(zip(connected, files))
+        tables = [*((("daemon", i), entry) for i, entry in enumerate(self.daemon_entries)),
+                  *((("split", i), entry) for i, entry in enumerate(self.split_entries))]
+        return {place: entry.curve_public_key for place, entry in tables
+                if entry.curve_public_key is not None and place in connected}
 
     @property
     def kv_cache_dtype(self) -> str:

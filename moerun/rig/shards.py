@@ -55,6 +55,7 @@ class ShardLink:
     index: int
     spec: str                          # cpu | cuda:N | hip:N (spawned) or ipc://… | tcp://… (connected)
     layers: range
+    label: str = ""                    # its [[split]] table's name; "": s<index>
     client: DaemonClient | None = None
     local: LocalDaemon | None = None
     broken: str | None = None          # why it failed; it restarts before the next sequence
@@ -64,9 +65,12 @@ class ShardLink:
     dtype: str = "f32"                 # the hidden state's payload dtype (through the host)
     device: Attached | None = None     # transport "device": the parent's event, the shard's buffers
 
+    def __post_init__(self) -> None:
+        self.label = self.label or f"s{self.index}"
+
     @property
     def name(self) -> str:
-        return f"s{self.index} {self.spec} layers {self.layers.start}-{self.layers.stop - 1}"
+        return f"{self.label} {self.spec} layers {self.layers.start}-{self.layers.stop - 1}"
 
     def alive(self) -> bool:
         return self.local.alive() if self.local else True
@@ -86,13 +90,14 @@ class LayerShards:
         ends = [*boundaries[1:], spec.n_layers]
         self.config, self.model_path, self.fingerprint, self.ctx = config, model_path, fingerprint, ctx
         self.chunk, self.hidden = chunk, spec.hidden
-        self.links = [ShardLink(i, shard_spec, range(layer, end), dtype=config.shard_payload_dtype(shard_spec))
-                      for i, ((shard_spec, layer), end) in enumerate(zip(config.splits, ends))]
+        labels = [entry.name for entry in config.split_entries] or [""] * len(config.splits)
+        self.links = [ShardLink(i, shard_spec, range(layer, end), label, dtype=config.shard_payload_dtype(shard_spec))
+                      for i, ((shard_spec, layer), end, label) in enumerate(zip(config.splits, ends, labels))]
         self.sequence = 0
         self.backend = backend
         self.attachments = GpuAttachments(backend) if backend.kind != "CPU" else None
-        self.context = zmq.Context()
         self.run_dir = make_run_dir()
+        self.context = zmq.Context()
         try:
             for link in self.links:
                 self._start(link)
@@ -184,11 +189,11 @@ class LayerShards:
         endpoint = link.local.endpoint if link.local else link.spec
         timeout_s = SHARD_START_TIMEOUT_S if spawned else self.config.daemon_timeout_s
         link.client = DaemonClient(endpoint, context=self.context, connect_timeout_s=timeout_s,
-                                   curve=self._curve_keys(link))
+                                   curve=self._curve_keys(link), expect_listening=not spawned)
         link.client.counters = link.counters
         started = time.monotonic()
         try:
-            info = link.client.hello(self.fingerprint, link.alive)
+            info = link.client.hello(self.fingerprint, link.alive, model=str(self.model_path))
         except DAEMON_FAILURES as err:
             tail = f"; its log ends:\n{link.local.stderr_tail()}" if link.local else ""
             raise RigError(f"layer shard {link.name} did not start: {err}{tail}") from None
@@ -228,11 +233,11 @@ class LayerShards:
             raise RigError(f"layer shard {link.name} could not map the shared arena: {err}") from None
 
     def _curve_keys(self, link: ShardLink) -> CurveClientKeys | None:
-        """The CURVE keys for a shard whose [[split]] table names its public key."""
-        entry = self._entry(link)
-        if entry is None or entry.curve_public_key is None:
+        """The CURVE keys for a shard, when the rig names its public key."""
+        public_key = self.config.curve_public_key("split", link.index)
+        if public_key is None:
             return None
-        return CurveClientKeys.from_files(self.config.client_secret_key, entry.curve_public_key)
+        return CurveClientKeys.from_files(self.config.client_secret_key, public_key)
 
     def _expert_flags(self, link: ShardLink) -> tuple[str, ...]:
         """A spawned shard's own expert daemons, as its [[split]] table gives them."""
@@ -265,15 +270,18 @@ class LayerShards:
             link.local = None
 
     def close(self) -> None:
-        for link in self.links:
-            if link.client is not None and link.broken is None:
-                try:
-                    link.client.bye()
-                except DAEMON_FAILURES:
-                    pass
-            self._drop(link)
-        self.context.term()
-        remove_run_dir(self.run_dir)
+        """BYE to every shard that answers, stop the spawned ones; never blocks on ZeroMQ."""
+        try:
+            for link in self.links:
+                if link.client is not None and link.broken is None:
+                    try:
+                        link.client.bye()
+                    except DAEMON_FAILURES:
+                        pass
+                self._drop(link)
+        finally:
+            self.context.destroy(linger=0)   # only the thread that runs the steps used it
+            remove_run_dir(self.run_dir)
 
 
 def auto_splits(gguf, spec: ModelSpec, config: RigConfig, context: int) -> tuple[tuple[str, int], ...]:

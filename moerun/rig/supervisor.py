@@ -24,7 +24,7 @@ from moerun.backends.protocol import Backend, Experts
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.client import DaemonClient
 from moerun.ipc.curve import CurveClientKeys
-from moerun.ipc.protocol import DaemonTimeout
+from moerun.ipc.protocol import DaemonTimeout, DaemonUnreachable
 from moerun.ipc.shm import sweep_stale_segments
 from moerun.ipc.sockets import remove_socket_file
 from moerun.models.spec import ModelSpec
@@ -94,14 +94,14 @@ class Rig:
         self.links: list[DaemonLink] = []
         self.closing = threading.Event()
         self._watchers: list[threading.Thread] = []
-        self.context = zmq.Context()
         sweep_stale_segments()
         sweep_stale_run_dirs()
         self.run_dir = make_run_dir()
+        self.context = zmq.Context()
         try:
             self._start(gguf)
             for link in self.links:
-                watcher = threading.Thread(target=self._watch, args=(link,), name=f"moerun-watch-d{link.index}",
+                watcher = threading.Thread(target=self._watch, args=(link,), name=f"moerun-watch-{link.label}",
                                            daemon=True)
                 watcher.start()
                 self._watchers.append(watcher)
@@ -118,13 +118,9 @@ class Rig:
         return GpuDispatcher(self.backend, parent_experts, self, self.gpu, fallback)
 
     def _start(self, gguf: GGUFFile) -> None:
-        locals_ = {i: self._spawn(i, spec) for i, spec in enumerate(self.config.daemons) if DEVICE_PATTERN.match(spec)}
         for i, spec in enumerate(self.config.daemons):
-            local = locals_.get(i)
-            connect_timeout = SPAWN_TIMEOUT_S if local else self.config.daemon_timeout_s
-            client = DaemonClient(local.endpoint if local else spec, context=self.context,
-                                  connect_timeout_s=connect_timeout, curve=self._curve_keys(i))
-            self.links.append(DaemonLink(i, spec, client, local))
+            self.links.append(self._link(i, spec))
+        waited_since = time.monotonic()
         self._greet_all()
         if self.placement is None:
             self.placement = self._auto_placement(gguf)
@@ -135,7 +131,21 @@ class Rig:
                 why = f"--hot {self.config.hot} keeps" if self.config.hot is not None else "this placement keeps"
                 logger.info(f"daemon {link.name} holds no experts ({why} them all on the parent and the other "
                             f"daemons): it stays idle")
-        self._assign_all()
+        self._assign_all(waited_since)
+
+    def _link(self, index: int, spec: str) -> DaemonLink:
+        """Daemon `index`: spawned here (its process starts now) or at its endpoint, and its client."""
+        entry = self._entry(index)
+        local = self._spawn(index, spec) if DEVICE_PATTERN.match(spec) else None
+        try:
+            client = DaemonClient(local.endpoint if local else spec, context=self.context,
+                                  connect_timeout_s=SPAWN_TIMEOUT_S if local else self.config.daemon_timeout_s,
+                                  curve=self._curve_keys(index), expect_listening=local is None)
+        except BaseException:
+            if local:
+                local.stop()
+            raise
+        return DaemonLink(index, spec, client, local, label=entry.name if entry else "")
 
     def _entry(self, index: int) -> DaemonEntry | None:
         """Daemon `index`'s [[daemon]] table of a config file; None when the daemons came
@@ -144,11 +154,11 @@ class Rig:
         return entries[index] if entries else None
 
     def _curve_keys(self, index: int) -> CurveClientKeys | None:
-        """The CURVE keys for daemon `index`, when its config entry names its public key."""
-        entry = self._entry(index)
-        if entry is None or entry.curve_public_key is None:
+        """The CURVE keys for daemon `index`, when the rig names its public key."""
+        public_key = self.config.curve_public_key("daemon", index)
+        if public_key is None:
             return None
-        return CurveClientKeys.from_files(self.config.client_secret_key, entry.curve_public_key)
+        return CurveClientKeys.from_files(self.config.client_secret_key, public_key)
 
     def _auto_placement(self, gguf: GGUFFile) -> Placement:
         """--placement auto: plan from the memory each process can have now. A GPU parent has
@@ -205,24 +215,23 @@ class Rig:
 
     def _greet_all(self) -> None:
         """HELLO to every daemon at once (a spawned one once it listens), saying which ones it still
-        waits for, then attach each. A daemon started elsewhere that does not answer within
-        --daemon-timeout starts down: its experts run on the parent and its watcher keeps calling
-        it, as for a daemon lost later; unless --require-daemons is set, or --placement auto needs
-        its memory. Any other failure stops the start."""
+        waits for, then attach each. A daemon started elsewhere that is unreachable (found at once)
+        or does not answer within --daemon-timeout starts down: its experts run on the parent and its
+        watcher keeps calling it, as for a daemon lost later; unless --require-daemons is set, or
+        --placement auto needs its memory. Any other failure (a refusal: busy, another model, a
+        CURVE key it does not take) stops the start at once."""
         failures: dict[int, Exception] = {}
 
         def greet(link: DaemonLink) -> None:
             try:
                 if link.local:
                     self._wait_for_socket(link.local)
-                link.client.hello(self.fingerprint, self._alive(link))
+                self._hello(link)
             except Exception as err:  # noqa: BLE001 - judged below, on this thread
                 failures[link.index] = err
 
-        threads = [threading.Thread(target=greet, args=(link,), daemon=True) for link in self.links]
-        for thread in threads:
-            thread.start()
-        self._say_waiting(threads)
+        self._together([threading.Thread(target=greet, args=(link,), daemon=True) for link in self.links],
+                       self._say_waiting)
         for link in self.links:
             err = failures.get(link.index)
             if err is None:
@@ -232,9 +241,24 @@ class Rig:
                     raise RigError(_startup_failure(link, attach_err)) from None
             elif self._may_start_without(link, err):
                 with link.lock:
-                    self.mark_down(link, f"did not answer within {self.config.daemon_timeout_s:g} s at start")
+                    self.mark_down(link, failure_reason(err, self.config.daemon_timeout_s, "at start"))
             else:
                 raise RigError(_startup_failure(link, err)) from None
+
+    def _together(self, threads: list[threading.Thread], watch: Callable[[list[threading.Thread]], None]) -> None:
+        """Run the start-up threads, watch(threads) until they end, then join them. Should the
+        watching be interrupted (Ctrl-C), the rig closes, which ends their waits at their next
+        poll, and they are joined before the interruption goes on."""
+        for thread in threads:
+            thread.start()
+        try:
+            watch(threads)
+        except BaseException:
+            self.closing.set()
+            raise
+        finally:
+            for thread in threads:
+                thread.join()
 
     def _say_waiting(self, threads: list[threading.Thread]) -> None:
         """Until every greeting ends: after WAIT_NOTICE_S, one line for each daemon still awaited."""
@@ -249,12 +273,16 @@ class Rig:
             time.sleep(0.05)
 
     def _may_start_without(self, link: DaemonLink, err: Exception) -> bool:
-        """A daemon started elsewhere that did not answer in time, when nothing needs it now."""
-        return (link.local is None and isinstance(err, DaemonTimeout) and not self.config.require_daemons
-                and self.config.placement != AUTO)
+        """A daemon started elsewhere that is unreachable or did not answer in time, when nothing
+        needs it now."""
+        return (link.local is None and isinstance(err, (DaemonTimeout, DaemonUnreachable))
+                and not self.config.require_daemons and self.config.placement != AUTO)
+
+    def _hello(self, link: DaemonLink) -> None:
+        link.client.hello(self.fingerprint, self._alive(link), model=str(self.model_path))
 
     def _handshake(self, link: DaemonLink) -> None:
-        link.client.hello(self.fingerprint, self._alive(link))
+        self._hello(link)
         link.transport = self._attach(link).transport
 
     def _attach(self, link: DaemonLink) -> TransportChoice:
@@ -284,13 +312,14 @@ class Rig:
         entry = self._entry(link.index)
         return entry.transport if entry is not None and entry.transport else self.config.transport
 
-    def _assign_all(self) -> None:
-        """Every daemon loads its experts at once; progress goes to stderr."""
+    def _assign_all(self, waited_since: float) -> None:
+        """Every daemon loads its experts at once; progress goes to stderr, and then how long the
+        daemons took to be ready since the parent began waiting for them (waited_since)."""
         assignments = {link.index: self.placement.experts_of(link.index) for link in self.links if link.up}
         total = sum(len(ids) for experts in assignments.values() for ids in experts.values())
         done = dict.fromkeys(assignments, 0)
         failures: list[str] = []
-        started = last_print = time.monotonic()
+        last_print = time.monotonic()
         lock = threading.Lock()
 
         def progress(index: int, count: int) -> None:
@@ -308,16 +337,12 @@ class Rig:
             except Exception as err:
                 failures.append(_startup_failure(link, err))
 
-        threads = [threading.Thread(target=assign, args=(link,)) for link in self.links if link.up]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        self._together([threading.Thread(target=assign, args=(link,)) for link in self.links if link.up], _join)
         if failures:
             raise RigError("; ".join(failures))
         if assignments:
             logger.info(f"{len(assignments)} daemon(s) ready with {total} experts in "
-                        f"{time.monotonic() - started:.1f} s")
+                        f"{time.monotonic() - waited_since:.1f} s")
 
     def mark_down(self, link: DaemonLink, reason: str) -> None:
         """Stop sending work to a daemon, say so once, and rouse its watcher. The caller holds
@@ -418,20 +443,22 @@ class Rig:
             link.wake.set()
         for watcher in self._watchers:
             watcher.join()
-        if self.gpu is not None:
-            self.gpu.release()
-        for link in self.links:
-            try:
-                if not link.local and link.client.info and link.up:     # handshaken and answering
-                    link.client.bye(timeout_s=GOODBYE_TIMEOUT_S)
-            except Exception:
-                pass  # it is going away either way
-            link.client.close()
-            if link.local:
-                link.local.stop()
-        self.links = []
-        remove_run_dir(self.run_dir)
-        self.context.term()
+        try:
+            if self.gpu is not None:
+                self.gpu.release()
+            for link in self.links:
+                try:
+                    if not link.local and link.client.info and link.up:     # handshaken and answering
+                        link.client.bye(timeout_s=GOODBYE_TIMEOUT_S)
+                except Exception:
+                    pass  # it is going away either way
+                link.client.close()
+                if link.local:
+                    link.local.stop()
+        finally:
+            self.links = []
+            remove_run_dir(self.run_dir)
+            self.context.destroy(linger=0)   # every thread that used it has ended; nothing is left open
 
 
 def _placement(config: RigConfig, spec: ModelSpec, fingerprint: str) -> Placement:
@@ -442,8 +469,15 @@ def _placement(config: RigConfig, spec: ModelSpec, fingerprint: str) -> Placemen
     return hot_placement(spec, hot, specs)
 
 
+def _join(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join()
+
+
 def _startup_failure(link: DaemonLink, err: Exception) -> str:
-    message = f"daemon {link.name} ({link.client.endpoint}): {err}"
+    """"daemon d0 tcp://box:7070: busy: serving parent pid 4242 on box-2 since …" (the client's
+    own "daemon ENDPOINT: " left out of the error's text), and a spawned daemon's stderr."""
+    message = f"daemon {link.name}: {str(err).removeprefix(f'daemon {link.client.endpoint}: ')}"
     if link.local:
         tail = link.local.stderr_tail()
         message += f"\n--- its stderr ---\n{tail}" if tail else ""

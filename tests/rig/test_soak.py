@@ -1,15 +1,16 @@
 """Soak: 200 short greedy generations in a row while daemons are killed at random moments
 every few generations. Every output equals the fault-free one, every kill ends in a rejoin,
 and the parent ends with the file descriptors, threads, shared memory and child processes it
-started with."""
+started with. How long it takes is measured by scripts/bench_soak.py, not asserted here."""
 from __future__ import annotations
 
 import os
 import random
 import signal
 import threading
-import time
 from pathlib import Path
+
+import pytest
 
 from moerun.engine.runtime import Runtime
 from moerun.rig.settings import RigConfig
@@ -22,6 +23,8 @@ GENERATIONS = 200
 KILL_EVERY = (2, 6)              # generations between two kills, drawn at random
 KILL_DELAY_S = (0.0, 0.03)       # a kill lands this long after its generation starts: prefill, decode or idle
 VOCAB = 320                      # tiny_model's
+
+pytestmark = pytest.mark.slow
 
 
 def open_resources() -> tuple[int, int, int, int]:
@@ -42,7 +45,6 @@ def test_200_generations_with_daemons_killed_at_random(tmp_path):
     with Runtime(model) as local:
         expected = [list(local.generate(prompt, n, GREEDY)) for prompt, n in requests]
 
-    started = time.monotonic()
     with Runtime(model, rig=RigConfig(daemons=("cpu", "cpu"), hot=1, daemon_timeout_s=10)) as runtime:
         links = runtime.rig.links
         assert list(runtime.generate(*requests[0], GREEDY)) == expected[0]   # everything opened once
@@ -63,6 +65,5 @@ def test_200_generations_with_daemons_killed_at_random(tmp_path):
                    REJOIN_TIMEOUT_S, f"rejoin after each of the {kills} kills")
         assert sum(link.times_down for link in links) == kills, "each kill took its daemon down once"
         assert sum(link.fallback_calls for link in links) > 0
-        wait_until(lambda: no_growth(baseline), 10, f"return to {baseline} (fds, threads, shm, arenas)")
+        wait_until(lambda: no_growth(baseline), REJOIN_TIMEOUT_S, f"return to {baseline} (fds, threads, shm, arenas)")
         assert live_children() == {link.local.process.pid for link in links}, "only the two current daemons run"
-    assert time.monotonic() - started < 100

@@ -1,6 +1,6 @@
 """Time the soak of tests/rig/test_soak.py: short greedy generations through two CPU daemons,
-one of them killed with SIGKILL every few generations; prints the wall time, the generations
-per second and the rejoins.
+one of them killed with SIGKILL every few generations (once one is up to be killed: the wait
+for a rejoin counts too); prints the wall time, the generations per second and the rejoins.
 
     python scripts/bench_soak.py [--generations 200] [--kill-every 2:6] [--seed 11]
 """
@@ -39,8 +39,9 @@ with Runtime(model, rig=RigConfig(daemons=("cpu", "cpu"), hot=1, daemon_timeout_
     started = time.perf_counter()
     for i, (prompt, n) in enumerate(requests):
         killer = None
-        live = [link for link in links if link.up and link.alive()]
-        if i >= next_kill and live:
+        if i == next_kill:
+            while not (live := [link for link in links if link.up and link.alive()]):
+                time.sleep(0.01)
             victim = rng.choice(live).local.process
             killer = threading.Timer(rng.uniform(0.0, 0.03), victim.send_signal, (signal.SIGKILL,))
             killer.start()

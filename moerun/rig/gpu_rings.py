@@ -7,8 +7,8 @@ the parent's hot experts run, await_slot spins on the reply's sequence word, and
 add_reply_rows adds the reply in. The host only opens the step (a sleeping daemon is woken:
 the device cannot) and watches it finish (rousing a daemon that fell asleep between layers):
 a daemon that died has its waits aborted, one that failed a request (an error reply, or none
-within --daemon-timeout) is marked down, and the step runs again eagerly without it
-(StepRetry).
+within --daemon-timeout: that wait aborts the step's later ones) is marked down, and the step
+runs again eagerly without it (StepRetry).
 
 Per daemon the kernels count, in a pinned array the host reads after each step: request ids
 rung, failures, nanoseconds the parent's stream waited, and the daemon's compute time.
@@ -122,12 +122,12 @@ class DeviceRings:
         return failed
 
     def _fail(self, dead: set[int], failed: set[int]) -> None:
-        """Mark down the daemons that died or failed a request; an abort also failed the waits
-        of the others, whose slots must be answered before the step runs again."""
+        """Mark down the daemons that died or failed a request; an abort ended the waits of the
+        others, whose slots must be answered before the step runs again."""
         for link in self.rig.links:
             if link.index in dead:
                 reason = "died"
-            elif link.index in failed and not dead:
+            elif link.index in failed:
                 reason = self._failure_reason(link)
             else:
                 reason = None if self._answered(link) else \

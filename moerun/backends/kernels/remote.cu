@@ -114,8 +114,8 @@ extern "C" __global__ void add_reply_rows(float* __restrict__ out, const float* 
 // -- requests rung from the device: a captured decode step reaches a daemon on this host
 // through the pinned arena with no host action (ipc/shm.py has the slot layout). The slot
 // words and headers are host memory mapped here; `words` is the parent's pinned array of its
-// step: [0] abort (the host sets it when a daemon died or ran out of time), then per daemon
-// [request ids, failures, wait ns, daemon compute ns].
+// step: [0] abort (the host sets it when a daemon died, a wait when it ran out of time), then
+// per daemon [request ids, failures, wait ns, daemon compute ns].
 #define SLOT_REQUEST_SEQ 0
 #define SLOT_REPLY_SEQ 64
 #define SLOT_REQUEST_HEADER 256
@@ -149,9 +149,11 @@ extern "C" __global__ void ring_slot(u8* slot, unsigned long long* words, int da
 }
 
 // One thread: wait until the daemon answered the slot (its reply sequence word catches up
-// with the request's), the host aborts the step, or timeout_ns pass; a reply that is not the
-// RESULT of this request, an abort and a timeout count as the daemon's failure (the host
-// runs the step again without it). Adds the wait and the daemon's compute time.
+// with the request's), the step is aborted, or timeout_ns pass; a reply that is not the
+// RESULT of this request and a timeout count as the daemon's failure (the host runs the step
+// again without it). A timeout aborts the step, so that its later waits (of every daemon) give
+// up at once: a step costs one timeout, not one per layer. Adds the wait and the daemon's
+// compute time.
 extern "C" __global__ void await_slot(const u8* slot, unsigned long long* words, int daemon,
                                       unsigned long long timeout_ns) {
     wait_for_previous_grid();
@@ -163,7 +165,14 @@ extern "C" __global__ void await_slot(const u8* slot, unsigned long long* words,
     u32 expected = *request_seq;
     while (*reply_seq != expected) {
         now = device_clock_ns();
-        if (*abort || now - start > timeout_ns) { mine[1] += 1; mine[2] += now - start; return; }
+        if (*abort) { mine[2] += now - start; return; }
+        if (now - start > timeout_ns) {
+            mine[1] += 1;
+            mine[2] += now - start;
+            *abort = 1;
+            __threadfence_system();
+            return;
+        }
         pause_briefly();
     }
     __threadfence_system();

@@ -11,9 +11,9 @@ events say what happened, on the connecting side (libzmq 4.3):
 - one side with CURVE and the other without is HANDSHAKE_FAILED_PROTOCOL (mechanism mismatch);
   after either of these the DEALER never connects again: only a new socket tries again;
 - a CURVE daemon that cannot decrypt the parent's greeting (the parent holds another daemon's
-  public key) hangs up: HANDSHAKE_FAILED_NO_DETAIL, on every try. A client without CURVE sees it
-  too, once, just before the mechanism mismatch; a daemon that exits during a handshake does
-  once; so it counts only the second time in a row.
+  public key) hangs up: HANDSHAKE_FAILED_NO_DETAIL, on every try. A mechanism mismatch may show
+  as that too, a try or two before it is told; a daemon that exits during a handshake shows it
+  once; so it counts only the third time in a row.
 
 The monitor judges only events that came after forget(): the caller forgets before each
 greeting, and the DEALER's next attempt (at most RECONNECT_MAX_MS later) decides; a refused
@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 MONITORED = (zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
              | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-HUNG_UP_TIMES = 2             # handshakes in a row the daemon hung up on before that is its answer
+HUNG_UP_TIMES = 3             # handshakes in a row the daemon hung up on before that is its answer
 AUTHORIZED_KEYS_FLAG = "--curve-authorized-keys"
 PARENT_KEY_FLAGS = "--curve-secret-key FILE and --daemon-public-key FILE"
 
@@ -114,22 +114,24 @@ class DealerMonitor:
 
     def _protocol_error(self, code: int) -> str:
         if code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH and self.curve is None:
-            return (f"the daemon authenticates its parents with CURVE and this parent has no keys for it: give "
-                    f"it {PARENT_KEY_FLAGS} (the daemon's public key), or [auth] client_secret_key and the "
-                    f"daemon's curve_public_key in its config {MAKE_KEYS_HINT}")
+            return self._without_keys()
         if code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return ("the daemon runs without CURVE, and this parent connects with CURVE keys: start the daemon "
                     f"with --curve-secret-key and {AUTHORIZED_KEYS_FLAG}, or give this parent no public key "
                     "for it")
         return f"the CURVE handshake failed ({_protocol_error_name(code)})"
 
+    def _without_keys(self) -> str:
+        return (f"the daemon authenticates its parents with CURVE and this parent has no keys for it: give it "
+                f"{PARENT_KEY_FLAGS} (the daemon's public key), or [auth] client_secret_key and the daemon's "
+                f"curve_public_key in its config {MAKE_KEYS_HINT}")
+
     def _hung_up_on(self) -> str:
-        if self.curve is None:
-            return ("the daemon hung up during the handshake, as a CURVE daemon does with a parent without "
-                    f"keys: give this parent {PARENT_KEY_FLAGS}")
-        return (f"the daemon hung up during the CURVE handshake, as it does when the public key this parent "
-                f"holds for it ({self.curve.server_public_key.decode()}) is not that daemon's: give the "
-                f"daemon's own .key file")
+        if self.curve is None:       # a CURVE daemon hangs up on a client without CURVE, or tells it
+            return self._without_keys()
+        return (f"the daemon hung up during the CURVE handshake: the public key this parent holds for it "
+                f"({self.curve.server_public_key.decode()}) is not that daemon's (give its own .key file), or "
+                f"the daemon runs without CURVE")
 
 
 def _protocol_error_name(code: int) -> str:

@@ -11,6 +11,7 @@ import stat
 
 import gguf
 import numpy as np
+import pytest
 
 from moerun.backends.cpu import build
 from moerun.backends.cpu.library import CpuKernels, load_kernels
@@ -23,6 +24,7 @@ from tests.support.hf_models import tiny_model
 from tests.support.to_gguf import write_gguf
 
 
+@pytest.mark.slow
 def test_built_once_then_loaded_from_the_cache(kernels, tmp_path, monkeypatch):
     monkeypatch.setenv("MOERUN_CACHE", str(tmp_path))
     first = build.library_path()
@@ -32,6 +34,7 @@ def test_built_once_then_loaded_from_the_cache(kernels, tmp_path, monkeypatch):
     assert CpuKernels(first).isas() == kernels.isas()
 
 
+@pytest.mark.slow
 def test_a_variant_the_compiler_cannot_build_is_left_out(kernels, tmp_path, monkeypatch):
     best = build.variants()[-1]
     real = shutil.which(build.compiler()[0])
@@ -60,6 +63,7 @@ def test_no_compiler_means_one_notice_and_the_numpy_path(tmp_path, monkeypatch, 
     assert not os.path.exists(tmp_path / "cache" / "cpu-kernels")
 
 
+@pytest.mark.slow
 def test_an_expert_type_without_kernels_takes_the_numpy_path(kernels, tmp_path, caplog):
     base = write_gguf(tiny_model("qwen3moe", seed=2, hidden_size=256, moe_intermediate_size=256),
                       tmp_path / "model.gguf", "F32")

@@ -16,7 +16,7 @@ from moerun.backends.gpu_kernels import INT_KINDS, KERNEL_DIR
 from moerun.backends.gpu_weights import KERNEL_TYPES
 from moerun.backends.protocol import KV_DTYPES
 
-pytestmark = pytest.mark.tools
+pytestmark = [pytest.mark.tools, pytest.mark.slow]   # a compile takes ~15 s
 PER_TYPE = ("moe_gate_up", "moe_down", "moe_mm_gate_up", "moe_mm_down", "dequant_f16", "gather_rows_f32")
 PER_FLOAT_TYPE = ("gemv", "gemv_few_rows")
 PER_INT_TYPE = ("gemv_q8", "moe_gate_up_q8", "moe_down_q8")

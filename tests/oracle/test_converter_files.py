@@ -45,6 +45,8 @@ from tests.support.llama_converter import (
 )
 from tests.support.to_gguf import GGUF_ARCH, write_gguf
 
+pytestmark = pytest.mark.slow   # converting checkpoints with llama.cpp's converter: ~2 min
+
 # Converter options per file; every one of them is converted for every architecture.
 VARIANTS = {
     "f32": ("--outtype", "f32"),

@@ -155,6 +155,7 @@ def test_connected_daemon_restarted_by_its_owner_rejoins(model, local_tokens, tm
     assert tokens == local_tokens
 
 
+@pytest.mark.slow
 def test_idle_heartbeats_find_a_hung_daemon_which_rejoins_after_sigcont(model, local_tokens, tmp_path):
     endpoint = f"ipc://{tmp_path}/d0.sock"
     with daemon_process(model, endpoint, tmp_path / "d0.log") as daemon, \
@@ -208,6 +209,7 @@ def test_require_daemons_stops_at_a_daemon_that_died_while_idle(model):
         assert link.restarts == 0
 
 
+@pytest.mark.slow
 def test_closing_the_rig_ends_its_restart_loop(model, tmp_path, capfd):
     """A daemon that cannot start again (its model file moved away) is retried with growing
     back-off; closing the rig stops the retries at once and leaves no process or thread."""

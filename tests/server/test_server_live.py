@@ -238,6 +238,7 @@ def test_a_client_that_disconnects_stops_its_generation(server, client, stream):
     assert chat(client, "The rig", temperature=0, max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.slow
 def test_fifty_concurrent_clients(server):
     """Every request answered correctly and none lost, and the server healthy afterwards."""
     load = subprocess.run([sys.executable, str(REPO / "scripts" / "load_test_server.py"), "--url", server,

@@ -22,6 +22,7 @@ def demo_model(tmp_path_factory):
     return demo_model_path()
 
 
+@pytest.mark.slow
 def test_run_without_arguments_uses_the_demo_model(moerun, tmp_path, monkeypatch):
     monkeypatch.setenv("MOERUN_CACHE", str(tmp_path / "fresh-cache"))
     result = moerun("run", "-n", "24", "--seed", "1")

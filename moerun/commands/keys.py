@@ -33,5 +33,6 @@ def keys(directory, name):
                f"or a directory of them):\n"
                f"  moerun daemon -m MODEL --listen tcp://0.0.0.0:PORT --curve-secret-key {secret_file} "
                f"--curve-authorized-keys PARENT_KEYS\n"
-               f"On a parent, in its rig config: client_secret_key = \"{secret_file}\" under [auth], "
-               f"and each [[daemon]]'s curve_public_key = that daemon's .key file.")
+               f"On a parent: --curve-secret-key {secret_file} --daemon-public-key DAEMON.key (that daemon's "
+               f".key file), or in its rig config client_secret_key = \"{secret_file}\" under [auth] and each "
+               f"[[daemon]]'s curve_public_key = that daemon's .key file.")

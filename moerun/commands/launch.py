@@ -58,7 +58,8 @@ def launch(ctx, config_file, workload_flags):
     parent spawns those with a device only. Flags after --config FILE are those of
     `moerun run` (workload = "generate") or `moerun serve` (workload = "serve") and
     override the file."""
-    values = load_config_file(config_file)
+    parent_key_given = any(flag.partition("=")[0] == "--curve-secret-key" for flag in workload_flags)
+    values = load_config_file(config_file, parent_key_given=parent_key_given)
     group = ctx.find_root()
     workload = group.command.get_command(group, WORKLOAD_COMMANDS[values.get("workload", "generate")])
     with workload.make_context(f"{group.info_name} launch", ["--config", config_file, *workload_flags],

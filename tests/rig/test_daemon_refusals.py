@@ -276,3 +276,17 @@ def test_a_rig_that_fails_to_start_leaves_no_process_thread_or_context(model, tm
         Runtime(model, rig=rig)
     assert (threading.active_count(), live_children()) == (threads, children)
     assert RecordedContext.made and all(context.closed for context in RecordedContext.made)
+
+
+def test_launch_passes_the_parents_key_flag_to_its_workload(moerun, model, keys, tmp_path):
+    """launch starts a CURVE daemon from the config; the parent's secret key comes from the
+    command line, so the config need not hold it."""
+    endpoint = tcp_endpoint()
+    config = tmp_path / "curve.toml"
+    config.write_text(f'model = "{model}"\nhot = 1\n\n[[daemon]]\nname = "box"\ndevice = "cpu"\nendpoint = "{endpoint}"\n'
+                      f'curve_secret_key = "{keys / "daemon.key_secret"}"\n'
+                      f'curve_authorized_keys = "{keys / "parents"}"\ncurve_public_key = "{keys / "daemon.key"}"\n')
+    result = moerun("launch", "--config", config, "--curve-secret-key", keys / "parent.key_secret", "-n", "4",
+                    "--temp", "0", "--stats")
+    assert result.exit_code == 0, result.output
+    assert re.search(rf"^box {re.escape(endpoint)} +shared .* up$", result.stderr, re.M), result.stderr

@@ -113,7 +113,7 @@ class DaemonProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def wait_for_log(self, text: str, timeout_s: float = 10.0) -> str:
+    def wait_for_log(self, text: str, timeout_s: float = 30.0) -> str:
         deadline = time.monotonic() + timeout_s
         while text not in self.log():
             if time.monotonic() > deadline:

@@ -88,7 +88,8 @@ class CpuDispatcher:
                     end = min(start + self.tokens_per_call, len(rows))
                     p0, p1 = pair_starts[start], pair_starts[end]
                     request = link.client.submit(layer, x[rows[start:end]], counts[start:end], local[p0:p1],
-                                                 pair_weights[p0:p1], self.payload_dtype)
+                                                 pair_weights[p0:p1], self.payload_dtype,
+                                                 timeout_s=self.timeout_s, alive=link.alive)
                     work.calls.append((request, start, end))
             except DAEMON_FAILURES as err:
                 self._fail(link, err)

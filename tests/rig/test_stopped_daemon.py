@@ -73,3 +73,17 @@ def test_a_stopped_daemon_costs_one_timeout_not_one_per_step(model, local_tokens
     steps = STEPS - STOP_AFTER
     assert after_stop < steps * TIMEOUT_S / 4, (
         f"{after_stop:.1f} s for the {steps} steps after the stop (each missed request costs {TIMEOUT_S:g} s)")
+
+
+def test_a_daemon_stopped_before_a_prefill_of_more_calls_than_slots_costs_one_timeout(model):
+    """--mode stream cuts a 64-token prefill into 16 calls per layer, more than the arena's 4
+    slots: the fifth waits for a free slot, as long as any request may wait, not longer."""
+    rig = RigConfig(daemons=("cpu",), hot=1, mode="stream", transport="shared", daemon_timeout_s=TIMEOUT_S)
+    with Runtime(model, rig=rig) as runtime:
+        link = runtime.rig.links[0]
+        os.kill(link.local.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        list(runtime.generate(list(range(5, 69)), 2, GREEDY))
+        seconds = time.monotonic() - started
+        assert link.times_down == 1
+    assert seconds < 3 * TIMEOUT_S, f"{seconds:.1f} s for a prefill whose daemon stopped (one timeout: {TIMEOUT_S:g} s)"

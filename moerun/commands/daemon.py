@@ -30,13 +30,13 @@ class LayerRange(click.ParamType):
                    "other hosts can reach.")
 @click.option("--curve-authorized-keys", type=click.Path(), default=None, metavar="FILE|DIR",
               help="Public key file, or directory of them, of the parents it serves.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for the experts [default: $OMP_NUM_THREADS, else every CPU it may run on].")
 @click.option("--numa-node", type=click.IntRange(min=0), default=None, metavar="N",
               help="Run on NUMA node N's CPUs only (Linux).")
 @click.option("--layers", type=LayerRange(), default=None, metavar="A:B",
               help="Run layers A..B-1 as a layer shard (a parent's --split DEVICE@A) instead of serving experts.")
-@click.option("--ctx", type=click.IntRange(min=1), default=4096, show_default=True,
+@click.option("-c", "--ctx", "--ctx-size", "ctx", type=click.IntRange(min=1), default=4096, show_default=True,
               help="A layer shard's KV cache, in positions (the parent's --ctx).")
 @click.option("--kv-dtype", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
               help="A layer shard's KV cache type on a GPU.")

@@ -42,7 +42,7 @@ def write_padded(client: DaemonClient, slot: int, x: np.ndarray, ids: np.ndarray
                  dtype: str = "f32") -> None:
     """What the parent's pack kernel does, from the host: frames straight into the slot."""
     frames = client.arena.slots[slot]
-    frames._x[dtype][:len(x)] = x
+    frames.write_x(dtype, x)
     frames._local_ids[:ids.size] = ids.reshape(-1)
     frames._weights[:weights.size] = weights.reshape(-1)
 

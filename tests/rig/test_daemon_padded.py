@@ -46,7 +46,7 @@ def daemon(model):
 def post_padded(client: DaemonClient, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, dtype: str) -> int:
     """The frames written straight into slot 1, as the parent's pack kernel writes them."""
     frames = client.arena.slots[1]
-    frames._x[dtype][:len(x)] = x
+    frames.write_x(dtype, x)
     frames._local_ids[:ids.size] = ids.reshape(-1)
     frames._weights[:weights.size] = weights.reshape(-1)
     return client.post(1, LAYER, dtype, len(x))

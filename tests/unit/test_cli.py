@@ -122,8 +122,9 @@ def test_logits_bad_arguments(demo_model, moerun, tmp_path, args, phrase):
     (["--min-p", "2"], "--min-p"), (["--min-p", "-0.1"], "--min-p"),
     (["--repeat-penalty", "0"], "--repeat-penalty"),
     (["--temp", "-1"], "--temp"),
-    (["--seed", "-5"], "--seed"), (["--seed", str(2**32)], "--seed"),
-    (["-n", "-1"], "-n"),
+    (["--seed", "-5"], "-s' / '--seed"), (["--seed", str(2**32)], "-s' / '--seed"),
+    (["-n", "-2"], "-n"), (["--presence-penalty", "3"], "--presence-penalty"),
+    (["--frequency-penalty", "-2.5"], "--frequency-penalty"),
 ])
 def test_run_bad_sampling_flags_are_refused_naming_the_flag(demo_model, moerun, args, flag):
     """Before anything loads: one usage error that names the flag, no traceback."""

@@ -165,7 +165,7 @@ def test_a_parent_pinned_in_process_is_held_to_its_cpus_until_released():
 def test_threads_below_one_or_not_a_number_is_refused_by_every_command(moerun, command, value, message):
     result = moerun(command, "--threads", value)
     assert result.exit_code == 2
-    assert f"Invalid value for '--threads': {message}" in result.output
+    assert f"Invalid value for '-t' / '--threads': {message}" in result.output
 
 
 def test_numa_node_must_be_a_node_number(moerun):

@@ -31,7 +31,7 @@ BIG_PROMPT_BYTES = 3 * 10**6  # a second or more of tokenizing on a 2-core machi
 # A free event loop answers /health in milliseconds; a loop blocked by a big body or prompt takes
 # about as long as that body or prompt takes. The bound sits between, far from both (see
 # HealthProbe.assert_answered_at_once).
-HEALTH_BOUND_S = 2.0
+HEALTH_BOUND_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,8 @@ def test_max_body_from_a_config_file(demo_model, tmp_path):
 
 def test_replies_on_a_kept_alive_connection_are_not_held_back(bodies):
     """The server's sockets have TCP_NODELAY: without it, the body of each reply waits for the
-    client's delayed acknowledgement of its headers, 40 ms on Linux."""
+    client's delayed acknowledgement of its headers, 40 ms on Linux: every reply would take that
+    long, while a loaded machine still answers most well under it."""
     url, _ = bodies
     with httpx.Client(base_url=url, timeout=TIMEOUT_S) as client:
         latencies = []
@@ -189,7 +190,7 @@ def test_replies_on_a_kept_alive_connection_are_not_held_back(bodies):
             started = time.perf_counter()
             client.get("/health")
             latencies.append(time.perf_counter() - started)
-    assert statistics.median(latencies) < 0.02, latencies
+    assert statistics.median(latencies) < 0.035, latencies
 
 
 # -- prompts ----------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def test_kill_9_of_a_daemon_mid_generation(model, local_tokens, transport):
     tokens, link, stats = generate_with_fault(model, kill, rig)
     assert tokens == local_tokens
     assert link.times_down == 1 and link.fallback_calls > 0 and stats.fallback_pairs > 0
-    assert time.monotonic() - kill.struck_at < 15, "a dead daemon must be noticed well before the deadline"
+    assert link.down_since - kill.struck_at < 10, "a dead daemon must be noticed well before the deadline"
     assert not shm_segments()
 
 

@@ -2,10 +2,10 @@
 context a test makes is closed by its end (tests/support/zmq_contexts.py)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from click.testing import CliRunner
+
+from tests.support.shm_segments import shm_segments
 
 pytest_plugins = ["tests.support.zmq_contexts"]
 
@@ -18,9 +18,9 @@ def _private_cache(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _no_leftover_shared_memory():
-    """Whatever a test does, it leaves no moerun segment in /dev/shm."""
+    """Whatever a test does, it leaves no moerun segment of its own in /dev/shm."""
     yield
-    assert sorted(p.name for p in Path("/dev/shm").glob("moerun-*")) == []
+    assert shm_segments() == set()
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from moerun.ipc.shm import (
     sweep_stale_segments,
 )
 
-from tests.support.fake_daemon import shm_segments
+from tests.support.shm_segments import shm_segments
 
 
 def compute_message(tokens=3, pairs=4, hidden=8, dtype="f32", counts=(1, 0, 3)):
@@ -170,7 +170,7 @@ def test_arena_file_is_private_and_unlinked_after_use():
     assert created.slots[1].buffer[5000:5004] == b"abcd"
     attached.close()
     created.close()
-    assert shm_segments() == []
+    assert shm_segments() == set()
 
 
 @pytest.mark.parametrize("name", ["../etc/passwd", "moerun-1-xyz", 7, "moerun-1-" + "0" * 15])
@@ -248,4 +248,4 @@ def test_without_futex_the_message_points_to_the_stream_transport(monkeypatch):
     monkeypatch.setattr(doorbell, "_syscall", None)
     with pytest.raises(doorbell.FutexUnavailable, match="--transport stream"):
         Arena.create(ArenaLayout(slots=1, batch_capacity=1, hidden=8, max_pairs_per_token=1))
-    assert shm_segments() == []
+    assert shm_segments() == set()

@@ -19,9 +19,9 @@ from tests.support.fake_daemon import (
     expected_output,
     ramp,
     routing,
-    shm_segments,
 )
 from tests.support.live_processes import tcp_endpoint
+from tests.support.shm_segments import shm_segments
 
 CAPACITY = 512
 LOCAL_EXPERTS = {0: [3, 1, 4, 5], 2: [9, 2, 6, 8, 7, 0]}   # layer -> global ids (local order)
@@ -57,7 +57,7 @@ def client(request, daemons):
     yield client
     client.bye()
     client.close()
-    assert shm_segments() == []
+    assert shm_segments() == set()
 
 
 def round_trip(client, layer, x, counts, local_ids, weights, dtype="f32"):

@@ -11,8 +11,9 @@ from moerun.engine.report import stats_document
 from moerun.engine.runtime import RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.rig.settings import RigConfig
-from tests.support.daemon_fixtures import running_daemons, shm_segments
+from tests.support.daemon_fixtures import running_daemons
 from tests.support.hf_models import ARCHS, HYBRID_ARCHS, tiny_model
+from tests.support.shm_segments import shm_segments
 from tests.support.to_gguf import write_gguf
 
 PROMPT = np.random.default_rng(7).integers(0, 320, 21).tolist()

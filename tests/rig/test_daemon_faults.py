@@ -21,10 +21,10 @@ from tests.support.daemon_fixtures import (
     PROMPT,
     fault_free_tokens,
     running_daemons,
-    shm_segments,
     tiny_daemon_model,
 )
 from tests.support.hf_models import tiny_model
+from tests.support.shm_segments import shm_segments
 from tests.support.live_processes import (
     REJOIN_TIMEOUT_S,
     child_pids,

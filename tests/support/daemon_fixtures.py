@@ -62,6 +62,3 @@ def wait_for_socket(path: Path, process: subprocess.Popen, timeout_s: float = 60
         assert time.monotonic() < deadline, "daemon did not start listening"
         time.sleep(0.02)
 
-
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("moerun-*")}

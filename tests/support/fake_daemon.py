@@ -25,7 +25,6 @@ N_EXPERTS = 16
 FINGERPRINT = "fake-model-0123"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHM_DIR = Path("/dev/shm")
-spawned_pids: set[int] = {os.getpid()}
 
 
 def expected_output(layer: int, x: np.ndarray, counts: np.ndarray, local_ids: np.ndarray,
@@ -101,7 +100,6 @@ class DaemonProcess:
         self.process = subprocess.Popen(
             [sys.executable, __file__, endpoint, *args], stdout=subprocess.DEVNULL,
             stderr=self._log, cwd=REPO_ROOT)
-        spawned_pids.add(self.process.pid)
 
     @property
     def pid(self) -> int:
@@ -144,12 +142,6 @@ def daemon_process(*args: str, endpoint: str | None = None):
         daemon.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
-
-def shm_segments() -> list[str]:
-    """Arena names in /dev/shm created by this test process or its children."""
-    return sorted(name.name for name in SHM_DIR.glob("moerun-*")
-                  if name.name.split("-")[1].isdigit()
-                  and int(name.name.split("-")[1]) in spawned_pids)
 
 
 def ramp(tokens: int, hidden: int = HIDDEN, seed: int = 0) -> np.ndarray:

@@ -111,7 +111,7 @@ class RuntimeCollector:
         families = [(kind(name, text, labels=labels), value) for kind, name, text, value in DAEMON_SERIES]
         rig = self.runtime.rig
         for link in rig.links if rig else []:
-            names = [f"d{link.index}", link.spec]
+            names = [link.label, link.spec]
             for family, value in families:
                 family.add_metric(names, value(link))
         yield from (family for family, _ in families)
@@ -120,7 +120,7 @@ class RuntimeCollector:
         families = [(kind(name, text, labels=shard_labels), value) for kind, name, text, value in SHARD_SERIES]
         shards = self.runtime.shards
         for link in shards.links if shards else []:
-            names = [f"s{link.index}", link.spec, f"{link.layers.start}-{link.layers.stop - 1}"]
+            names = [link.label, link.spec, f"{link.layers.start}-{link.layers.stop - 1}"]
             for family, value in families:
                 family.add_metric(names, value(link))
         yield from (family for family, _ in families)

@@ -136,10 +136,11 @@ def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_
             click.echo(_table_rule(columns, facts))
         rng = np.random.default_rng(TOKEN_SEED)
         documents = []
+        silent: set[tuple[int, int]] = set()                 # daemons that did not answer STATS
         peak_bytes = device_memory_used(runtime.backend)     # after loading
         for test in tests:
             _measure(runtime, test, rng)     # warm-up: caches, lazily loaded experts, compiled kernels
-            seconds, daemons = _timed_runs(runtime, test, rng, repetitions)
+            seconds, daemons = _timed_runs(runtime, test, rng, repetitions, silent)
             peak_bytes = max(peak_bytes, device_memory_used(runtime.backend))
             rates = [test.tokens / s for s in seconds]
             mean = statistics.fmean(rates)
@@ -176,16 +177,17 @@ def _measure(runtime: Runtime, test: BenchTest, rng: np.random.Generator) -> flo
     return stats.decode_seconds
 
 
-def _timed_runs(runtime: Runtime, test: BenchTest, rng: np.random.Generator,
-                repetitions: int) -> tuple[list[float], dict | None]:
+def _timed_runs(runtime: Runtime, test: BenchTest, rng: np.random.Generator, repetitions: int,
+                silent: set[tuple[int, int]]) -> tuple[list[float], dict | None]:
     """Seconds of each timed run; with daemons also their work per run (_per_repetition)."""
     if runtime.rig is None:
         return [_measure(runtime, test, rng) for _ in range(repetitions)], None
-    compute_before = _daemon_compute_seconds(runtime.rig)   # STATS before the counters: its bytes don't count
+    compute_before = _daemon_compute_seconds(runtime.rig, silent)   # STATS before the counters: its bytes don't count
     before = _rig_counts(runtime)
     seconds = [_measure(runtime, test, rng) for _ in range(repetitions)]
     after = _rig_counts(runtime)
-    return seconds, _per_repetition(before, after, compute_before, _daemon_compute_seconds(runtime.rig), repetitions)
+    compute_after = _daemon_compute_seconds(runtime.rig, silent)
+    return seconds, _per_repetition(before, after, compute_before, compute_after, repetitions)
 
 
 def _rig_counts(runtime: Runtime) -> dict[str, float]:
@@ -200,19 +202,23 @@ def _rig_counts(runtime: Runtime) -> dict[str, float]:
             "cache_hits": moe["cache_hits"], "streamed_pairs": moe["streamed_pairs"], "read_pairs": moe["read_pairs"]}
 
 
-def _daemon_compute_seconds(rig: Rig) -> dict[tuple[int, int], float | None]:
+def _daemon_compute_seconds(rig: Rig, silent: set[tuple[int, int]]) -> dict[tuple[int, int], float | None]:
     """(link index, session) -> the compute seconds each daemon that is up reports in STATS,
-    None where it does not answer."""
+    None where it does not answer; one that did not answer once in a session (in `silent`) is
+    not asked again, so it costs one --daemon-timeout, not one per test."""
     seconds = {}
     for link in rig.links:
         with link.lock:
             if not link.up:
                 continue
+            key = link.index, link.session
+            seconds[key] = None
+            if key in silent:
+                continue
             try:
-                seconds[link.index, link.session] = float(link.client.stats(rig.config.daemon_timeout_s)
-                                                          ["compute_seconds"])
+                seconds[key] = float(link.client.stats(rig.config.daemon_timeout_s)["compute_seconds"])
             except (*DAEMON_FAILURES, KeyError):
-                seconds[link.index, link.session] = None
+                silent.add(key)
     return seconds
 
 

@@ -186,12 +186,16 @@ def test_stream_mode_prefills_in_more_calls_than_batched(daemon_runs):
 
 
 def test_markdown_table_adds_daemon_columns_and_a_silent_daemon_shows_a_dash(model, monkeypatch):
+    asked = []
+
     def no_stats(self, timeout_s=10.0):
+        asked.append(timeout_s)
         raise DaemonTimeout("no STATS reply")
 
     monkeypatch.setattr(DaemonClient, "stats", no_stats)
     result = run_bench("-m", model, *ONE_DAEMON, "-p", "8", "-n", "2", "-r", "2")
     assert result.exit_code == 0, result.output
+    assert len(asked) == 1, "a daemon silent once is not asked again: one timeout, not one per test"
     header, _, *rows = table_rows(result.stdout)
     assert header == COLUMNS + DAEMON_COLUMNS
     assert [row[4] for row in rows] == ["pp8", "tg2"]

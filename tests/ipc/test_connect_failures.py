@@ -16,11 +16,12 @@ import pytest
 import zmq
 from moerun.ipc import protocol as p
 from moerun.ipc.client import DaemonClient, DaemonError, DaemonUnreachable
-from moerun.ipc.curve import CurveClientKeys, CurveServerKeys, write_key_pair
+from moerun.ipc.curve import CurveClientKeys, CurveServerKeys
 from moerun.ipc.server import Server
 
 from tests.support.fake_daemon import FINGERPRINT, FakeHandler, daemon_process
 from tests.support.live_processes import tcp_endpoint
+from tests.support.curve_keys import rig_key_folder
 
 CONNECT_TIMEOUT_S = 30.0
 AT_ONCE_S = 5.0               # far inside the connect timeout, even on a loaded machine
@@ -28,14 +29,7 @@ AT_ONCE_S = 5.0               # far inside the connect timeout, even on a loaded
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> Path:
-    """Key pairs as `moerun keys` writes them: the daemon's, its parent's, a stranger's and
-    another daemon's; parents/ holds the one public key the daemon authorizes."""
-    folder = tmp_path_factory.mktemp("keys")
-    for name in ("daemon", "parent", "stranger", "other-daemon"):
-        write_key_pair(folder, name)
-    (folder / "parents").mkdir()
-    (folder / "parents" / "parent.key").write_bytes((folder / "parent.key").read_bytes())
-    return folder
+    return rig_key_folder(tmp_path_factory.mktemp("keys"))
 
 
 def parent_keys(keys: Path, parent: str = "parent", daemon: str = "daemon") -> CurveClientKeys:

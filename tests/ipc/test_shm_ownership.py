@@ -12,7 +12,7 @@ from tests.support.shm_segments import SHM_DIR, shm_segments
 LAYOUT = ArenaLayout(slots=1, batch_capacity=1, hidden=8, max_pairs_per_token=1)
 # A process that is no child of ours: it forks, the middle process exits, the grandchild (adopted
 # by init) makes an arena, prints its name and keeps it until its stdin closes.
-OUTSIDER = f"""
+OUTSIDER = """
 import os, sys
 if os.fork():
     os._exit(0)

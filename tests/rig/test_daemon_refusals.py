@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import zmq
-from moerun.ipc.curve import write_key_pair
 
 from moerun.engine.runtime import Runtime
 from moerun.rig.links import RigError
@@ -30,11 +29,11 @@ from tests.support.daemon_fixtures import (
     PROMPT,
     fault_free_tokens,
     tiny_daemon_model,
-    wait_for_socket,
 )
 from tests.support.hf_models import tiny_model
 from tests.support.live_processes import REJOIN_TIMEOUT_S, live_children, tcp_endpoint, wait_until
 from tests.support.to_gguf import write_gguf
+from tests.support.curve_keys import rig_key_folder
 
 DAEMON_TIMEOUT_S = 30.0       # what a refusal must not wait for
 AT_ONCE_S = 10.0              # a refusal's whole start-up, on a loaded 2-core machine
@@ -52,14 +51,7 @@ def local_tokens(model):
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> Path:
-    """`moerun keys` pairs: the daemon's, its parent's, a stranger's, another daemon's; parents/
-    holds the public key the daemon authorizes."""
-    folder = tmp_path_factory.mktemp("keys")
-    for name in ("daemon", "parent", "stranger", "other-daemon"):
-        write_key_pair(folder, name)
-    (folder / "parents").mkdir()
-    (folder / "parents" / "parent.key").write_bytes((folder / "parent.key").read_bytes())
-    return folder
+    return rig_key_folder(tmp_path_factory.mktemp("keys"))
 
 
 @contextmanager

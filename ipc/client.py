@@ -24,7 +24,7 @@ from moerun.ipc.dealer_monitor import DealerMonitor
 from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout, DaemonUnreachable, ProtocolError
 from moerun.ipc.shared_channel import PARENT_SPIN_S, SharedChannel
 from moerun.ipc.shm import Arena, ArenaLayout
-from moerun.ipc.sockets import connect_dealer, receive
+from moerun.ipc.sockets import new_dealer, receive
 
 __all__ = ["Counters", "DaemonClient", "DaemonDied", "DaemonError", "DaemonTimeout", "DaemonUnreachable"]
 
@@ -335,8 +335,9 @@ class DaemonClient:
     # -- messages ---------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        self._socket = connect_dealer(self._context, self.endpoint, self.curve)
-        self._monitor = DealerMonitor(self._socket, self.endpoint, self.curve)
+        self._socket = new_dealer(self._context, self.curve)
+        self._monitor = DealerMonitor(self._socket, self.endpoint, self.curve)   # before any event can come
+        self._socket.connect(self.endpoint)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
 

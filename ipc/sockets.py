@@ -64,10 +64,9 @@ def bind_router(context: zmq.Context, endpoint: str, max_frame_bytes: int,
     return router
 
 
-def connect_dealer(context: zmq.Context, endpoint: str,
-                   curve: CurveClientKeys | None = None) -> zmq.Socket:
-    """The parent's DEALER, a CURVE client when keys are given; it connects (and reconnects)
-    in the background."""
+def new_dealer(context: zmq.Context, curve: CurveClientKeys | None = None) -> zmq.Socket:
+    """The parent's DEALER, a CURVE client when keys are given, not connected yet (a monitor
+    attached first sees every event); once connected it reconnects in the background."""
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.RCVHWM, QUEUE_MESSAGES)
@@ -78,7 +77,6 @@ def connect_dealer(context: zmq.Context, endpoint: str,
     dealer.setsockopt(zmq.TCP_KEEPALIVE, 1)
     if curve is not None:
         set_client_keys(dealer, curve)
-    dealer.connect(endpoint)
     return dealer
 
 

@@ -26,7 +26,7 @@ from moerun.ipc.curve import (
 from moerun.ipc import curve_guard
 from moerun.ipc.curve_guard import RepeatFilter, describe_peer
 from moerun.ipc.protocol import PROTOCOL_VERSION
-from moerun.ipc.sockets import bind_router, connect_dealer
+from moerun.ipc.sockets import bind_router, new_dealer
 
 from moerun.commands.keys import keys
 from moerun.gguf.reader import GGUFFile
@@ -105,7 +105,8 @@ def hello_reply(endpoint: str, fingerprint: str, curve: CurveClientKeys | None,
     """Say HELLO from a fresh DEALER; the reply header, or None when none came within timeout_ms."""
     context = zmq.Context()
     try:
-        dealer = connect_dealer(context, endpoint, curve)
+        dealer = new_dealer(context, curve)
+        dealer.connect(endpoint)
         parent = {"pid": os.getpid(), "hostname": "auth-test", "boot_id": ""}
         dealer.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "fingerprint": fingerprint,
                                    "parent": parent}))

@@ -123,6 +123,24 @@ def test_a_parent_key_the_daemon_does_not_authorize_is_refused_at_once(keys, tmp
                              f"it refused)")
 
 
+def test_a_refusal_before_the_client_looks_is_still_seen(keys, monkeypatch):
+    """The DEALER's monitor is attached before it connects: a handshake refused while the parent's
+    thread is held up (a loaded machine) is still reported, not waited out."""
+    import moerun.ipc.dealer_monitor as dealer_monitor
+
+    endpoint = tcp_endpoint()
+    watch = dealer_monitor.DealerMonitor.__init__
+
+    def held_up(self, *args, **kwargs):
+        time.sleep(1.0)                     # long enough for a handshake on loopback to be refused
+        watch(self, *args, **kwargs)
+
+    monkeypatch.setattr(dealer_monitor.DealerMonitor, "__init__", held_up)
+    with served(endpoint, CurveServerKeys.from_files(keys / "daemon.key_secret", keys / "parents")), \
+            client(endpoint, curve=parent_keys(keys, "stranger"), expect_listening=True) as parent:
+        assert refused_at_once(parent, DaemonError).code == p.UNAUTHENTICATED
+
+
 def test_a_parent_without_keys_is_told_the_daemon_runs_curve(keys):
     endpoint = tcp_endpoint()
     with served(endpoint, CurveServerKeys.from_files(keys / "daemon.key_secret", keys / "parents")), \

@@ -3,6 +3,10 @@
     python scripts/make_bench_model.py -o /tmp/qwen3-30b-a3b-q4_k_m.gguf
     python scripts/make_bench_model.py -o /tmp/qwen3-30b-a3b-q8_0.gguf --mix q8_0
     python scripts/make_bench_model.py -o /tmp/small.gguf --layers 4 --seed 1
+    python scripts/make_bench_model.py -o /tmp/mixtral-4l.gguf --preset mixtral-8x7b --layers 4
+
+Presets at the real shapes: qwen3-30b-a3b, qwen3-235b-a22b (qwen3moe), qwen3.6-35b-a3b (qwen35moe),
+mixtral-8x7b (llama), qwen1.5-moe-a2.7b and qwen2-57b-a14b (qwen2moe, shared expert), olmoe-1b-7b.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-30b-a3b")
     parser.add_argument("--mix", choices=sorted(MIXES), default="q4_k_m",
                         help="q4_k_m: Q4_K with Q6_K for attn_v, ffn_down_exps and output; "
-                             "q5_k_m: the same with Q5_K; q8_0: every matrix Q8_0 [default: q4_k_m]")
+                             "q5_k_m: the same with Q5_K; q8_0: every matrix Q8_0 (rows that are no whole "
+                             "K-quant blocks: Q5_0, Q5_1, Q8_0 as llama.cpp picks) [default: q4_k_m]")
     parser.add_argument("--layers", type=int, default=None, help="Layer count [default: the preset's]")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

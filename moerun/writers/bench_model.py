@@ -4,13 +4,16 @@
     python scripts/make_bench_model.py -o /tmp/q8.gguf --mix q8_0 --layers 4
     python scripts/make_bench_model.py -o /tmp/tiny.gguf --preset tiny
 
-The file has the tensor names, shapes and types of a real qwen3moe model, so every
-kernel reads the same bytes it would read for the real one, and a small vocabulary
+The file has the tensor names, shapes and types of a real model of its architecture (qwen3moe,
+qwen2moe, olmoe, Mixtral's llama, qwen35moe), so every kernel reads the same bytes it would read
+for the real one, and a small vocabulary
 (a byte-level BPE padded with unused tokens to the real size) so `moerun run` and
 `moerun bench` work on it. Its text is gibberish: only its speed means anything.
 
 The q4_k_m mix simplifies llama.cpp's Q4_K_M: every attn_v and ffn_down_exps is Q6_K (llama.cpp
 picks about half of them), so the Qwen3-30B-A3B file is 18.4 GiB where a real Q4_K_M is 17.3 GiB.
+A matrix whose rows do not fill whole K-quant blocks of 256 takes llama.cpp's fallback type
+(Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), as Qwen1.5-MoE's expert FFN width of 1408 does.
 
 Quantized blocks are random bytes with their scale fields overwritten by small valid
 values, chosen so every type dequantizes to weights of mean ~0 and std WEIGHT_STD.
@@ -51,10 +54,8 @@ from moerun.gguf.quants import tensor_nbytes
 from moerun.gguf.vocab import bpe_metadata, byte_level_bpe, pad_vocabulary
 from moerun.gguf.writing import write_metadata
 from moerun.writers.demo import demo_corpus
-from moerun.writers.synthetic import write_qwen3moe_hparams
 
 Q = GGMLQuantizationType
-ARCH = "qwen3moe"
 WEIGHT_STD = 0.02       # every quantized matrix, the embedding and the LM head included
 NORM_STD = 0.05         # norm weights are 1 + N(0, NORM_STD), attn_norm's times ATTN_NORM_SCALE
 ATTN_NORM_SCALE = 0.1   # attention adds a tenth as much to the residual stream: see routing, above
@@ -68,6 +69,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 @dataclass(frozen=True)
 class BenchShape:
     name: str
+    arch: str               # the GGUF architecture: qwen3moe, qwen2moe, olmoe, llama (Mixtral), qwen35moe
     n_layers: int           # L
     hidden: int             # H
     n_heads: int            # NH
@@ -80,6 +82,7 @@ class BenchShape:
     context: int
     rope_base: float = 1_000_000.0
     rms_eps: float = 1e-6
+    shared_ff: int = 0      # a shared expert beside the routed ones, gated by sigmoid (qwen2moe, qwen35moe)
     hybrid: HybridShape | None = None       # qwen35moe: gated DeltaNet layers, gated attention
 
 
@@ -87,7 +90,7 @@ class BenchShape:
 class HybridShape:
     """What a qwen35moe shape adds: every `full_attention_interval`-th layer attends (its attn_q
     holds the gates too, rope over `rope_dims`), the others are gated DeltaNet of HK/HV heads of
-    DK/DV; every layer has a shared expert of `shared_ff` beside the routed ones."""
+    DK/DV."""
     full_attention_interval: int
     rope_dims: int
     key_heads: int          # HK
@@ -95,31 +98,63 @@ class HybridShape:
     key_dim: int            # DK
     value_dim: int          # DV
     conv_kernel: int
-    shared_ff: int
 
     def is_recurrent(self, layer: int) -> bool:
         return (layer + 1) % self.full_attention_interval != 0
 
 
 PRESETS: dict[str, BenchShape] = {
-    "qwen3-30b-a3b": BenchShape(name="Qwen3-30B-A3B", n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4,
-                                head_dim=128, n_experts=128, n_experts_used=8, expert_ff=768, vocab=151936,
-                                context=40960),
-    "qwen3.6-35b-a3b": BenchShape(name="Qwen3.6-35B-A3B", n_layers=40, hidden=2048, n_heads=16, n_kv_heads=2,
-                                  head_dim=256, n_experts=256, n_experts_used=8, expert_ff=512, vocab=248320,
-                                  context=262144, rope_base=10_000_000.0,
+    "qwen3-30b-a3b": BenchShape(name="Qwen3-30B-A3B", arch="qwen3moe", n_layers=48, hidden=2048, n_heads=32,
+                                n_kv_heads=4, head_dim=128, n_experts=128, n_experts_used=8, expert_ff=768,
+                                vocab=151936, context=40960),
+    "qwen3-235b-a22b": BenchShape(name="Qwen3-235B-A22B", arch="qwen3moe", n_layers=94, hidden=4096, n_heads=64,
+                                  n_kv_heads=4, head_dim=128, n_experts=128, n_experts_used=8, expert_ff=1536,
+                                  vocab=151936, context=40960),
+    "qwen3.6-35b-a3b": BenchShape(name="Qwen3.6-35B-A3B", arch="qwen35moe", n_layers=40, hidden=2048, n_heads=16,
+                                  n_kv_heads=2, head_dim=256, n_experts=256, n_experts_used=8, expert_ff=512,
+                                  vocab=248320, context=262144, rope_base=10_000_000.0, shared_ff=512,
                                   hybrid=HybridShape(full_attention_interval=4, rope_dims=64, key_heads=16,
-                                                     value_heads=32, key_dim=128, value_dim=128, conv_kernel=4,
-                                                     shared_ff=512)),
-    # the same structure at a size tests run in milliseconds
-    "tiny": BenchShape(name="tiny-qwen3moe", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64,
-                       n_experts=8, n_experts_used=2, expert_ff=256, vocab=1024, context=4096),
-    "tiny-hybrid": BenchShape(name="tiny-qwen35moe", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64,
-                              n_experts=8, n_experts_used=2, expert_ff=256, vocab=1024, context=4096,
+                                                     value_heads=32, key_dim=128, value_dim=128, conv_kernel=4)),
+    "mixtral-8x7b": BenchShape(name="Mixtral-8x7B", arch="llama", n_layers=32, hidden=4096, n_heads=32,
+                               n_kv_heads=8, head_dim=128, n_experts=8, n_experts_used=2, expert_ff=14336,
+                               vocab=32000, context=32768, rms_eps=1e-5),
+    "qwen1.5-moe-a2.7b": BenchShape(name="Qwen1.5-MoE-A2.7B", arch="qwen2moe", n_layers=24, hidden=2048,
+                                    n_heads=16, n_kv_heads=16, head_dim=128, n_experts=60, n_experts_used=4,
+                                    expert_ff=1408, vocab=151936, context=8192, shared_ff=5632),
+    "qwen2-57b-a14b": BenchShape(name="Qwen2-57B-A14B", arch="qwen2moe", n_layers=28, hidden=3584, n_heads=28,
+                                 n_kv_heads=4, head_dim=128, n_experts=64, n_experts_used=8, expert_ff=2560,
+                                 vocab=151936, context=32768, shared_ff=20480),
+    "olmoe-1b-7b": BenchShape(name="OLMoE-1B-7B", arch="olmoe", n_layers=16, hidden=2048, n_heads=16,
+                              n_kv_heads=16, head_dim=128, n_experts=64, n_experts_used=8, expert_ff=1024,
+                              vocab=50304, context=4096, rope_base=10_000.0, rms_eps=1e-5),
+    # the same structures at a size tests run in milliseconds
+    "tiny": BenchShape(name="tiny-qwen3moe", arch="qwen3moe", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,
+                       head_dim=64, n_experts=8, n_experts_used=2, expert_ff=256, vocab=1024, context=4096),
+    "tiny-hybrid": BenchShape(name="tiny-qwen35moe", arch="qwen35moe", n_layers=4, hidden=256, n_heads=4,
+                              n_kv_heads=2, head_dim=64, n_experts=8, n_experts_used=2, expert_ff=256, vocab=1024,
+                              context=4096, shared_ff=256,
                               hybrid=HybridShape(full_attention_interval=4, rope_dims=16, key_heads=2,
-                                                 value_heads=4, key_dim=64, value_dim=64, conv_kernel=4,
-                                                 shared_ff=256)),
+                                                 value_heads=4, key_dim=64, value_dim=64, conv_kernel=4)),
 }
+REAL_SHAPES = tuple(name for name in PRESETS if not name.startswith("tiny"))
+
+
+def reduced(shape: BenchShape, n_layers: int = 2, width: int = 8) -> BenchShape:
+    """The same structure at a size tests run quickly: `n_layers` layers; the hidden size, heads,
+    FFN widths, experts and vocabulary divided by about `width`; kept: head dims, query heads per KV
+    head, experts per token, and whether a width fills whole 256-blocks (part of the structure:
+    it picks the quant types)."""
+    def narrow(value: int) -> int:
+        if value % 256:
+            return max(value % 256 + 256, value // width // 256 * 256 + value % 256)
+        return value if value == 0 else max(256, value // width // 256 * 256)
+
+    kv_heads = max(1, shape.n_kv_heads // width)                      # the query heads per KV head kept
+    return dataclasses.replace(shape, name=f"{shape.name}/{width}", n_layers=n_layers, hidden=narrow(shape.hidden),
+                               n_heads=kv_heads * (shape.n_heads // shape.n_kv_heads), n_kv_heads=kv_heads,
+                               expert_ff=narrow(shape.expert_ff), shared_ff=narrow(shape.shared_ff),
+                               n_experts=max(2 * shape.n_experts_used, shape.n_experts // width),
+                               vocab=max(1024, shape.vocab // 64))
 
 
 @dataclass(frozen=True)
@@ -140,6 +175,8 @@ MIXES: dict[str, QuantMix] = {
 }
 F32_ROLES = frozenset({"attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_gate_inp", "output_norm",
                        "post_attention_norm", "ffn_gate_inp_shexp", "ssm_conv1d", "ssm_a", "ssm_dt", "ssm_norm"})
+# llama.cpp's type for a matrix whose rows are no whole number of K-quant blocks
+K_QUANT_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
 @dataclass(frozen=True)
@@ -173,7 +210,9 @@ def tensor_plan(shape: BenchShape, mix: QuantMix) -> list[TensorPlan]:
     plan = []
     for name, dims in shapes.items():
         role = tensor_role(name)
-        ggml_type = Q.F32 if role in F32_ROLES else mix.by_role.get(role, mix.default)
+        ggml_type = Q.F32 if role in F32_ROLES or name.endswith(".bias") else mix.by_role.get(role, mix.default)
+        if ggml_type in K_QUANT_FALLBACK and dims[-1] % GGML_QUANT_SIZES[ggml_type][0]:
+            ggml_type = K_QUANT_FALLBACK[ggml_type]
         try:
             tensor_nbytes(ggml_type, dims)
         except ValueError as err:
@@ -183,29 +222,40 @@ def tensor_plan(shape: BenchShape, mix: QuantMix) -> list[TensorPlan]:
 
 
 def _layer(s: BenchShape, i: int) -> dict[str, tuple[int, ...]]:
-    """Layer i's tensors: qwen3moe's attention and routed experts; a qwen35moe layer's gated
-    DeltaNet or gated attention (its attn_q holds each head's gate too), the routed experts and
-    a shared expert."""
+    """Layer i's tensors: attention (a qwen35moe layer's gated DeltaNet, or its gated attention
+    whose attn_q holds each head's gate too), the routed experts, and the shared expert where the
+    shape has one."""
     blk, h = f"blk.{i}", s.hybrid
     if h is None:
-        return {f"{blk}.attn_norm.weight": (s.hidden,), **_attention(s, blk, gated=False),
-                f"{blk}.ffn_norm.weight": (s.hidden,), **_experts(s, blk)}
-    mixer = _delta_net(s, blk) if h.is_recurrent(i) else _attention(s, blk, gated=True)
-    return {f"{blk}.attn_norm.weight": (s.hidden,), **mixer, f"{blk}.post_attention_norm.weight": (s.hidden,),
-            **_experts(s, blk), f"{blk}.ffn_gate_inp_shexp.weight": (1, s.hidden),
-            f"{blk}.ffn_gate_shexp.weight": (h.shared_ff, s.hidden),
-            f"{blk}.ffn_up_shexp.weight": (h.shared_ff, s.hidden),
-            f"{blk}.ffn_down_shexp.weight": (s.hidden, h.shared_ff)}
+        mixer, ffn_norm = _attention(s, blk), "ffn_norm"
+    else:
+        mixer, ffn_norm = _delta_net(s, blk) if h.is_recurrent(i) else _attention(s, blk), "post_attention_norm"
+    return {f"{blk}.attn_norm.weight": (s.hidden,), **mixer, f"{blk}.{ffn_norm}.weight": (s.hidden,),
+            **_experts(s, blk), **(_shared_expert(s, blk) if s.shared_ff else {})}
 
 
-def _attention(s: BenchShape, blk: str, gated: bool) -> dict[str, tuple[int, ...]]:
+def _attention(s: BenchShape, blk: str) -> dict[str, tuple[int, ...]]:
+    """The projections, and by architecture: q/k RMSNorm per head (qwen3moe, qwen35moe) or over
+    the whole projection (olmoe), q/k/v biases (qwen2moe), neither (llama)."""
     q_dim, kv_dim = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
-    return {f"{blk}.attn_q.weight": ((2 if gated else 1) * q_dim, s.hidden),
-            f"{blk}.attn_k.weight": (kv_dim, s.hidden),
-            f"{blk}.attn_v.weight": (kv_dim, s.hidden),
-            f"{blk}.attn_output.weight": (s.hidden, q_dim),
-            f"{blk}.attn_q_norm.weight": (s.head_dim,),
-            f"{blk}.attn_k_norm.weight": (s.head_dim,)}
+    tensors = {f"{blk}.attn_q.weight": ((2 if s.hybrid else 1) * q_dim, s.hidden),
+               f"{blk}.attn_k.weight": (kv_dim, s.hidden),
+               f"{blk}.attn_v.weight": (kv_dim, s.hidden),
+               f"{blk}.attn_output.weight": (s.hidden, q_dim)}
+    if s.arch in ("qwen3moe", "qwen35moe"):
+        tensors |= {f"{blk}.attn_q_norm.weight": (s.head_dim,), f"{blk}.attn_k_norm.weight": (s.head_dim,)}
+    elif s.arch == "olmoe":
+        tensors |= {f"{blk}.attn_q_norm.weight": (q_dim,), f"{blk}.attn_k_norm.weight": (kv_dim,)}
+    elif s.arch == "qwen2moe":
+        tensors |= {f"{blk}.attn_q.bias": (q_dim,), f"{blk}.attn_k.bias": (kv_dim,), f"{blk}.attn_v.bias": (kv_dim,)}
+    return tensors
+
+
+def _shared_expert(s: BenchShape, blk: str) -> dict[str, tuple[int, ...]]:
+    return {f"{blk}.ffn_gate_inp_shexp.weight": (1, s.hidden),                              # [1, H]
+            f"{blk}.ffn_gate_shexp.weight": (s.shared_ff, s.hidden),
+            f"{blk}.ffn_up_shexp.weight": (s.shared_ff, s.hidden),
+            f"{blk}.ffn_down_shexp.weight": (s.hidden, s.shared_ff)}
 
 
 def _delta_net(s: BenchShape, blk: str) -> dict[str, tuple[int, ...]]:
@@ -271,6 +321,18 @@ def _fill_q8_0(blocks: np.ndarray, std: float) -> None:
     d_bits |= np.float16(std / _uniform_sd(256)).view(np.uint16)
 
 
+def _fill_q5_0(blocks: np.ndarray, std: float) -> None:
+    d_bits = blocks[:, 0:2].view("<u2")                  # w = d * (q - 16), q of 5 bits
+    d_bits &= 0x8000
+    d_bits |= np.float16(std / _uniform_sd(32)).view(np.uint16)
+
+
+def _fill_q5_1(blocks: np.ndarray, std: float) -> None:
+    d = std / _uniform_sd(32)                            # w = d * q + m, q of 5 bits
+    _set_f16(blocks, 0, d)
+    _set_f16(blocks, 2, -15.5 * d)                       # mean 5-bit level 15.5
+
+
 def _fill_q4_k(blocks: np.ndarray, std: float) -> None:
     d = std / (_rms(K_SCALES) * _uniform_sd(16))
     _set_f16(blocks, 0, d)
@@ -294,7 +356,8 @@ def _fill_q6_k(blocks: np.ndarray, std: float) -> None:
 
 
 BLOCK_FILLERS: dict[GGMLQuantizationType, Callable[[np.ndarray, float], None]] = {
-    Q.Q8_0: _fill_q8_0, Q.Q4_K: _fill_q4_k, Q.Q5_K: _fill_q5_k, Q.Q6_K: _fill_q6_k,
+    Q.Q8_0: _fill_q8_0, Q.Q5_0: _fill_q5_0, Q.Q5_1: _fill_q5_1, Q.Q4_K: _fill_q4_k, Q.Q5_K: _fill_q5_k,
+    Q.Q6_K: _fill_q6_k,
 }
 
 
@@ -317,7 +380,7 @@ def _tensor_data(tensor: TensorPlan, rng: np.random.Generator) -> Iterator[np.nd
     if tensor.ggml_type == Q.F32:
         if tensor.role == "ffn_gate_inp":
             yield _router_rows(tensor.shape, rng)
-        elif tensor.role in ("ssm_conv1d", "ffn_gate_inp_shexp", "ssm_dt"):
+        elif tensor.role in ("ssm_conv1d", "ffn_gate_inp_shexp", "ssm_dt") or tensor.name.endswith(".bias"):
             yield rng.normal(0.0, 0.3 if tensor.role == "ssm_conv1d" else WEIGHT_STD, tensor.shape).astype(np.float32)
         elif tensor.role == "ssm_a":                    # -exp(A_log): each head's decay rate
             yield -rng.uniform(0.5, 2.0, tensor.shape).astype(np.float32)
@@ -354,7 +417,7 @@ def write_bench_model(path: str | Path, shape: BenchShape, mix: QuantMix, seed: 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        writer = gguf.GGUFWriter(partial, arch=ARCH if shape.hybrid is None else "qwen35moe")
+        writer = gguf.GGUFWriter(partial, arch=shape.arch)
         _write_hparams(writer, shape, mix)
         write_metadata(writer, vocabulary_metadata(shape.vocab))
         for tensor in plan:
@@ -416,26 +479,30 @@ def vocabulary_metadata(vocab: int) -> dict:
 
 
 def _write_hparams(writer: gguf.GGUFWriter, s: BenchShape, mix: QuantMix) -> None:
+    """The keys llama.cpp's converter writes for the architecture (extra ones are harmless): llama
+    reads the expert width from feed_forward_length, qwen*moe from expert_feed_forward_length."""
     writer.add_string("general.name", f"{s.name} bench")
     writer.add_uint32("general.file_type", int(mix.file_type))
     writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
-    if s.hybrid is None:
-        write_qwen3moe_hparams(writer, s, s.rope_base, s.rms_eps)
-        return
-    h, arch = s.hybrid, "qwen35moe"
-    for key, value in {
+    keys = {
         "block_count": s.n_layers, "context_length": s.context, "embedding_length": s.hidden,
-        "expert_feed_forward_length": s.expert_ff, "expert_shared_feed_forward_length": h.shared_ff,
+        "feed_forward_length": s.expert_ff, "expert_feed_forward_length": s.expert_ff,
         "attention.head_count": s.n_heads, "attention.head_count_kv": s.n_kv_heads,
         "attention.key_length": s.head_dim, "attention.value_length": s.head_dim,
-        "expert_count": s.n_experts, "expert_used_count": s.n_experts_used, "rope.dimension_count": h.rope_dims,
-        "ssm.conv_kernel": h.conv_kernel, "ssm.state_size": h.key_dim, "ssm.group_count": h.key_heads,
-        "ssm.time_step_rank": h.value_heads, "ssm.inner_size": h.value_heads * h.value_dim,
-        "full_attention_interval": h.full_attention_interval,
-    }.items():
-        writer.add_uint32(f"{arch}.{key}", value)
-    pairs = h.rope_dims // 2                    # time, height and width sections over them ([11, 11, 10] at 32)
-    time_height = -(-pairs // 3)
-    writer.add_array(f"{arch}.rope.dimension_sections", [time_height, time_height, pairs - 2 * time_height, 0])
-    writer.add_float32(f"{arch}.rope.freq_base", s.rope_base)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", s.rms_eps)
+        "expert_count": s.n_experts, "expert_used_count": s.n_experts_used,
+        "rope.dimension_count": s.hybrid.rope_dims if s.hybrid else s.head_dim,
+    }
+    if s.shared_ff:
+        keys["expert_shared_feed_forward_length"] = s.shared_ff
+    if s.hybrid is not None:
+        h = s.hybrid
+        keys |= {"ssm.conv_kernel": h.conv_kernel, "ssm.state_size": h.key_dim, "ssm.group_count": h.key_heads,
+                 "ssm.time_step_rank": h.value_heads, "ssm.inner_size": h.value_heads * h.value_dim,
+                 "full_attention_interval": h.full_attention_interval}
+        pairs = h.rope_dims // 2                # time, height and width sections over them ([11, 11, 10] at 32)
+        time_height = -(-pairs // 3)
+        writer.add_array(f"{s.arch}.rope.dimension_sections", [time_height, time_height, pairs - 2 * time_height, 0])
+    for key, value in keys.items():
+        writer.add_uint32(f"{s.arch}.{key}", value)
+    writer.add_float32(f"{s.arch}.rope.freq_base", s.rope_base)
+    writer.add_float32(f"{s.arch}.attention.layer_norm_rms_epsilon", s.rms_eps)

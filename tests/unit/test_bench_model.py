@@ -18,8 +18,10 @@ from moerun.models import load_spec
 from moerun.writers.bench_model import (
     MIXES,
     PRESETS,
+    REAL_SHAPES,
     WEIGHT_STD,
     random_blocks,
+    reduced,
     tensor_plan,
     vocabulary_metadata,
     with_layers,
@@ -30,9 +32,9 @@ Q = GGMLQuantizationType
 SCRIPT = Path(__file__).parents[2] / "scripts" / "make_bench_model.py"
 
 
-@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0])
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q5_1])
 def test_random_blocks_decode_to_small_centred_weights(ggml_type):
-    n_blocks = 8192 if ggml_type == Q.Q8_0 else 1024                 # ~260k weights either way
+    n_blocks = 1024 if ggml_type in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 8192   # ~260k weights either way
     blocks = random_blocks(ggml_type, n_blocks, np.random.default_rng(1))
     assert blocks.shape == (n_blocks, GGML_QUANT_SIZES[ggml_type][1])
     weights = quants.dequantize(blocks, ggml_type)
@@ -83,10 +85,70 @@ def test_the_tiny_hybrid_file_loads_and_runs(tmp_path):
     assert np.isfinite(logits).all() and len(set(logits.argmax(axis=-1).tolist())) > 1
 
 
-def test_a_shape_whose_rows_do_not_fit_k_quant_blocks_is_refused():
+def test_rows_that_are_no_whole_k_quant_blocks_take_llama_cpps_fallback_types():
+    """Qwen1.5-MoE's experts are 1408 wide: 5.5 blocks of 256 along the down rows."""
+    plan = {t.name: t.ggml_type for t in tensor_plan(PRESETS["qwen1.5-moe-a2.7b"], MIXES["q4_k_m"])}
+    assert plan["blk.0.ffn_down_exps.weight"] == Q.Q8_0                   # Q6_K's fallback
+    assert plan["blk.0.ffn_gate_exps.weight"] == Q.Q4_K                   # rows of the hidden size fit
+    q5 = {t.name: t.ggml_type for t in tensor_plan(PRESETS["qwen1.5-moe-a2.7b"], MIXES["q5_k_m"])}
+    assert q5["blk.0.ffn_down_exps.weight"] == Q.Q8_0
+    narrow = dataclasses.replace(PRESETS["tiny"], hidden=288)          # every matrix reading the hidden size
+    types = {t.name: t.ggml_type for t in tensor_plan(narrow, MIXES["q5_k_m"])}
+    assert types["blk.0.attn_q.weight"] == Q.Q5_1 and types["blk.0.attn_v.weight"] == Q.Q8_0
+
+
+def test_a_shape_whose_rows_fit_no_block_is_refused():
     shape = dataclasses.replace(PRESETS["tiny"], expert_ff=200)
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight .* cannot be stored as Q6_K"):
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight .* cannot be stored as Q8_0"):
         tensor_plan(shape, MIXES["q4_k_m"])
+
+
+# llama.cpp's parameter counts (llama-bench's `params`), in billions
+REAL_PARAMETERS = {"qwen3-30b-a3b": 30.53, "qwen3-235b-a22b": 235.09, "qwen3.6-35b-a3b": 34.66,
+                   "mixtral-8x7b": 46.70, "qwen1.5-moe-a2.7b": 14.32, "qwen2-57b-a14b": 57.41, "olmoe-1b-7b": 6.92}
+
+
+@pytest.mark.parametrize("preset", REAL_SHAPES)
+def test_every_real_preset_has_its_models_parameter_count(preset):
+    plan = tensor_plan(PRESETS[preset], MIXES["q4_k_m"])
+    assert round(sum(prod(t.shape) for t in plan) / 1e9, 2) == REAL_PARAMETERS[preset]
+
+
+# what each architecture's file holds beside the projections and the routed experts
+ARCH_TENSORS = {"qwen3moe": {"attn_q_norm", "attn_k_norm"}, "olmoe": {"attn_q_norm", "attn_k_norm"},
+                "qwen2moe": {"attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_gate_inp_shexp", "ffn_down_shexp"},
+                "llama": set(), "qwen35moe": {"ssm_out", "ffn_gate_inp_shexp", "ffn_down_shexp"}}
+FAMILIES = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "qwen2moe": "qwen2moe", "llama": "mixtral",
+            "qwen35moe": "qwen35moe"}
+
+
+@pytest.fixture(scope="module", params=REAL_SHAPES)
+def reduced_file(request, tmp_path_factory):
+    shape = reduced(PRESETS[request.param], n_layers=4 if PRESETS[request.param].hybrid else 2)
+    return shape, write_bench_model(tmp_path_factory.mktemp("reduced") / f"{request.param}.gguf", shape,
+                                    MIXES["q4_k_m"], seed=2)
+
+
+def test_every_preset_at_reduced_width_loads_as_its_architecture(reduced_file):
+    shape, path = reduced_file
+    with GGUFFile(path) as gguf:
+        spec = load_spec(gguf)
+        roles = {name.split(".", 2)[2].removesuffix(".weight") for name in gguf.tensors if name.startswith("blk.0.")}
+    assert spec.family == FAMILIES[shape.arch] and spec.n_layers == shape.n_layers
+    assert (spec.hidden, spec.n_heads, spec.n_kv_heads, spec.head_dim_k) == (shape.hidden, shape.n_heads,
+                                                                               shape.n_kv_heads, shape.head_dim)
+    assert (spec.n_experts, spec.n_experts_used, spec.expert_ff) == (shape.n_experts, shape.n_experts_used,
+                                                                     shape.expert_ff)
+    assert spec.shared_ff == shape.shared_ff
+    layer_zero = {role for role in roles if role in set().union(*ARCH_TENSORS.values())}
+    assert layer_zero == ARCH_TENSORS[shape.arch]
+
+
+def test_every_preset_at_reduced_width_runs(reduced_file):
+    shape, path = reduced_file
+    with Runtime(path) as runtime:
+        logits = runtime.logits(runtime.tokenizer.encode("The experts") + [5, 900, shape.vocab - 1])
+    assert np.isfinite(logits).all() and len(set(logits.argmax(axis=-1).tolist())) > 1
 
 
 @pytest.fixture(scope="module", params=["q4_k_m", "q5_k_m", "q8_0"])

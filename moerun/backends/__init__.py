@@ -6,10 +6,10 @@ them.
 """
 from __future__ import annotations
 
-from moerun.backends.devices import BackendUnavailable, parse_device
+from moerun.backends.devices import BackendUnavailable, GpuError, is_gpu_error, parse_device
 from moerun.models.spec import ModelSpec
 
-__all__ = ["BackendUnavailable", "open_backend"]
+__all__ = ["BackendUnavailable", "GpuError", "is_gpu_error", "open_backend"]
 
 
 def open_backend(device: str, spec: ModelSpec, graphs: bool = True, threads: int | None = None,

@@ -16,6 +16,22 @@ class BackendUnavailable(RuntimeError):
     """The device named cannot be used here; the message says what is missing."""
 
 
+class GpuError(RuntimeError):
+    """A GPU operation failed: a kernel that could not be launched, or an error the device reported
+    (an illegal address or instruction in a kernel, memory exhausted). CUDA reports a kernel's fault
+    at a later call, so the kernel named may not be the one at fault; CUDA_LAUNCH_BLOCKING=1
+    reports each where it happens."""
+
+    def __init__(self, operation: str, error: Exception):
+        super().__init__(f"the GPU failed in {operation}: {error} (run again with CUDA_LAUNCH_BLOCKING=1 to "
+                         f"name the kernel at fault; please report it with the model's `moerun inspect`)")
+
+
+def is_gpu_error(error: BaseException) -> bool:
+    """Whether `error` is one CuPy raises for the device (checked by module: CuPy need not be installed)."""
+    return type(error).__module__.startswith(("cupy_backends.cuda", "cupy.cuda"))
+
+
 @dataclass(frozen=True)
 class Device:
     platform: str     # cpu | cuda | hip

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from moerun.backends.devices import GpuError, is_gpu_error
+
 KERNEL_DIR = Path(__file__).parent / "kernels"
 BLOCK = 256                     # threads per block of the row-parallel kernels
 MAX_GEMV_TOKENS = 8             # MAX_TOKENS in common.cuh
@@ -47,11 +49,18 @@ class Kernels:
         return function
 
     def launch(self, name: str, grid: tuple, block: tuple, args: tuple, shared_bytes: int = 0) -> None:
-        if self._dependent is None:
-            self[name](grid, block, args, shared_mem=shared_bytes)
-        else:
-            self._dependent.launch(self[name].kernel.ptr, grid, block, args, shared_bytes,
-                                   self.cupy.cuda.get_current_stream().ptr)
+        """Every kernel goes through here; a failure, the launch's own or one the device reports
+        then, is a GpuError naming the kernel."""
+        try:
+            if self._dependent is None:
+                self[name](grid, block, args, shared_mem=shared_bytes)
+            else:
+                self._dependent.launch(self[name].kernel.ptr, grid, block, args, shared_bytes,
+                                       self.cupy.cuda.get_current_stream().ptr)
+        except Exception as err:
+            if isinstance(err, LaunchFailed) or is_gpu_error(err):
+                raise GpuError(f"kernel {name} (grid {tuple(grid)}, block {tuple(block)})", err) from None
+            raise
 
     def rows(self, name: str, n_rows: int, units_per_row: int, grid_y: int, args: tuple,
              units_per_lane: int = 1, staged_bytes: int | None = None, shared_after: int = 0) -> None:
@@ -137,6 +146,10 @@ _SCALARS = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint64: ctype
             np.float32: ctypes.c_float, np.float64: ctypes.c_double}
 
 
+class LaunchFailed(RuntimeError):
+    """cuLaunchKernelEx returned an error (its name and number)."""
+
+
 class DependentLauncher:
     """Kernel launches with programmatic stream serialization allowed (cuLaunchKernelEx)."""
 
@@ -169,7 +182,7 @@ class DependentLauncher:
         if status:
             name = ctypes.c_char_p()
             self._error_name(status, ctypes.byref(name))
-            raise RuntimeError(f"kernel launch failed: {(name.value or b'?').decode()} ({status})")
+            raise LaunchFailed(f"{(name.value or b'?').decode()} ({status})")
 
     def _argument(self, value: Any):
         if isinstance(value, self.cupy.ndarray):

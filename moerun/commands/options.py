@@ -10,7 +10,7 @@ import sys
 import click
 from click.core import ParameterSource
 
-from moerun.backends import BackendUnavailable
+from moerun.backends import BackendUnavailable, GpuError, is_gpu_error
 from moerun.backends.protocol import KV_DTYPES
 from moerun.config import load_config_file
 from moerun.engine.prefix_cache import PrefixCache
@@ -39,7 +39,8 @@ def friendly_errors(command):
         try:
             return command(*args, **kwargs)
         # ValueError covers ConfigError, PlacementError, PlanError, HotnessError and bad sizes
-        except (GGUFError, TokenizerError, RequestError, RigError, DaemonError, BackendUnavailable, ValueError) as err:
+        except (GGUFError, TokenizerError, RequestError, RigError, DaemonError, BackendUnavailable, GpuError,
+                ValueError) as err:
             raise click.ClickException(str(err)) from None
         except BrokenPipeError:
             _quiet_broken_pipe()
@@ -48,6 +49,10 @@ def friendly_errors(command):
         except KeyboardInterrupt:
             click.echo("", err=True)
             sys.exit(130)
+        except Exception as err:
+            if is_gpu_error(err):              # reported by the device at a later call than the kernel's
+                raise click.ClickException(str(GpuError("the model's forward pass", err))) from None
+            raise
     return wrapper
 
 

@@ -14,6 +14,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from moerun.backends.devices import GpuError
 from moerun.backends.gpu_kernels import INT_KINDS
 from moerun.backends.gpu_weights import KERNEL_TYPES, DeviceMatrix
 from moerun.gguf.quants import dequantize
@@ -383,5 +384,15 @@ def test_hopper_launches_kernels_as_dependent_launches(backend):
     out = cupy.empty_like(x)
     kernels.elementwise("add_gated", x.size, (x, x, np.uint64(0), np.int32(10), np.int64(x.size), out))
     assert cupy.array_equal(out, 2 * x)
-    with pytest.raises(RuntimeError, match="kernel launch failed"):
+    with pytest.raises(GpuError, match=r"the GPU failed in kernel add_gated \(grid \(1,\), block \(4096,\)\): "
+                                       r"CUDA_ERROR_"):
         kernels.launch("add_gated", (1,), (4096,), (x, x, np.uint64(0), np.int32(10), np.int64(x.size), out))
+
+
+def test_a_plain_launch_that_fails_names_its_kernel(backend, monkeypatch):
+    """Where launches are CuPy's own (HIP, GPUs before 9.0), a refused launch is a GpuError too."""
+    cupy = backend.cupy
+    monkeypatch.setattr(backend.kernels, "_dependent", None)
+    x = cupy.arange(1000, dtype=cupy.float32)
+    with pytest.raises(GpuError, match=r"the GPU failed in kernel add_gated .*: .*(INVALID|invalid)"):
+        backend.kernels.launch("add_gated", (1,), (4096,), (x, x, np.uint64(0), np.int32(10), np.int64(x.size), x))

@@ -38,27 +38,23 @@ roundings' own error).
 """
 from __future__ import annotations
 
-import sys
+import argparse
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import argparse  # noqa: E402
-import time  # noqa: E402
-from collections import OrderedDict  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from moerun.backends.gpu_kernels import MAX_GEMV_TOKENS
+from moerun.backends.numpy_backend import StoredMatrix, load_expert
+from moerun.backends.numpy_ops import l2_norm, rms_norm, sigmoid, silu, softmax
+from moerun.engine.runtime import Runtime
+from moerun.gguf.quants import T, dequantize
+from moerun.rig.settings import RigConfig
+from moerun.writers.bench_model import MIXES, PRESETS, reduced, with_layers, write_bench_model
 
-import numpy as np  # noqa: E402
-
-from moerun.backends.numpy_backend import StoredMatrix, load_expert  # noqa: E402
-from moerun.backends.numpy_ops import l2_norm, rms_norm, sigmoid, silu, softmax  # noqa: E402
-from moerun.engine.runtime import Runtime  # noqa: E402
-from moerun.gguf.quants import T, dequantize  # noqa: E402
-from moerun.rig.settings import RigConfig  # noqa: E402
-from moerun.writers.bench_model import MIXES, PRESETS, reduced, with_layers, write_bench_model  # noqa: E402
-
-GEMV_TOKENS = 8          # MAX_GEMV_TOKENS: longer chunks take the prefill products
-SHORT_CHUNK, DECODE_STEPS = 5, 3
+SHORT_CHUNK, DECODE_STEPS = 5, 3     # as tests/gpu/test_gpu_shapes.py
 ROUNDINGS = ("dense-act", "dense-w", "expert-act", "expert-w", "attention", "planes", "delta-f32")
 REGIONS = ("first chunk", "short chunk", "decode")
 
@@ -117,7 +113,7 @@ class Emulation:
         backend.delta_net, backend.route, experts.compute = self.delta_net, self.route, self.compute
 
     def on(self, name: str, n_tokens: int) -> bool:
-        prefill = n_tokens > GEMV_TOKENS
+        prefill = n_tokens > MAX_GEMV_TOKENS
         if name == "planes":
             return not prefill and name in self.options.on
         return (prefill or name == "delta-f32") and name in self.options.on

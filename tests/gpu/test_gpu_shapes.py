@@ -9,15 +9,16 @@ The CPU takes the experts the GPU chose. With random weights the nearest routing
 1 to 13 near-ties, and each flipped pair costs 1e-3..3e-2 of the logits
 (scripts/emulate_gpu_rounding.py, which reproduces the GPU's errors from its roundings alone):
 that measures the routing's conditioning, not the kernels. The routing itself (norm, product,
-top-K) is checked by the tests of route.cu and test_gpu_model.py.
+top-K) is checked by test_gpu_kernels.py (route.cu against numpy) and test_gpu_model.py.
 
-Bounds, with the routing pinned (emulated: 3.4e-4..8.1e-4 for the products at reduced width,
-1.0e-3 for Mixtral's real width, 2.1e-3 for the hybrid's): chunks of more than 8 tokens go through
-the prefill products (f16 operands, TF32 attention), PRODUCT_BOUND; chunks of at most 8 and
-decode steps go through the GEMVs (8-bit activation planes), GEMV_BOUND, but after a long chunk
-they read the K/V (and a hybrid's state) that chunk wrote and carry its error, AFTER_PRODUCTS_BOUND.
-The hybrid's DeltaNet makes it the worst conditioned; it has bounds of its own. The GPU's KV cache
-is f32, so only the kernels' own rounding counts."""
+Bounds, from the roundings' own errors with the routing pinned (emulated: 3.4e-4..8.1e-4 for
+the products at reduced width, 1.0e-3 at Mixtral's real width, 1.67e-3 at Qwen3-235B's hidden size
+of 4096 and 1.05e-3 in the chunk after it, where the GPU gave 1.68e-3 and 1.03e-3; 2.1e-3 for the
+hybrid): chunks of more than 8 tokens go through the prefill products (f16 operands, TF32
+attention), PRODUCT_BOUND; chunks of at most 8 and decode steps go through the GEMVs (8-bit
+activation planes), GEMV_BOUND, but after a long chunk they read the K/V (and a hybrid's state)
+that chunk wrote and carry its error, AFTER_PRODUCTS_BOUND. The GPU's KV cache is f32, so only the
+kernels' own rounding counts."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,9 +32,9 @@ from moerun.writers.bench_model import MIXES, PRESETS, REAL_SHAPES, reduced, wit
 from tests.support.gpu import INT_GEMV_BOUND, gpu_device
 
 pytestmark = pytest.mark.gpu
-PRODUCT_BOUND = {"plain": 1.5e-3, "hybrid": 3e-3}
+PRODUCT_BOUND = {"plain": 2.5e-3, "hybrid": 3e-3}
 GEMV_BOUND = {"plain": INT_GEMV_BOUND, "hybrid": 6e-4}
-AFTER_PRODUCTS_BOUND = {"plain": 1e-3, "hybrid": 1.5e-3}
+AFTER_PRODUCTS_BOUND = {"plain": 1.5e-3, "hybrid": 1.5e-3}
 CHUNKS = (1, 7, 64, 512, 2048)
 SHORT_CHUNK = 5                 # after each chunk: a few tokens against the cache it filled
 DECODE_STEPS = 3

@@ -34,8 +34,8 @@ from moerun.models.spec import ModelSpec
 GATE_UP_BLOCK = 512           # threads of the quantized gate/up kernel: 32 rows of 16 threads
 DOWN_WARPS = 8                # most warps of the quantized down kernel (one per expert slot)
 MAX_TOP_K = 32                # DOWN_SLOTS in gemv_q8.cu
-TILE_ROWS = 32                # rows per tile of an expert's tokens (MM_ROWS in moe_mm.cu)
-MM_COLS = 64                  # output columns per block of the tile products (moe_mm.cu)
+TILE_SHAPES = {32: 64, 64: 64, 128: 32}   # rows per tile of an expert's tokens -> output columns per
+                                          # block of its products (TileShape in moe_mm.cu)
 MM_THREADS = 128              # threads per block of the tile products (moe_mm.cu)
 MAX_EXPERTS = 1024            # MAX_EXPERTS in moe_prefill.cu
 
@@ -165,16 +165,18 @@ class GpuExperts:
         n_tokens, top_k = ids.shape
         hidden, ffn = spec.hidden, spec.expert_ff
         stack, down = experts.gate_up, experts.down
-        layout = TileLayout(backend, ids, down.experts)
+        rows = tile_rows(ids.size, down.experts)
+        columns = TILE_SHAPES[rows]
+        layout = TileLayout(backend, ids, down.experts, rows)
         xg = cupy.empty((layout.max_rows, hidden), cupy.float16)                     # [R, H]
         kernels.elementwise("gather_rows_f16", xg.size // 8, (x, layout.token_rows, np.int32(hidden),
                                                          np.int64(layout.max_rows), xg))
         act = cupy.empty((layout.max_rows, ffn), cupy.float16)                       # [R, F]
-        kernels.launch(f"moe_mm_gate_up_{stack.kind}", (-(-ffn // MM_COLS), layout.max_tiles), (MM_THREADS,), (
+        kernels.launch(f"moe_mm_gate_up_{stack.kind}_r{rows}", (-(-ffn // columns), layout.max_tiles), (MM_THREADS,), (
             stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xg, np.int32(hidden),
             layout.tile_expert, layout.tile_row, np.int32(ffn), act))
         rows_out = cupy.empty((layout.max_rows, hidden), cupy.float32)               # [R, H]
-        kernels.launch(f"moe_mm_down_{down.kind}", (-(-hidden // MM_COLS), layout.max_tiles), (MM_THREADS,), (
+        kernels.launch(f"moe_mm_down_{down.kind}_r{rows}", (-(-hidden // columns), layout.max_tiles), (MM_THREADS,), (
             down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), act, np.int32(ffn),
             layout.tile_expert, layout.tile_row, np.int32(hidden), rows_out))
         out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out
@@ -193,25 +195,35 @@ def load_experts(uploader: Uploader, spec: ModelSpec, layer: int, experts: list[
     return layer_experts(stacks, spec.expert_ff)
 
 
+def tile_rows(n_pairs: int, n_experts: int) -> int:
+    """Rows per tile for n_pairs routed pairs over n_experts: the largest tile an expert of
+    average load fills at least three quarters of. A tile's weights are dequantized once for
+    all of its rows, so Mixtral's 8 experts (~128 pairs each in a 512-token chunk) take tiles
+    of 128, Qwen3's 128 experts (~32 each) tiles of 32."""
+    per_expert = n_pairs / max(n_experts, 1)
+    return max([rows for rows in TILE_SHAPES if 4 * per_expert >= 3 * rows], default=min(TILE_SHAPES))
+
+
 class TileLayout:
     """The routed pairs ids [T, K] laid out on the device: expert e owns whole tiles of
-    TILE_ROWS rows; row r holds token token_rows[r] (-1: padding); pair p sits in row
-    pair_rows[p]. At most max_tiles tiles: one per TILE_ROWS pairs, plus one partial tile
+    `rows` rows; row r holds token token_rows[r] (-1: padding); pair p sits in row
+    pair_rows[p]. At most max_tiles tiles: one per `rows` pairs, plus one partial tile
     per expert; tiles past the last have expert -1."""
 
-    def __init__(self, backend, ids: Any, n_experts: int):
+    def __init__(self, backend, ids: Any, n_experts: int, rows: int):
         cupy = backend.cupy
         if n_experts > MAX_EXPERTS:
             raise ValueError(f"the GPU prefill lays out at most {MAX_EXPERTS} experts per layer (got {n_experts})")
         n_pairs = ids.size
-        self.max_tiles = -(-n_pairs // TILE_ROWS) + n_experts
-        self.max_rows = self.max_tiles * TILE_ROWS
+        self.rows = rows
+        self.max_tiles = -(-n_pairs // rows) + n_experts
+        self.max_rows = self.max_tiles * rows
         self.counts = cupy.empty(n_experts, cupy.int32)                               # [E]
         self.tile_expert = cupy.empty(self.max_tiles, cupy.int32)
         self.tile_row = cupy.empty(self.max_tiles, cupy.int32)
         self.token_rows = cupy.empty(self.max_rows, cupy.int32)                       # [R]
         self.pair_rows = cupy.empty(n_pairs, cupy.int32)                              # [P]
         backend.kernels.launch("layout_pairs", (1,), (1024,), (
-            ids, np.int32(n_pairs), np.int32(ids.shape[1]), np.int32(n_experts), np.int32(TILE_ROWS),
+            ids, np.int32(n_pairs), np.int32(ids.shape[1]), np.int32(n_experts), np.int32(rows),
             np.int32(self.max_tiles), np.int32(self.max_rows), self.counts, self.tile_expert, self.tile_row,
             self.token_rows, self.pair_rows))

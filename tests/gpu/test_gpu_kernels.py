@@ -110,18 +110,20 @@ EXPERT_TYPES = [(T.Q4_K, T.Q6_K), (T.Q8_0, T.Q8_0), (T.Q5_K, T.Q4_0), (T.Q5_0, T
                 (T.BF16, T.F32)]
 
 
-@pytest.mark.parametrize("n_tokens", [1, 3, 8, 40, 300])
+@pytest.mark.parametrize("n_tokens", [1, 3, 8, 40, 100, 300])
 @pytest.mark.parametrize("types", EXPERT_TYPES, ids=lambda types: "-".join(t.name for t in types))
 def test_experts_match_numpy(types, n_tokens):
     """gate/up + SwiGLU + down with the routing weights, some pairs not resident (id -1):
-    decode (T <= 8) and prefill tiles (T > 8, f16 operands). HIDDEN and FFN: 24 and 8 units of
-    32 (K-quant rows hold whole super-blocks of 256)."""
+    decode (T <= 8) and prefill tiles (T > 8, f16 operands; 4 of 6 experts a token: tiles of 32
+    rows at 40 tokens, 64 at 100, 128 at 300). HIDDEN and FFN: 24 and 8 units of 32 (K-quant
+    rows hold whole super-blocks of 256)."""
     check_experts(types, n_tokens, HIDDEN, FFN)
 
 
-@pytest.mark.parametrize("n_tokens", [5, 70])
+@pytest.mark.parametrize("n_tokens", [5, 70, 100, 300])
 def test_experts_of_odd_sizes_match_numpy(n_tokens):
-    """Widths that leave the prefill tiles' last stage and last column block part empty."""
+    """Widths that leave the prefill tiles' last stage and last column block part empty, for
+    every tile shape (70, 100 and 300 tokens: tiles of 32, 64 and 128 rows)."""
     check_experts((T.Q8_0, T.Q4_0), n_tokens, hidden=96, ffn=160)
 
 
@@ -191,15 +193,16 @@ def test_dequantize_f16_and_gather_rows(backend, stored):
     assert np.allclose(got, reference[ids], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("rows", [32, 64, 128])
 @pytest.mark.parametrize("skew", [0.05, 1.0, 50.0])
-def test_expert_tile_layout(backend, skew):
+def test_expert_tile_layout(backend, skew, rows):
     """Every routed pair gets its own row among its expert's tiles, holding its token."""
-    from moerun.backends.gpu_experts import TILE_ROWS, TileLayout
+    from moerun.backends.gpu_experts import TileLayout
     rng = np.random.default_rng()
     n_tokens, top_k, n_experts = 300, 4, 16
     p = rng.dirichlet(np.full(n_experts, skew))
     ids = np.stack([rng.choice(n_experts, top_k, replace=False, p=p) for _ in range(n_tokens)]).astype(np.int32)
-    layout = TileLayout(backend, backend.cupy.asarray(ids), n_experts)
+    layout = TileLayout(backend, backend.cupy.asarray(ids), n_experts, rows)
     pair_rows, token_rows = layout.pair_rows.get(), layout.token_rows.get()
     tile_expert, tile_row = layout.tile_expert.get(), layout.tile_row.get()
     assert np.array_equal(layout.counts.get(), np.bincount(ids.reshape(-1), minlength=n_experts))
@@ -209,7 +212,7 @@ def test_expert_tile_layout(backend, skew):
     owner = np.full(layout.max_rows, -1)
     for expert, first in zip(tile_expert, tile_row):
         if expert >= 0:
-            owner[first:first + TILE_ROWS] = expert
+            owner[first:first + rows] = expert
     assert np.array_equal(owner[pair_rows], ids.reshape(-1))
 
 

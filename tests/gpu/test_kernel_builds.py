@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from moerun.backends.gpu_experts import TILE_SHAPES
 from moerun.backends.gpu_kernels import INT_KINDS, KERNEL_DIR
 from moerun.backends.gpu_weights import KERNEL_TYPES
 from moerun.backends.protocol import KV_DTYPES
 
 pytestmark = [pytest.mark.tools, pytest.mark.slow]   # a compile takes ~15 s
-PER_TYPE = ("moe_gate_up", "moe_down", "moe_mm_gate_up", "moe_mm_down", "dequant_f16", "gather_rows_f32")
+PER_TYPE = ("moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
+PER_TYPE_AND_TILE = ("moe_mm_gate_up", "moe_mm_down")
 PER_FLOAT_TYPE = ("gemv", "gemv_few_rows")
 PER_INT_TYPE = ("gemv_q8", "moe_gate_up_q8", "moe_down_q8")
 PER_KV_TYPE = ("qk_norm_rope_append", "attention_partial", "expand_kv_heads")
@@ -52,6 +54,8 @@ def compile_kernels(command: list[str], output: Path, env: dict | None = None) -
 def assert_defines_every_kernel(binary: bytes) -> None:
     float_kinds = [kind for kind in KERNEL_TYPES.values() if kind not in INT_KINDS]
     names = ([f"{family}_{kind}" for family in PER_TYPE for kind in KERNEL_TYPES.values()]
+             + [f"{family}_{kind}_r{rows}" for family in PER_TYPE_AND_TILE for kind in KERNEL_TYPES.values()
+                for rows in TILE_SHAPES]
              + [f"{family}_{kind}" for family in PER_FLOAT_TYPE for kind in float_kinds]
              + [f"{family}_{kind}" for family in PER_INT_TYPE for kind in INT_KINDS]
              + [f"{family}_{kind}" for family in PER_KV_TYPE for kind in KV_DTYPES] + list(SHARED))

@@ -21,6 +21,7 @@ import numpy as np
 
 from moerun.backends.gpu_kernels import (
     BLOCK,
+    FULL_OCCUPANCY_BYTES,
     INT_KINDS,
     MAX_GEMV_TOKENS,
     UNITS_PER_LANE,
@@ -137,7 +138,9 @@ class GpuExperts:
                 stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xq, xds,
                 np.int32(hidden), ids, np.int32(top_k), aq, ads, np.int32(ffn)))
             group, warps = row_group(ffn // UNIT, UNITS_PER_LANE), min(top_k, DOWN_WARPS)
-            stride = stage_stride(32 // group * down.row_bytes, warps)    # a warp's rows of one expert
+            # a warp's rows of one expert, staged only where the slots leave every thread resident:
+            # Mixtral's rows (14336 values) would hold 9 blocks of 2 warps a multiprocessor
+            stride = stage_stride(32 // group * down.row_bytes, warps, 32 * warps * FULL_OCCUPANCY_BYTES)
             kernels.launch(
                 f"moe_down_q8_{down.kind}",
                 (-(-hidden * group // 32), n_tokens), (32 * warps,),

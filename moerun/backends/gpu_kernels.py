@@ -26,6 +26,8 @@ UNITS_PER_LANE = 2              # weight units each thread of an integer GEMV re
 ROW_GROUP = 32                  # most threads sharing one output row (a power of two, <= 32)
 PROGRAMMATIC_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 STAGE_LIMIT = 48 * 1024         # most shared memory per block for staged weight rows (no opt-in needed)
+FULL_OCCUPANCY_BYTES = 112      # staged bytes per thread that leave a multiprocessor all of its threads
+                                # (Hopper: 228 KiB of shared memory over 2048 threads)
 NULL = np.uint64(0)             # a null pointer argument
 
 

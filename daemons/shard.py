@@ -21,6 +21,7 @@ import numpy as np
 from moerun.backends import open_backend
 from moerun.engine.model import MoEModel
 from moerun.engine.weights import load_weights
+from moerun.errors import UsageError
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.shm import Arena
 from moerun.models import load_spec
@@ -51,7 +52,7 @@ class LayerShard:
         try:
             self.spec = load_spec(self.gguf)
             if not 1 <= layers.start < layers.stop <= self.spec.n_layers:
-                raise ValueError(f"layers {layers.start}:{layers.stop}: a shard runs layers A:B with "
+                raise UsageError(f"layers {layers.start}:{layers.stop}: a shard runs layers A:B with "
                                  f"1 <= A < B <= {self.spec.n_layers} (the parent keeps layer 0 on)")
             self.device, self.layers, self.ctx = device, layers, ctx
             self._fingerprint = self.gguf.fingerprint()
@@ -114,10 +115,10 @@ class LayerShard:
         elif self.cache is None or sequence != self.sequence or start != self.cache.length:
             held = ("no sequence" if self.cache is None else
                     f"sequence {self.sequence} at position {self.cache.length}")
-            raise ValueError(f"sequence {sequence} at position {start} does not continue what this shard holds "
+            raise UsageError(f"sequence {sequence} at position {start} does not continue what this shard holds "
                              f"({held}): start the sequence again from position 0")
         if start + tokens > self.ctx:
-            raise ValueError(f"positions {start}..{start + tokens - 1} do not fit this shard's context of "
+            raise UsageError(f"positions {start}..{start + tokens - 1} do not fit this shard's context of "
                              f"{self.ctx} (--ctx)")
 
     def _count(self, tokens: int, started: float) -> None:
@@ -126,11 +127,11 @@ class LayerShard:
         self.compute_seconds += time.perf_counter() - started
 
     def assign(self, experts, progress) -> None:
-        raise ValueError(f"a layer shard holds the experts of its layers {self.layers.start}..{self.layers.stop - 1} "
+        raise UsageError(f"a layer shard holds the experts of its layers {self.layers.start}..{self.layers.stop - 1} "
                          f"itself (or gives them to daemons of its own); it takes no ASSIGN")
 
     def compute(self, layer, x, counts, local_ids, weights) -> np.ndarray:
-        raise ValueError("a layer shard takes FORWARD requests, not COMPUTE (start an expert daemon without --layers)")
+        raise UsageError("a layer shard takes FORWARD requests, not COMPUTE (start an expert daemon without --layers)")
 
     def attach(self, arena: Arena, transport: str, header: dict) -> tuple[dict, Callable | None, None]:
         """A parent on this host: its FORWARD requests come through the arena's slots, with the
@@ -141,11 +142,11 @@ class LayerShard:
         if transport == "shared":
             return {}, None, None
         if transport != "device" or self.backend.kind == "CPU":
-            raise ValueError(f"a layer shard on {self.device} takes the hidden state through shared memory "
+            raise UsageError(f"a layer shard on {self.device} takes the hidden state through shared memory "
                              f"or its socket, not the {transport} transport")
         incoming = header.get("incoming", [])
         if not valid_handles(incoming, arena.layout.slots):
-            raise ValueError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event handles")
+            raise UsageError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event handles")
         self._buffer_rows = arena.layout.batch_capacity
         self.exported = ExportedBuffers(self.backend.cupy, 2 * self._buffer_rows * self.spec.hidden * 4, incoming)
         return {"device_buffers": self.exported.handles()}, self._forward_slot, None

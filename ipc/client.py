@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 import msgpack
 import numpy as np
 import zmq
+
+from moerun.errors import UsageError
 from moerun.ipc import protocol as p
 from moerun.ipc.curve import CurveClientKeys
 from moerun.ipc.dealer_monitor import DealerMonitor
@@ -132,7 +134,7 @@ class DaemonClient:
         fields (for "device": the IPC handles of its buffers and events). `fields` go into
         the ATTACH request as they are (for "device": the parent's event handles)."""
         if not 1 <= batch_capacity <= p.MAX_BATCH_CAPACITY:
-            raise ValueError(f"batch capacity {batch_capacity} not in [1, {p.MAX_BATCH_CAPACITY}]")
+            raise UsageError(f"batch capacity {batch_capacity} not in [1, {p.MAX_BATCH_CAPACITY}]")
         arena = Arena.create(ArenaLayout(slots, batch_capacity, hidden, max_pairs_per_token))
         try:
             reply = self._request(p.ATTACH, self.connect_timeout_s, alive, name=arena.name,
@@ -217,7 +219,7 @@ class DaemonClient:
         """Send x f32 [T, H], counts [T], local_ids [P], weights [P]; returns the request id.
         Do not modify the arrays before wait() returns (stream sends large ones zero-copy)."""
         if dtype not in p.PAYLOAD_DTYPES:
-            raise ValueError(f"unknown payload dtype {dtype!r}")
+            raise UsageError(f"unknown payload dtype {dtype!r}")
         counts = np.ascontiguousarray(counts, dtype=np.int32)
         local_ids = np.ascontiguousarray(local_ids, dtype=np.int32)
         weights = np.ascontiguousarray(weights, dtype=np.float32)

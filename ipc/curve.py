@@ -17,6 +17,8 @@ from pathlib import Path
 import zmq
 from zmq.utils.z85 import Z85CHARS
 
+from moerun.errors import UsageError
+
 KEY_CHARS = 40                 # a 32-byte key in Z85
 PUBLIC_SUFFIX, SECRET_SUFFIX = ".key", ".key_secret"
 SECRET_BANNER = "#   ZeroMQ CURVE **Secret** Certificate\n#   Keep it on this machine, readable by its owner only.\n"
@@ -24,7 +26,7 @@ PUBLIC_BANNER = "#   ZeroMQ CURVE Public Certificate\n#   Give it to the peers t
 MAKE_KEYS_HINT = "(`moerun keys -o DIR` makes a key pair)"
 
 
-class CurveKeyError(ValueError):
+class CurveKeyError(UsageError):
     """A missing, unreadable, malformed or unprotected key file, or keys missing where needed."""
 
 

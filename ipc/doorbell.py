@@ -18,6 +18,8 @@ import platform
 import time
 from collections.abc import Callable
 
+from moerun.errors import MoerunError
+
 SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238}
 FUTEX_WAIT = 0
 FUTEX_WAKE = 1
@@ -27,7 +29,7 @@ YIELD_AFTER_S = 0.00005   # spin this long before yielding the CPU between reads
 WORD_MASK = 0xFFFFFFFF
 
 
-class FutexUnavailable(RuntimeError):
+class FutexUnavailable(MoerunError, RuntimeError):
     pass
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from moerun.errors import MoerunError
+
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ERROR_MESSAGE = 400  # characters; an error reply must fit a shared-memory slot header
@@ -69,7 +71,7 @@ COMPUTE_FRAMES = 4  # x [T, H], counts int32 [T], local_ids int32 [P], weights f
 MAX_PAIRS = 2**30
 
 
-class ProtocolError(Exception):
+class ProtocolError(MoerunError):
     """A message this side cannot accept; becomes an error reply with `code` (and the
     message's request id, when it could be read)."""
 
@@ -80,7 +82,7 @@ class ProtocolError(Exception):
         self.request_id = request_id
 
 
-class DaemonError(Exception):
+class DaemonError(MoerunError):
     """The daemon at `endpoint` answered a request with an error reply."""
 
     def __init__(self, code: str, message: str, endpoint: str):
@@ -90,15 +92,15 @@ class DaemonError(Exception):
         self.endpoint = endpoint
 
 
-class DaemonTimeout(TimeoutError):
+class DaemonTimeout(MoerunError, TimeoutError):
     """No reply from a daemon within the caller's deadline."""
 
 
-class DaemonDied(RuntimeError):
+class DaemonDied(MoerunError, RuntimeError):
     """The caller's liveness check reported the daemon gone while a request was pending."""
 
 
-class DaemonUnreachable(ConnectionError):
+class DaemonUnreachable(MoerunError, ConnectionError):
     """Nothing accepts connections at a daemon's endpoint (refused, no socket file): no reply can come."""
 
     def __init__(self, endpoint: str, reason: str):

@@ -284,9 +284,9 @@ class Server:
         if isinstance(error, ProtocolError):
             request_id = request_id if request_id is not None else error.request_id
             if error.code in (p.VERSION_MISMATCH, p.NO_SESSION):
-                logger.info(f"refused a request ({error.code}): {error.message}")
+                logger.warning(f"refused a request ({error.code}): {error.message}")
             return request_id, error.code, error.message
-        logger.info(f"internal error on request {request_id!r}: {type(error).__name__}: {error}\n"
+        logger.error(f"internal error on request {request_id!r}: {type(error).__name__}: {error}\n"
                  + "".join(traceback.format_exception(error)).rstrip())
         return request_id, p.INTERNAL, f"{type(error).__name__}: {error}"
 
@@ -307,7 +307,7 @@ class Server:
         try:
             self.handler.release()
         except Exception as e:  # noqa: BLE001 - a session ends even if the handler fails
-            logger.info(f"handler.release failed: {type(e).__name__}: {e}")
+            logger.warning(f"handler.release failed: {type(e).__name__}: {e}")
 
     # -- ops ----------------------------------------------------------------------------------
 
@@ -322,7 +322,7 @@ class Server:
         if header.get("fingerprint") != ours:
             message = p.fingerprint_mismatch(header.get("fingerprint"), str(header.get("model") or ""), ours,
                                              str(self.info.get("model", "")))
-            logger.info(f"refused {who}: {message}")
+            logger.warning(f"refused {who}: {message}")
             raise ProtocolError(p.FINGERPRINT_MISMATCH, message)
         session = self._session
         if session is not None and session.peer != peer:
@@ -336,7 +336,7 @@ class Server:
                 message = (f"serving {session.describe()} since {since} (last heard {silent_s:.1f} s ago; "
                            f"another parent gets it once that one ends its session or exits, or after "
                            f"{self.lease_s:g} s of silence)")
-                logger.info(f"refused {who} (busy): {message}")
+                logger.warning(f"refused {who} (busy): {message}")
                 raise ProtocolError(p.BUSY, message)
         if self._session is None:
             self._session = Session(peer=peer, parent=dict(parent))

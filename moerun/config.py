@@ -17,6 +17,7 @@ from pathlib import Path
 
 from moerun.backends.devices import DEVICE_PATTERN
 from moerun.backends.protocol import KV_DTYPES
+from moerun.errors import UsageError
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES
 from moerun.ipc.sockets import ENDPOINT
 from moerun.rig.settings import AUTO, MODES, RIG_TRANSPORTS, ConfigError, DaemonEntry, SplitEntry
@@ -30,29 +31,29 @@ DAEMON_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 
 def text(value: object) -> str:
     if not isinstance(value, str) or not value:
-        raise ValueError("must be a non-empty string")
+        raise UsageError("must be a non-empty string")
     return value
 
 
 def any_text(value: object) -> str:
     if not isinstance(value, str):
-        raise ValueError("must be a string")
+        raise UsageError("must be a string")
     return value
 
 
 def boolean(value: object) -> bool:
     if not isinstance(value, bool):
-        raise ValueError("must be true or false")
+        raise UsageError("must be true or false")
     return value
 
 
 def integer(low: int | None = None, high: int | None = None) -> Callable[[object], int]:
     def check(value: object) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError("must be an integer")
+            raise UsageError("must be an integer")
         if (low is not None and value < low) or (high is not None and value > high):
             bounds = f"between {low} and {high}" if high is not None else f">= {low}"
-            raise ValueError(f"must be {bounds}")
+            raise UsageError(f"must be {bounds}")
         return value
     return check
 
@@ -69,10 +70,10 @@ def number(low: float | None = None, high: float | None = None, *,
 
     def check(value: object) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise ValueError("must be a number")
+            raise UsageError("must be a number")
         if ((above is not None and value <= above) or (low is not None and value < low)
                 or (high is not None and value > high)):
-            raise ValueError(f"must be {bounds}")
+            raise UsageError(f"must be {bounds}")
         return float(value)
     return check
 
@@ -80,7 +81,7 @@ def number(low: float | None = None, high: float | None = None, *,
 def one_of(*choices: str) -> Callable[[object], str]:
     def check(value: object) -> str:
         if value not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}")
+            raise UsageError(f"must be one of {', '.join(choices)}")
         return value
     return check
 
@@ -88,7 +89,7 @@ def one_of(*choices: str) -> Callable[[object], str]:
 def matching(pattern: re.Pattern, what: str) -> Callable[[object], str]:
     def check(value: object) -> str:
         if not isinstance(value, str) or not pattern.match(value):
-            raise ValueError(f"must be {what}")
+            raise UsageError(f"must be {what}")
         return value
     return check
 
@@ -97,7 +98,7 @@ def size(value: object) -> str:
     try:
         parse_bytes(text(value), "size")
     except ValueError:
-        raise ValueError("must be a size such as 24GiB, 512MiB or 64GB") from None
+        raise UsageError("must be a size such as 24GiB, 512MiB or 64GB") from None
     return value
 
 
@@ -110,7 +111,7 @@ def gpu_reads(value: object) -> str:
         return str(value)
     if value == "off":
         return value
-    raise ValueError("must be a share from 0 to 1, or \"off\"")
+    raise UsageError("must be a share from 0 to 1, or \"off\"")
 
 
 def stream_threshold(value: object) -> str:
@@ -119,7 +120,7 @@ def stream_threshold(value: object) -> str:
         return str(value)
     if value in ("auto", "off"):
         return value
-    raise ValueError("must be a number of tokens (>= 1), \"auto\" or \"off\"")
+    raise UsageError("must be a number of tokens (>= 1), \"auto\" or \"off\"")
 endpoint = matching(ENDPOINT, "ipc://PATH or tcp://HOST:PORT")
 
 
@@ -127,7 +128,7 @@ def daemon_specs(value: object) -> tuple[str, ...]:
     """A list of --daemon values (a [[split]]'s own expert daemons)."""
     if not isinstance(value, list) or not all(isinstance(spec, str) and (DEVICE_PATTERN.match(spec)
                                                                           or ENDPOINT.match(spec)) for spec in value):
-        raise ValueError("must be a list of daemons: cpu, cuda:N, hip:N, ipc://PATH or tcp://HOST:PORT")
+        raise UsageError("must be a list of daemons: cpu, cuda:N, hip:N, ipc://PATH or tcp://HOST:PORT")
     return tuple(value)
 
 
@@ -135,7 +136,7 @@ def api_keys(value: object) -> tuple[str, ...]:
     """A key or a list of keys, as --api-key takes them (the server checks each key's characters)."""
     keys = [value] if isinstance(value, str) else value
     if not isinstance(keys, list) or not keys or not all(isinstance(key, str) and key for key in keys):
-        raise ValueError("must be a key or a list of keys (non-empty strings)")
+        raise UsageError("must be a key or a list of keys (non-empty strings)")
     return tuple(keys)
 
 

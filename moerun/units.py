@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import re
 
+from moerun.errors import UsageError
+
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -13,7 +15,7 @@ def parse_bytes(text: str, flag: str) -> int:
     """'24GiB' -> 25769803776; a ValueError naming `flag` for anything else."""
     match = SIZE.match(text)
     if not match or match[2].lower() not in UNITS:
-        raise ValueError(f"{flag}: cannot read size {text!r} (write e.g. 24GiB, 512MiB, 64GB)")
+        raise UsageError(f"{flag}: cannot read size {text!r} (write e.g. 24GiB, 512MiB, 64GB)")
     return int(float(match[1]) * UNITS[match[2].lower()])
 
 

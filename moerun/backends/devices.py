@@ -9,14 +9,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from moerun.errors import MoerunError, UsageError
+
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda:\d+|hip:\d+)$")
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(MoerunError, RuntimeError):
     """The device named cannot be used here; the message says what is missing."""
 
 
-class GpuError(RuntimeError):
+class GpuError(MoerunError, RuntimeError):
     """A GPU operation failed: a kernel that could not be launched, or an error the device reported
     (an illegal address or instruction in a kernel, memory exhausted). CUDA reports a kernel's fault
     at a later call, so the kernel named may not be the one at fault; CUDA_LAUNCH_BLOCKING=1
@@ -44,7 +46,7 @@ class Device:
 
 def parse_device(name: str) -> Device:
     if not DEVICE_PATTERN.match(name):
-        raise ValueError(f"--device {name!r}: expected cpu, cuda:N or hip:N")
+        raise UsageError(f"--device {name!r}: expected cpu, cuda:N or hip:N")
     platform, _, index = name.partition(":")
     return Device(platform, int(index or 0))
 

@@ -37,6 +37,7 @@ from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
 from moerun.backends.protocol import KV_DTYPES, CacheState, ContextFull, Forward
+from moerun.errors import UsageError
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 
@@ -132,7 +133,7 @@ class GpuBackend:
         shape = spec.delta_net
         if shape is not None and not (shape.key_dim <= MAX_KEY_DIM and shape.value_dim <= 1024
                                       and shape.conv_kernel <= MAX_CONV_WIDTH):
-            raise ValueError(f"{spec.rule.gguf_arch}: the GPU's DeltaNet kernels take key heads of at most "
+            raise UsageError(f"{spec.rule.gguf_arch}: the GPU's DeltaNet kernels take key heads of at most "
                              f"{MAX_KEY_DIM} dims, value heads of at most 1024 and convolutions of at most "
                              f"{MAX_CONV_WIDTH} (this model: {shape})")
         cupy = self.cupy = gpu_module(device)
@@ -144,10 +145,10 @@ class GpuBackend:
         self.kind = device.platform.upper()
         self.spec = spec
         if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"KV cache type {kv_dtype!r}: the GPU backend keeps one of {', '.join(KV_DTYPES)}")
+            raise UsageError(f"KV cache type {kv_dtype!r}: the GPU backend keeps one of {', '.join(KV_DTYPES)}")
         self.kv_dtype = kv_dtype
         if spec.hidden > NORM_BLOCK * NORM_VALUES:
-            raise ValueError(f"hidden size {spec.hidden}: the GPU backend normalises rows of at most "
+            raise UsageError(f"hidden size {spec.hidden}: the GPU backend normalises rows of at most "
                              f"{NORM_BLOCK * NORM_VALUES} values")
         self.kernels = Kernels(cupy)
         self.blas = Blas(cupy)
@@ -165,7 +166,7 @@ class GpuBackend:
         self.inv_freq = cupy.asarray(rope_frequencies(spec.rotary_dims, spec.rope_base))
         self._route_done = cupy.zeros(1, cupy.uint32)        # route_normed's count of finished blocks
         if spec.n_experts > MAX_EXPERTS or spec.n_experts_used > MAX_TOP_K:
-            raise ValueError(f"{spec.n_experts} experts, {spec.n_experts_used} per token: the GPU backend routes "
+            raise UsageError(f"{spec.n_experts} experts, {spec.n_experts_used} per token: the GPU backend routes "
                              f"at most {MAX_EXPERTS} experts, {MAX_TOP_K} per token")
 
     # -- loading

@@ -30,6 +30,7 @@ from moerun.backends.gpu_kernels import (
     stage_stride,
 )
 from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
+from moerun.errors import UsageError
 from moerun.models.spec import ModelSpec
 
 GATE_UP_BLOCK = 512           # threads of the quantized gate/up kernel: 32 rows of 16 threads
@@ -91,7 +92,7 @@ class GpuExperts:
 
     def __init__(self, backend, spec: ModelSpec, layers: dict[int, LayerExperts]):
         if spec.n_experts_used > MAX_TOP_K:
-            raise ValueError(f"the GPU experts sum at most {MAX_TOP_K} experts per token "
+            raise UsageError(f"the GPU experts sum at most {MAX_TOP_K} experts per token "
                              f"(this model routes {spec.n_experts_used})")
         self.backend = backend
         self.spec = spec
@@ -193,7 +194,7 @@ def load_experts(uploader: Uploader, spec: ModelSpec, layer: int, experts: list[
     """One layer's expert stacks: every expert, or only `experts` (stacked in that order)."""
     stacks = [uploader.matrix(name, experts) for name in spec.expert_tensor_names(layer)]
     if not spec.fused_gate_up and stacks[0].kind != stacks[1].kind:
-        raise ValueError(f"layer {layer}: expert gate ({stacks[0].kind}) and up ({stacks[1].kind}) tensors of "
+        raise UsageError(f"layer {layer}: expert gate ({stacks[0].kind}) and up ({stacks[1].kind}) tensors of "
                          "different types are not supported on the GPU")
     return layer_experts(stacks, spec.expert_ff)
 
@@ -216,7 +217,7 @@ class TileLayout:
     def __init__(self, backend, ids: Any, n_experts: int, rows: int):
         cupy = backend.cupy
         if n_experts > MAX_EXPERTS:
-            raise ValueError(f"the GPU prefill lays out at most {MAX_EXPERTS} experts per layer (got {n_experts})")
+            raise UsageError(f"the GPU prefill lays out at most {MAX_EXPERTS} experts per layer (got {n_experts})")
         n_pairs = ids.size
         self.rows = rows
         self.max_tiles = -(-n_pairs // rows) + n_experts

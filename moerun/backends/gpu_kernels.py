@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from moerun.backends.devices import GpuError, is_gpu_error
+from moerun.errors import MoerunError
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 BLOCK = 256                     # threads per block of the row-parallel kernels
@@ -148,7 +149,7 @@ _SCALARS = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint64: ctype
             np.float32: ctypes.c_float, np.float64: ctypes.c_double}
 
 
-class LaunchFailed(RuntimeError):
+class LaunchFailed(MoerunError, RuntimeError):
     """cuLaunchKernelEx returned an error (its name and number)."""
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from moerun.errors import UsageError
 from moerun.gguf.quants import row_nbytes
 from moerun.gguf.reader import GGUFFile
 
@@ -72,7 +73,7 @@ def stored_tensor(gguf: GGUFFile, name: str, experts: list[int] | None,
     shape = (1, *info.shape) if len(info.shape) == 1 else info.shape
     n_experts, rows, cols = (1, *shape) if len(shape) == 2 else shape
     if cols % UNIT:
-        raise ValueError(f"tensor '{name}' has rows of {cols} weights; the GPU kernels need a multiple of {UNIT}")
+        raise UsageError(f"tensor '{name}' has rows of {cols} weights; the GPU kernels need a multiple of {UNIT}")
     kind = KERNEL_TYPES.get(info.ggml_type)
     if kind is None:
         converted.add(info.ggml_type.name)

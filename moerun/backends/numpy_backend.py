@@ -53,6 +53,7 @@ from moerun.backends.numpy_ops import (
     softplus,
 )
 from moerun.backends.protocol import CacheState, ContextFull, Forward
+from moerun.errors import UsageError
 from moerun.gguf.quants import RowTable, T, row_nbytes
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.models.spec import ModelSpec
@@ -371,7 +372,7 @@ class QuantizedExperts:
         weights [P] -> [T, H]"""
         matrices = self.layers[layer]
         if x.ndim != 2 or x.shape[1] != matrices.down.rows:
-            raise ValueError(f"layer {layer}'s experts take rows of {matrices.down.rows} values, not {x.shape[1:]}")
+            raise UsageError(f"layer {layer}'s experts take rows of {matrices.down.rows} values, not {x.shape[1:]}")
         x = np.ascontiguousarray(x, np.float32)
         rows = np.ascontiguousarray(rows, np.int64)
         experts = np.ascontiguousarray(experts, np.int64)
@@ -391,7 +392,7 @@ class QuantizedExperts:
         matrices = self.layers[layer]
         if x.ndim != 2 or x.shape[1] != matrices.down.rows or ids.ndim != 2 or ids.shape != weights.shape \
                 or len(ids) != len(x):
-            raise ValueError(f"layer {layer}'s experts take x [T, {matrices.down.rows}] and ids and weights [T, K], "
+            raise UsageError(f"layer {layer}'s experts take x [T, {matrices.down.rows}] and ids and weights [T, K], "
                              f"not {x.shape}, {ids.shape} and {weights.shape}")
         x = np.ascontiguousarray(x, np.float32)
         ids = np.ascontiguousarray(ids, np.int64)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from moerun.errors import MoerunError
 from moerun.gguf.reader import GGUFFile
 
 Array = Any          # the backend's array: numpy on the CPU, CuPy on a GPU
@@ -21,7 +22,7 @@ Forward = Callable[[Array, Array], Array]     # (ids [T], positions [T]) -> logi
 KV_DTYPES = {"f16": np.float16, "f32": np.float32}   # a GPU's KV cache element types (--kv-dtype); the CPU's is f32
 
 
-class ContextFull(Exception):
+class ContextFull(MoerunError):
     """The sequence would grow past the positions its KV cache was sized for."""
 
     def __init__(self, needed: int, capacity: int):

@@ -184,7 +184,7 @@ class StartedDaemons:
                     continue
                 if time.monotonic() - started[entry.name] > RESTART_MAX_S:
                     delays[entry.name] = RESTART_FIRST_S
-                logger.info(_failure(entry, daemon, f"exited with status {daemon.process.returncode}")
+                logger.warning(_failure(entry, daemon, f"exited with status {daemon.process.returncode}")
                     + f"\nstarting it again in {delays[entry.name]:g} s")
                 if self.stopping.wait(delays[entry.name]):
                     return

@@ -10,15 +10,13 @@ import sys
 import click
 from click.core import ParameterSource
 
-from moerun.backends import BackendUnavailable, GpuError, is_gpu_error
+from moerun.backends import GpuError, is_gpu_error
 from moerun.backends.protocol import KV_DTYPES
 from moerun.config import load_config_file
 from moerun.engine.prefix_cache import PrefixCache
-from moerun.engine.runtime import DEFAULT_UBATCH, RequestError, Runtime
-from moerun.gguf.reader import GGUFError
-from moerun.gguf.tokenizer import TokenizerError
-from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, DaemonError
-from moerun.rig.links import RigError
+from moerun.engine.runtime import DEFAULT_UBATCH, Runtime
+from moerun.errors import MoerunError
+from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES
 from moerun.rig.settings import AUTO, MODES, RIG_TRANSPORTS, STREAM_SLICE_TOKENS, RigConfig, parse_split
 from moerun.units import parse_bytes
 
@@ -38,9 +36,7 @@ def friendly_errors(command):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        # ValueError covers ConfigError, PlacementError, PlanError, HotnessError and bad sizes
-        except (GGUFError, TokenizerError, RequestError, RigError, DaemonError, BackendUnavailable, GpuError,
-                ValueError) as err:
+        except MoerunError as err:
             raise click.ClickException(str(err)) from None
         except BrokenPipeError:
             _quiet_broken_pipe()

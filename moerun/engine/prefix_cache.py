@@ -18,6 +18,7 @@ import numpy as np
 
 from moerun.backends.protocol import CacheState
 from moerun.engine.snapshot_store import Snapshot, SnapshotStore, longest_prefix
+from moerun.errors import UsageError
 
 
 @dataclass
@@ -37,9 +38,9 @@ class PrefixCache:
 
     def __init__(self, slots: int, interval: int, folder: str | Path | None = None, disk_budget: int = 0):
         if slots < 1:
-            raise ValueError(f"a prefix cache needs at least one slot (got {slots})")
+            raise UsageError(f"a prefix cache needs at least one slot (got {slots})")
         if interval < 0:
-            raise ValueError(f"the snapshot interval must be 0 (at turns only) or more (got {interval})")
+            raise UsageError(f"the snapshot interval must be 0 (at turns only) or more (got {interval})")
         self.slots, self.interval = slots, interval
         self.folder, self.disk_budget = folder, disk_budget
         self.store: SnapshotStore | None = None
@@ -101,7 +102,7 @@ class PrefixCache:
     def add(self, tokens: Sequence[int], state: CacheState, logits: np.ndarray) -> None:
         key = tuple(tokens)
         if len(key) != state.length:
-            raise ValueError(f"a snapshot of {state.length} positions given {len(key)} tokens")
+            raise UsageError(f"a snapshot of {state.length} positions given {len(key)} tokens")
         snapshot = Snapshot(key, state, np.array(logits, np.float32).reshape(-1))
         self._keep(snapshot)
         self.stats.snapshots += 1

@@ -25,6 +25,7 @@ from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.engine.snapshot_store import Snapshot
 from moerun.engine.weights import load_weights
+from moerun.errors import MoerunError
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.gguf.tokenizer import Tokenizer, TokenizerError
 from moerun.models import load_spec
@@ -45,7 +46,7 @@ SHORT_REST_STEPS = 4    # a prompt's rest of up to this many captured steps goes
 logger = logging.getLogger(__name__)
 
 
-class RequestError(Exception):
+class RequestError(MoerunError):
     """A request the loaded model cannot serve (prompt too long, bad token id, ...)."""
 
 

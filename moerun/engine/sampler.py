@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moerun.backends.numpy_ops import softmax
+from moerun.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class SamplingParams:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise UsageError(message)
 
     @property
     def greedy(self) -> bool:

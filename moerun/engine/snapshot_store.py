@@ -37,6 +37,7 @@ from typing import TypeVar
 import numpy as np
 
 from moerun.backends.protocol import CacheState
+from moerun.errors import UsageError
 
 MAGIC = b"MOERUNSNAP\0\0"
 VERSION = 2
@@ -79,14 +80,14 @@ class StoredSnapshot:
 class SnapshotStore:
     def __init__(self, folder: str | Path, budget: int, fingerprint: str, layout: str):
         if budget < 1:
-            raise ValueError(f"the prefix cache's disk budget must be at least 1 byte (got {budget})")
+            raise UsageError(f"the prefix cache's disk budget must be at least 1 byte (got {budget})")
         self.key = hashlib.sha256(f"{fingerprint}|{layout}|{VERSION}".encode()).hexdigest()[:32]
         self.folder = Path(folder) / self.key
         self.budget = budget
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise ValueError(f"cannot use {folder} for prefix snapshots: {err.strerror or err}") from None
+            raise UsageError(f"cannot use {folder} for prefix snapshots: {err.strerror or err}") from None
         self.files: dict[tuple[int, ...], StoredSnapshot] = {}
         for path in sorted(self.folder.glob("*.snap")):
             if (stored := self._index(path)) is not None:
@@ -201,15 +202,15 @@ class SnapshotStore:
     def _header(self, preamble: bytes, read) -> dict:
         """The JSON header after `preamble`, read(n) giving its bytes; ValueError if it is not ours."""
         if len(preamble) < PREAMBLE.size:
-            raise ValueError("truncated")
+            raise UsageError("truncated")
         magic, version, length = PREAMBLE.unpack(preamble)
         if magic != MAGIC:
-            raise ValueError("not a moerun prefix snapshot")
+            raise UsageError("not a moerun prefix snapshot")
         if version != VERSION:
-            raise ValueError(f"format version {version}, this moerun writes {VERSION}")
+            raise UsageError(f"format version {version}, this moerun writes {VERSION}")
         header = json.loads(read(length))
         if header.get("key") != self.key:
-            raise ValueError("made for another model or cache layout")
+            raise UsageError("made for another model or cache layout")
         return header
 
     def _encode(self, snapshot: Snapshot) -> list[memoryview]:
@@ -244,7 +245,7 @@ class SnapshotStore:
             else:
                 getattr(state, entry["part"])[int(entry["layer"])] = array
         if logits is None or len(header["tokens"]) != state.length:
-            raise ValueError("incomplete")
+            raise UsageError("incomplete")
         return Snapshot(tuple(header["tokens"]), state, logits)
 
     def _discard(self, path: Path, err: Exception) -> None:
@@ -267,14 +268,14 @@ def read_body(path: Path) -> tuple[memoryview, Callable[[], bool]]:
         fd = file.fileno()
         size = os.fstat(fd).st_size - DIGEST_BYTES
         if size <= PREAMBLE.size:
-            raise ValueError("truncated (shorter than a header and a digest)")
+            raise UsageError("truncated (shorter than a header and a digest)")
         body = memoryview(np.empty(size, np.uint8))
         expected = os.pread(fd, DIGEST_BYTES, size)
 
         def read_block(start: int) -> None:
             block = body[start:start + DIGEST_BLOCK]
             if os.preadv(fd, [block], start) != len(block):
-                raise ValueError("truncated while it was read")
+                raise UsageError("truncated while it was read")
 
         starts = range(0, size, DIGEST_BLOCK)
         list(_hashers().map(read_block, starts))

@@ -11,6 +11,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from moerun.errors import UsageError
+
 T = GGMLQuantizationType
 
 # Types stored one element at a time, viewed with these dtypes. BF16 has no numpy
@@ -31,7 +33,7 @@ def row_nbytes(ggml_type: GGMLQuantizationType, n_elements: int) -> int:
     """Bytes of a row of `n_elements`; ValueError unless the row is a whole number of blocks."""
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     if n_elements % block_size:
-        raise ValueError(
+        raise UsageError(
             f"rows of {n_elements} elements are not a multiple of the "
             f"{ggml_type.name} block size {block_size}"
         )

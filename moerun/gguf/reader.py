@@ -30,6 +30,7 @@ from gguf import (
     GGUFValueType,
 )
 
+from moerun.errors import MoerunError
 from moerun.gguf import quants
 
 MAGIC = b"GGUF"
@@ -64,7 +65,7 @@ _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, one-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
 
 
-class GGUFError(Exception):
+class GGUFError(MoerunError):
     """A GGUF file that cannot be read, or a lookup of something it does not contain."""
 
     def __init__(self, path: str | os.PathLike[str], problem: str):
@@ -228,7 +229,7 @@ class GGUFFile:
         be 2-D and of a type that can be dequantized."""
         raw = self.raw(name)
         if raw.ndim != 2:
-            raise ValueError(f"tensor '{name}' has shape {self.tensors[name].shape}; row lookup needs 2 dimensions")
+            raise GGUFError(self.path, f"tensor '{name}' has shape {self.tensors[name].shape}; row lookup needs 2 dimensions")
         self._dequantize(name, raw[:1])
         return quants.RowTable(raw, self.tensors[name].ggml_type, name)
 

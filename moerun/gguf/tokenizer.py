@@ -25,6 +25,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
+from moerun.errors import MoerunError
+
 # Values of tokenizer.ggml.token_type.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 MATCHED_WHOLE = (UNKNOWN, CONTROL, USER_DEFINED)
@@ -117,11 +119,11 @@ END_OF_GENERATION_TEXTS = frozenset(
 )
 
 
-class TokenizerError(Exception):
+class TokenizerError(MoerunError):
     """The GGUF tokenizer metadata is missing, malformed or of a kind moerun does not read."""
 
 
-class TooManyTokens(Exception):
+class TooManyTokens(MoerunError):
     """Text that encodes to more tokens than the caller allows (``encode(..., max_tokens=N)``)."""
 
     def __init__(self, count: int, limit: int):

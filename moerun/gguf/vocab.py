@@ -7,6 +7,8 @@ import json
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from moerun.errors import UsageError
+
 from .tokenizer import (
     CONTROL,
     NORMAL,
@@ -25,7 +27,7 @@ def byte_level_bpe(corpus: str, vocab_size: int, specials: list[str]) -> Tokeniz
     special added tokens.
     """
     if vocab_size < 256 + len(specials):
-        raise ValueError(f"vocab_size {vocab_size} leaves no room for the 256 bytes and {len(specials)} special tokens")
+        raise UsageError(f"vocab_size {vocab_size} leaves no room for the 256 bytes and {len(specials)} special tokens")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = byte_level_pre_tokenizer(PRE_TOKENIZERS["qwen2"].splits)
     tokenizer.decoder = decoders.ByteLevel()
@@ -47,11 +49,11 @@ def bpe_metadata(tok: Tokenizer, *, pre: str, bos: str | None, eos: str, chat_te
     """
     model = json.loads(tok.to_str())["model"]
     if model["type"] != "BPE":
-        raise ValueError(f"expected a BPE tokenizer, got a {model['type']} one")
+        raise UsageError(f"expected a BPE tokenizer, got a {model['type']} one")
     vocab = tok.get_vocab(with_added_tokens=True)
     for name, text in (("bos", bos), ("eos", eos)):
         if text is not None and text not in vocab:
-            raise ValueError(f"the {name} token {text!r} is not in the vocabulary")
+            raise UsageError(f"the {name} token {text!r} is not in the vocabulary")
 
     n_tokens = max(vocab.values()) + 1
     tokens = [f"[PAD{i}]" for i in range(n_tokens)]

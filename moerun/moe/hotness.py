@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
+from moerun.errors import UsageError
 from moerun.models.spec import ModelSpec
 
 HEADER = ["layer", "expert", "count"]
 
 
-class HotnessError(ValueError):
+class HotnessError(UsageError):
     """A routing-count file that does not fit the model."""
 
 

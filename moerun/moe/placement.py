@@ -14,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
+from moerun.errors import UsageError
 from moerun.models.spec import ModelSpec
 
 PARENT = -1
 FORMAT = "moerun-placement/1"
 
 
-class PlacementError(ValueError):
+class PlacementError(UsageError):
     """A placement that does not fit the model or the rig."""
 
 

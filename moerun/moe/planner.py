@@ -15,6 +15,7 @@ from fractions import Fraction
 import numpy as np
 
 from moerun.backends.protocol import KV_DTYPES
+from moerun.errors import UsageError
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 from moerun.moe.placement import PARENT, Placement
@@ -25,7 +26,7 @@ EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.weig
 UNPLACED = -2
 
 
-class PlanError(ValueError):
+class PlanError(UsageError):
     """The model does not fit the rig as asked; the message names the numbers and the flag to change."""
 
 

@@ -21,6 +21,7 @@ from moerun.backends.numpy_backend import (
     expert_store,
     float32_expert_bytes,
 )
+from moerun.errors import UsageError
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.shm import Arena
 from moerun.models import load_spec
@@ -93,9 +94,9 @@ class ExpertDaemon:
     def _check_assignment(self, experts: dict[int, list[int]]) -> None:
         for layer, ids in experts.items():
             if not 0 <= layer < self.spec.n_layers or not self.spec.moe_layers[layer]:
-                raise ValueError(f"layer {layer} is not a MoE layer of this model")
+                raise UsageError(f"layer {layer} is not a MoE layer of this model")
             if len(set(ids)) != len(ids) or not all(0 <= e < self.spec.n_experts for e in ids):
-                raise ValueError(f"layer {layer}: expert ids must be distinct and in 0..{self.spec.n_experts - 1}")
+                raise UsageError(f"layer {layer}: expert ids must be distinct and in 0..{self.spec.n_experts - 1}")
 
     def compute(self, layer: int, x: np.ndarray, counts: np.ndarray, local_ids: np.ndarray,
                 weights: np.ndarray) -> np.ndarray:
@@ -115,7 +116,7 @@ class ExpertDaemon:
         return out
 
     def forward(self, sequence: int, start: int, x: np.ndarray) -> np.ndarray:
-        raise ValueError("this daemon serves experts; a layer shard is a daemon started with --layers A:B")
+        raise UsageError("this daemon serves experts; a layer shard is a daemon started with --layers A:B")
 
     def _count(self, tokens: int, started: float, pairs: int = 0) -> None:
         """One call served, of `tokens` tokens (and `pairs` pairs where counted), since `started`."""
@@ -136,13 +137,13 @@ class ExpertDaemon:
         of them in the CPU kernels' own loop)."""
         if self.gpu is None:
             if transport == "device":
-                raise ValueError("the device transport needs a GPU daemon; this one computes on the CPU "
+                raise UsageError("the device transport needs a GPU daemon; this one computes on the CPU "
                                  "(use --transport shared)")
             self.arena, self.slot_server = arena, None
             return {}, self._compute_cpu_slot, self._serve_pending
         incoming = header.get("incoming", [])
         if transport == "device" and not valid_handles(incoming, arena.layout.slots):
-            raise ValueError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event "
+            raise UsageError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event "
                              f"handles of {IPC_HANDLE_BYTES} bytes")
         fields = self.gpu.attach(arena, transport, incoming)
         return fields, self._compute_slot, None
@@ -158,7 +159,7 @@ class ExpertDaemon:
             out = self.store.padded_ffn(layer, x, ids.reshape(tokens, per_token), weights.reshape(tokens, per_token),
                                         experts)
         except (ValueError, IndexError) as e:
-            raise ValueError(f"layer {layer}: {e} (this daemon holds {len(experts)} of its experts)") from None
+            raise UsageError(f"layer {layer}: {e} (this daemon holds {len(experts)} of its experts)") from None
         slot.write_result(out)
         self._count(tokens, started)
 

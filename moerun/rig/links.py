@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from moerun.errors import MoerunError
 from moerun.ipc.client import DaemonClient
 from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout, DaemonUnreachable
 from moerun.rig.spawn import LocalDaemon
@@ -18,7 +19,7 @@ from moerun.rig.spawn import LocalDaemon
 DAEMON_FAILURES = (DaemonTimeout, DaemonDied, DaemonError, OSError)
 
 
-class RigError(RuntimeError):
+class RigError(MoerunError, RuntimeError):
     """The rig cannot run as asked (a daemon failed to start, a required daemon failed)."""
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from moerun.backends.devices import DEVICE_PATTERN
 from moerun.backends.protocol import KV_DTYPES
+from moerun.errors import UsageError
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, TRANSPORTS
 from moerun.ipc.sockets import ENDPOINT
 
@@ -20,7 +21,7 @@ MODES = (AUTO, "batched", "stream")
 STREAM_SLICE_TOKENS = 4          # --mode stream: prefill tokens per call per daemon
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A flag or config-file value moerun cannot use; the message names the flag or key."""
 
 

@@ -117,7 +117,7 @@ class LayerShards:
             if link.broken is None and not link.alive():
                 link.broken = "died"
                 link.times_down += 1
-                logger.info(f"layer shard {link.name} died between requests")
+                logger.warning(f"layer shard {link.name} died between requests")
             if link.broken is not None:
                 self._restart(link)
         self.sequence += 1
@@ -168,7 +168,7 @@ class LayerShards:
         except DAEMON_FAILURES as err:
             link.broken = failure_reason(err, self.config.daemon_timeout_s)
             link.times_down += 1
-            logger.info(f"layer shard {link.name} {link.broken}")
+            logger.warning(f"layer shard {link.name} {link.broken}")
             raise ShardFailed(self._failure(link)) from None
 
     def _failure(self, link: ShardLink) -> str:

@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from moerun.errors import UsageError
 from moerun.ipc.processes import pid_alive
 
 PR_SET_PDEATHSIG = 1
@@ -124,7 +125,7 @@ def pinned_device(spec: str, environment: dict[str, str] | None = None) -> tuple
     for name in names:
         visible = [entry.strip() for entry in environment.get(name, "").split(",") if entry.strip()]
         if name in environment and int(number) >= len(visible):
-            raise ValueError(f"{spec}: {name}={environment[name]!r} leaves only {len(visible)} GPU(s) visible")
+            raise UsageError(f"{spec}: {name}={environment[name]!r} leaves only {len(visible)} GPU(s) visible")
         variables[name] = visible[int(number)] if name in environment else number
     return (f"{kind}:0" if number else kind), variables
 

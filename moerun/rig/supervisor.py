@@ -353,7 +353,7 @@ class Rig:
         link.times_down += 1
         then = "--require-daemons is set" if self.config.require_daemons else \
             "the parent computes its experts until it rejoins"
-        logger.info(f"daemon {link.name} {reason}; {then}")
+        logger.warning(f"daemon {link.name} {reason}; {then}")
         link.wake.set()
 
     def check(self) -> None:
@@ -432,7 +432,7 @@ class Rig:
                 if self.closing.is_set():
                     return
                 delay = min(2 * delay, BACKOFF_MAX_S)
-                logger.info(f"daemon {link.name} did not rejoin (next try in {delay:g} s): {err}")
+                logger.warning(f"daemon {link.name} did not rejoin (next try in {delay:g} s): {err}")
 
     def close(self) -> None:
         """Stop the watchers, end the session with every connected daemon, stop the spawned

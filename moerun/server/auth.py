@@ -23,6 +23,7 @@ from pathlib import Path
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from moerun.errors import UsageError
 from moerun.server.schemas import ApiError
 
 KEY = re.compile(r"^[\x21-\x7e]+$")          # visible ASCII: no spaces, no control characters
@@ -48,7 +49,7 @@ def keys_given(api_key: Iterable[str], api_key_file: str | None) -> tuple[str, .
     key file that is missing, unreadable or empty."""
     keys = [key.strip() for value in api_key for key in value.split(",")]
     if not all(KEY.match(key) for key in keys):
-        raise ValueError("--api-key: a key is one or more visible ASCII characters, without spaces; "
+        raise UsageError("--api-key: a key is one or more visible ASCII characters, without spaces; "
                          "several keys are separated by commas")
     if api_key_file is not None:
         keys += read_key_file(Path(api_key_file))
@@ -59,19 +60,19 @@ def read_key_file(path: Path) -> list[str]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as err:
-        raise ValueError(f"--api-key-file {path}: cannot read it: {err.strerror or err}") from None
+        raise UsageError(f"--api-key-file {path}: cannot read it: {err.strerror or err}") from None
     except UnicodeDecodeError:
-        raise ValueError(f"--api-key-file {path}: not UTF-8 text") from None
+        raise UsageError(f"--api-key-file {path}: not UTF-8 text") from None
     keys = []
     for number, line in enumerate(lines, 1):
         key = line.strip()
         if key and not KEY.match(key):
-            raise ValueError(f"--api-key-file {path}, line {number}: a key is visible ASCII characters, "
+            raise UsageError(f"--api-key-file {path}, line {number}: a key is visible ASCII characters, "
                              "without spaces")
         if key:
             keys.append(key)
     if not keys:
-        raise ValueError(f"--api-key-file {path} holds no key: write one key per line")
+        raise UsageError(f"--api-key-file {path} holds no key: write one key per line")
     return keys
 
 
@@ -88,7 +89,7 @@ def is_loopback(host: str) -> bool:
 def refuse_open_listening(host: str, access: Access, insecure: bool) -> None:
     """Raise ValueError when a server without keys would listen beyond this machine, unless insecure."""
     if not access.keys and not insecure and not is_loopback(host):
-        raise ValueError(f"--host {host} is reachable from other machines and the server has no API key: "
+        raise UsageError(f"--host {host} is reachable from other machines and the server has no API key: "
                          "give --api-key KEY or --api-key-file FILE, listen on 127.0.0.1, "
                          "or add --insecure to serve everyone who reaches it")
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moerun.engine.sampler import SamplingParams
+from moerun.errors import MoerunError
 
 MAX_STOP_SEQUENCES = 4
 SEED_MASK = (1 << 64) - 1
@@ -34,7 +35,7 @@ UNSUPPORTED_UNLESS = {
 }
 
 
-class ApiError(Exception):
+class ApiError(MoerunError):
     """A request the server refuses, with the status and OpenAI error body to answer it with."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",

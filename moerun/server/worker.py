@@ -201,7 +201,7 @@ class Worker:
             runtime.tokenizer                  # built here, before handlers read it from other threads
         except Exception as err:
             self.load_error = str(err)
-            logger.info(f"the model failed to load: {err}")
+            logger.error(f"the model failed to load: {err}")
             self._on_load_failure()
             return
         self.metrics.watch(runtime)
@@ -230,7 +230,7 @@ class Worker:
             job.send(Failed(ApiError(503, str(err), type="server_error", code="layer_shard_failed")))
         except Exception as err:
             outcome = "failed"
-            logger.info(f"generation failed:\n{traceback.format_exc()}")
+            logger.error(f"generation failed:\n{traceback.format_exc()}")
             job.send(Failed(ApiError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error")))
         finally:
             self.metrics.running.dec()

@@ -50,6 +50,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
+from moerun.errors import UsageError
 from moerun.gguf.quants import tensor_nbytes
 from moerun.gguf.vocab import bpe_metadata, byte_level_bpe, pad_vocabulary
 from moerun.gguf.writing import write_metadata
@@ -216,7 +217,7 @@ def tensor_plan(shape: BenchShape, mix: QuantMix) -> list[TensorPlan]:
         try:
             tensor_nbytes(ggml_type, dims)
         except ValueError as err:
-            raise ValueError(f"{name} {list(dims)} cannot be stored as {ggml_type.name}: {err}") from None
+            raise UsageError(f"{name} {list(dims)} cannot be stored as {ggml_type.name}: {err}") from None
         plan.append(TensorPlan(name, dims, ggml_type))
     return plan
 
@@ -366,7 +367,7 @@ def random_blocks(ggml_type: GGMLQuantizationType, n_blocks: int, rng: np.random
     """n_blocks random valid blocks of `ggml_type`, uint8 [n_blocks, block bytes]."""
     fill = BLOCK_FILLERS.get(ggml_type)
     if fill is None:
-        raise ValueError(f"no random block writer for {ggml_type.name} (have {', '.join(t.name for t in BLOCK_FILLERS)})")
+        raise UsageError(f"no random block writer for {ggml_type.name} (have {', '.join(t.name for t in BLOCK_FILLERS)})")
     type_size = GGML_QUANT_SIZES[ggml_type][1]
     nbytes = n_blocks * type_size
     words = rng.bit_generator.random_raw(-(-nbytes // 8))      # 64 random bits at a time: the fastest source
@@ -466,7 +467,7 @@ def _append_tensor_data(path: Path, plan: list[TensorPlan], rng: np.random.Gener
 
 def with_layers(shape: BenchShape, n_layers: int) -> BenchShape:
     if n_layers < 1:
-        raise ValueError(f"--layers must be at least 1 (got {n_layers})")
+        raise UsageError(f"--layers must be at least 1 (got {n_layers})")
     return dataclasses.replace(shape, n_layers=n_layers)
 
 

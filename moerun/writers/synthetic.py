@@ -17,6 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from moerun.errors import UsageError
 from moerun.gguf.vocab import bpe_metadata, byte_level_bpe, pad_vocabulary
 from moerun.gguf.writing import write_metadata
 
@@ -59,7 +60,7 @@ def write_synthetic_model(path: str | Path, config: SyntheticConfig, corpus: str
     tensors = _random_tensors(config, vocab, rng)
     if bigram_head:
         if vocab > config.hidden:
-            raise ValueError(f"a bigram head needs vocab ({vocab}) <= hidden ({config.hidden})")
+            raise UsageError(f"a bigram head needs vocab ({vocab}) <= hidden ({config.hidden})")
         ids = tokenizer.encode(corpus).ids
         tensors["token_embd.weight"], tensors["output.weight"] = _bigram_head(ids, vocab, config.hidden)
 

@@ -267,7 +267,7 @@ def test_row_table_lookups(model_path):
             f.row_table("token_embd.weight").lookup([16])
         with pytest.raises(IndexError):
             f.row_table("token_embd.weight").lookup([-1])
-        with pytest.raises(ValueError):
+        with pytest.raises(GGUFError, match="row lookup needs 2 dimensions"):
             f.row_table("blk.0.ffn_gate_exps.weight")
 
 

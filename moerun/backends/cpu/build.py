@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from moerun.errors import MoerunError
 from moerun.paths import cache_dir
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
@@ -34,7 +35,7 @@ AVX512 = (*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl")
 logger = logging.getLogger(__name__)
 
 
-class KernelsUnavailable(Exception):
+class KernelsUnavailable(MoerunError):
     """The kernels cannot be built or loaded here; the message says why."""
 
 

@@ -22,6 +22,7 @@ from ctypes import POINTER, c_char, c_char_p, c_float, c_int, c_int64, c_void_p
 import numpy as np
 
 from moerun.backends.cpu.build import KernelsUnavailable, library_path
+from moerun.errors import UsageError
 from moerun.gguf.quants import T
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class CpuKernels:
 
     def use_isa(self, name: str) -> None:
         if not self.lib.moe_use_isa(name.encode()):
-            raise ValueError(f"instruction set {name!r} is not usable here (usable: {', '.join(self.isas())})")
+            raise UsageError(f"instruction set {name!r} is not usable here (usable: {', '.join(self.isas())})")
 
     def supports(self, ggml_type: int) -> bool:
         return bool(self.lib.moe_supports_type(int(ggml_type)))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moerun.backends.gpu_constants import UNIT, defines
 from moerun.backends.gpu_experts import DOWN_WARPS, GATE_UP_BLOCK
 from moerun.backends.gpu_kernels import (
     KERNEL_DIR,
@@ -25,7 +26,6 @@ from moerun.backends.gpu_kernels import (
     stage_stride,
 )
 
-UNIT = 32
 CALLS = 96
 LAYERS = 12
 ROW_BYTES = {"q8_0": (34, 32), "q4_k": (144, 256), "q5_k": (176, 256), "q6_k": (210, 256)}   # bytes per block of values
@@ -67,8 +67,8 @@ def main() -> None:
 
     hidden, ffn, n_experts, top_k = args.hidden, args.ffn, args.experts, args.top_k
     trees = args.kernels or [KERNEL_DIR]
-    modules = [cupy.RawModule(code=(tree / "moerun.cu").read_text(), options=("-std=c++17", f"-I{tree.resolve()}"))
-               for tree in trees]
+    modules = [cupy.RawModule(code=(tree / "moerun.cu").read_text(),
+                              options=("-std=c++17", f"-I{tree.resolve()}", *defines())) for tree in trees]
     stream = cupy.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
     x = cupy.asarray(rng.standard_normal((1, hidden)).astype(np.float32))                  # [1, H]

@@ -21,19 +21,30 @@ import numpy as np
 
 from moerun.backends.devices import Device, gpu_module
 from moerun.backends.gpu_blas import Blas
+from moerun.backends.gpu_constants import (
+    DELTA_COLUMNS,
+    DELTA_GROUPS,
+    MAX_CONV_WIDTH,
+    MAX_EXPERTS,
+    MAX_GEMV_TOKENS,
+    MAX_KEY_DIM,
+    MAX_TOP_K,
+    NORM_VALUES,
+    ROUTE_VALUES,
+    UNIT,
+)
 from moerun.backends.gpu_experts import GpuExperts, load_experts
 from moerun.backends.gpu_graphs import GraphCache
 from moerun.backends.gpu_kernels import (
     BLOCK,
     INT_KINDS,
-    MAX_GEMV_TOKENS,
     NULL,
     UNITS_PER_LANE,
     Kernels,
     pointer,
     stage_stride,
 )
-from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
+from moerun.backends.gpu_weights import DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
 from moerun.backends.protocol import KV_DTYPES, CacheState, ContextFull, Forward
@@ -42,18 +53,13 @@ from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 
 NORM_BLOCK = 1024              # threads per row of rms_norm
-NORM_VALUES = 8                # values each of them holds (NORM_VALUES in layers.cu): rows of at most 8192
 FEW_ROWS = 512                 # a float matrix of at most this many rows (a router) gets a block per row
 FEW_ROWS_THREADS = 64          # threads of each of those blocks
 ROUTE_THREADS = 128            # threads of each block of route_normed (a router row; the last ranks the experts) ...
-ROUTE_VALUES = 16              # ... each taking this many hidden values, at most (ROUTE_VALUES in route.cu)
-MAX_EXPERTS, MAX_TOP_K = 1024, 32   # most experts and experts per token routing takes (route.cu)
 NORMED_VALUES = 8              # values of a row each thread converts when q/k/v fold the norm (q8_dot.cuh) ...
 NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
 COPY_DEFAULT = 4               # cudaMemcpyDefault: the runtime infers the direction from the addresses
-MAX_KEY_DIM, MAX_CONV_WIDTH = 128, 8     # a DeltaNet's key heads and convolution (delta_net.cu)
-DELTA_COLUMNS, DELTA_GROUPS = 32, 8     # delta_rule's block: value columns x groups of state rows
 
 
 def i32(value: int) -> np.int32:

@@ -19,27 +19,24 @@ from typing import Any
 
 import numpy as np
 
+from moerun.backends.gpu_constants import MAX_EXPERTS, MAX_GEMV_TOKENS, MAX_TOP_K, MM_THREADS, UNIT
 from moerun.backends.gpu_kernels import (
     BLOCK,
     FULL_OCCUPANCY_BYTES,
     INT_KINDS,
-    MAX_GEMV_TOKENS,
     UNITS_PER_LANE,
     pointer,
     row_group,
     stage_stride,
 )
-from moerun.backends.gpu_weights import UNIT, DeviceMatrix, Uploader
+from moerun.backends.gpu_weights import DeviceMatrix, Uploader
 from moerun.errors import UsageError
 from moerun.models.spec import ModelSpec
 
 GATE_UP_BLOCK = 512           # threads of the quantized gate/up kernel: 32 rows of 16 threads
 DOWN_WARPS = 8                # most warps of the quantized down kernel (one per expert slot)
-MAX_TOP_K = 32                # DOWN_SLOTS in gemv_q8.cu
 TILE_SHAPES = {32: 64, 64: 64, 128: 32}   # rows per tile of an expert's tokens -> output columns per
                                           # block of its products (TileShape in moe_mm.cu)
-MM_THREADS = 128              # threads per block of the tile products (moe_mm.cu)
-MAX_EXPERTS = 1024            # MAX_EXPERTS in moe_prefill.cu
 
 
 @dataclass

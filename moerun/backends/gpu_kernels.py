@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from moerun.backends.devices import GpuError, is_gpu_error
+from moerun.backends.gpu_constants import defines
 from moerun.errors import MoerunError
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 BLOCK = 256                     # threads per block of the row-parallel kernels
-MAX_GEMV_TOKENS = 8             # MAX_TOKENS in common.cuh
 INT_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # FOR_EACH_INT_TYPE, in its order
 UNITS_PER_LANE = 2              # weight units each thread of an integer GEMV reads at least (loads in flight)
 ROW_GROUP = 32                  # most threads sharing one output row (a power of two, <= 32)
@@ -40,7 +40,7 @@ def pointer(array: Any | None) -> Any:
 class Kernels:
     def __init__(self, cupy):
         self.cupy = cupy
-        self.module = cupy.RawModule(code=kernel_source(), options=("-std=c++17", f"-I{KERNEL_DIR}"))
+        self.module = cupy.RawModule(code=kernel_source(), options=("-std=c++17", f"-I{KERNEL_DIR}", *defines()))
         self._functions: dict[str, Any] = {}
         self._waves: dict[str, int] = {}
         self._dependent = DependentLauncher.for_device(cupy)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from moerun.backends.gpu_constants import UNIT
 from moerun.errors import UsageError
 from moerun.gguf.quants import row_nbytes
 from moerun.gguf.reader import GGUFFile
@@ -23,7 +24,6 @@ from moerun.gguf.reader import GGUFFile
 T = GGMLQuantizationType
 KERNEL_TYPES = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q8_0: "q8_0", T.Q4_0: "q4_0", T.Q4_1: "q4_1",
                 T.Q5_0: "q5_0", T.Q5_1: "q5_1", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k"}
-UNIT = 32                       # weights per kernel work unit: rows must hold a whole number
 STAGING_BYTES = 64 << 20        # each of the two pinned buffers
 
 logger = logging.getLogger(__name__)

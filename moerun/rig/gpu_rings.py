@@ -21,13 +21,13 @@ import time
 
 import numpy as np
 
+from moerun.backends.gpu_constants import DAEMON_WORDS
 from moerun.backends.gpu_graphs import StepRetry
 from moerun.ipc import protocol as p
 from moerun.ipc import shm
 from moerun.ipc.protocol import ProtocolError
 from moerun.rig.gpu_channels import ArenaChannel, RemoteCall
 
-DAEMON_WORDS = 4               # per daemon: request ids, failures, wait ns, compute ns (remote.cu)
 IDS, FAILURES, WAIT_NS, COMPUTE_NS = range(DAEMON_WORDS)
 LIVENESS_EVERY_S = 0.001       # how often a finishing step looks at the daemons' processes
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from moerun.backends.gpu_constants import defines
 from moerun.backends.gpu_experts import TILE_SHAPES
 from moerun.backends.gpu_kernels import INT_KINDS, KERNEL_DIR
 from moerun.backends.gpu_weights import KERNEL_TYPES
@@ -42,7 +43,7 @@ def compile_kernels(command: list[str], output: Path, env: dict | None = None) -
     scratch = output.parent / "scratch"
     scratch.mkdir()
     before = compiler_leftovers()
-    result = subprocess.run([*command, "-c", str(KERNEL_DIR / "moerun.cu"), "-o", str(output)],
+    result = subprocess.run([*command, *defines(), "-c", str(KERNEL_DIR / "moerun.cu"), "-o", str(output)],
                             capture_output=True, text=True, timeout=900,
                             env={**(env or os.environ), "TMPDIR": str(scratch)})
     assert compiler_leftovers() <= before, "the compile left files in /tmp"

@@ -24,3 +24,21 @@ def test_a_file_outside_the_tree_kinds_does_not(tmp_path):
     before = kernel_source(tree)
     (tree / "notes.txt").write_text("not a kernel source")
     assert kernel_source(tree) == before
+
+
+def test_the_shared_numbers_come_from_one_table():
+    """Every number the launching Python and the kernels share is written once, in gpu_constants:
+    no kernel source defines one, and common.cuh stops a build that lacks any of them."""
+    import re
+
+    from moerun.backends.gpu_constants import SHARED, defines
+    sources = {path.name: path.read_text() for path in KERNEL_DIR.iterdir() if path.suffix in (".cu", ".cuh")}
+    defined = {(name, file) for file, text in sources.items() for name in SHARED
+               if re.search(rf"^\s*#define\s+{name}\b", text, re.M)}
+    assert defined == set()
+    guard = re.search(r"#if (!defined.*?)\n#error", sources["common.cuh"], re.S).group(1)
+    assert sorted(re.findall(r"!defined\((\w+)\)", guard)) == sorted(SHARED)
+    used = {name for name in SHARED if any(re.search(rf"\b{name}\b", text) for file, text in sources.items()
+                                            if file != "common.cuh")}
+    assert used == set(SHARED)
+    assert len(defines()) == len(SHARED) and all(re.fullmatch(r"-D\w+=\d+", option) for option in defines())

@@ -4,6 +4,14 @@
 // wave64) or go through shared memory.
 #pragma once
 
+// The numbers the launching Python agrees on (UNIT, MAX_GEMV_TOKENS, MAX_EXPERTS, MAX_TOP_K, ...) come
+// as -D defines from moerun/backends/gpu_constants.py, the one place they are written.
+#if !defined(UNIT) || !defined(MAX_GEMV_TOKENS) || !defined(MAX_EXPERTS) || !defined(MAX_TOP_K) || \
+    !defined(ROUTE_VALUES) || !defined(NORM_VALUES) || !defined(MM_THREADS) || !defined(DAEMON_WORDS) || \
+    !defined(MAX_KEY_DIM) || !defined(MAX_CONV_WIDTH) || !defined(DELTA_COLUMNS) || !defined(DELTA_GROUPS)
+#error "build the kernels with the defines of moerun/backends/gpu_constants.py (defines())"
+#endif
+
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
 #ifndef __HIPCC_RTC__
 #include <hip/hip_runtime.h>
@@ -33,7 +41,6 @@ __device__ __forceinline__ void wait_for_previous_grid() {
 }
 
 #define NEG_INF (__int_as_float(0xff800000))
-#define MAX_TOKENS 8      // most tokens one GEMV launch carries
 
 __device__ __forceinline__ float half_bits_to_float(u16 bits) {
     __half h;

@@ -6,9 +6,6 @@
 // Shape legend: T tokens, C channels (2·HK·DK + HV·DV), W conv kernel, HK/HV key/value heads,
 // DK/DV their dims.
 
-#define MAX_CONV_WIDTH 8
-#define MAX_KEY_DIM 128
-
 // Channel c of the convolution's window at `row` of x [T, C]; rows before x (row < 0) are the
 // state's [W-1, C] last ones.
 __device__ __forceinline__ float window_value(const float* __restrict__ x, const float* __restrict__ state, int row,
@@ -74,8 +71,6 @@ extern "C" __global__ void delta_prepare(float* __restrict__ mixed, const float*
 }
 
 #define DELTA_TILE 16                                       // tokens a block stages at once
-#define DELTA_COLUMNS 32                                    // value columns a block keeps
-#define DELTA_GROUPS 8                                      // groups of state rows over a column
 #define DELTA_ROWS (MAX_KEY_DIM / DELTA_GROUPS)             // the most rows a thread keeps
 
 // One block per value head h and DELTA_COLUMNS of its value columns (grid (HV, ceil(DV / 32)),

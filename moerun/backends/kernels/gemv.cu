@@ -1,5 +1,5 @@
 // Decode-time products: dense GEMV and the routed-expert GEMVs.
-// Shape legend: T tokens (<= MAX_TOKENS), K_in input features, N output rows,
+// Shape legend: T tokens (<= MAX_GEMV_TOKENS), K_in input features, N output rows,
 // H hidden, F expert FFN width, P routed (token, expert) pairs = T * top_k.
 #include "matvec.cuh"
 #include "staging.cuh"
@@ -16,12 +16,12 @@
         Activations xs = stage_activations(x, n_tokens, in_features, stage);                               \
         int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
         int lane = threadIdx.x % group;                                                                    \
-        float acc[MAX_TOKENS];                                                                             \
-        for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;                                                 \
+        float acc[MAX_GEMV_TOKENS];                                                                             \
+        for (int t = 0; t < MAX_GEMV_TOKENS; t++) acc[t] = 0.f;                                                 \
         if (row < out_features)                                                                            \
             accumulate_row<dequant_unit_##TYPE>(weight + row * row_bytes, in_features / UNIT, xs, 0,      \
                                                 n_tokens, lane, group, acc);                              \
-        for (int t = 0; t < MAX_TOKENS; t++) {                                                             \
+        for (int t = 0; t < MAX_GEMV_TOKENS; t++) {                                                             \
             if (t >= n_tokens) break;                                                                      \
             float total = group_sum(acc[t], group);                                                        \
             if (lane == 0 && row < out_features)                                                           \
@@ -43,8 +43,8 @@
         stage_rows(weight + row * row_bytes, row_bytes, stride, 0, threadIdx.x, blockDim.x);              \
         wait_for_previous_grid();                                                                         \
         const u8* staged = staged_rows(weight + row * row_bytes, stride, 0);                              \
-        float acc[MAX_TOKENS];                                                                            \
-        for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.f;                                                \
+        float acc[MAX_GEMV_TOKENS];                                                                            \
+        for (int t = 0; t < MAX_GEMV_TOKENS; t++) acc[t] = 0.f;                                                \
         accumulate_row<dequant_unit_##TYPE>(staged, in_features / UNIT,                                   \
                                             {x, in_features, UNIT}, 0, n_tokens, threadIdx.x, blockDim.x, \
                                             acc);                                                         \
@@ -72,7 +72,7 @@
         Activations xt = stage_activations(x + (long long)(pair / top_k) * hidden, 1, hidden, stage);      \
         int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
         int lane = threadIdx.x % group;                                                                    \
-        float g[MAX_TOKENS] = {0.f}, u[MAX_TOKENS] = {0.f};                                                \
+        float g[MAX_GEMV_TOKENS] = {0.f}, u[MAX_GEMV_TOKENS] = {0.f};                                                \
         if (row < ffn) {                                                                                   \
             long long offset = expert * expert_bytes + row * row_bytes;                                    \
             accumulate_row<dequant_unit_##TYPE>(gate + offset, hidden / UNIT, xt, 0, 1, lane, group, g);  \
@@ -105,7 +105,7 @@
                 int pair = token * top_k + k;                                                              \
                 int expert = ids[pair];                                                                    \
                 if (expert < 0) continue;                                                                  \
-                float part[MAX_TOKENS] = {0.f};                                                            \
+                float part[MAX_GEMV_TOKENS] = {0.f};                                                            \
                 accumulate_row<dequant_unit_##TYPE>(down + expert * expert_bytes + row * row_bytes,       \
                                                     ffn / UNIT, acts, k, 1, lane, group, part);            \
                 acc += weights[pair] * part[0];                                                            \

@@ -1,12 +1,10 @@
 // Decode-time products over quantized weights with activations in 8-bit planes (q8_dot.cuh):
 // the activations are quantized once per input, every weight unit is read once and
-// dotted with up to MAX_TOKENS token rows through dp4a.
-// Shape legend: T tokens (<= MAX_TOKENS), K_in input features, N output rows,
+// dotted with up to MAX_GEMV_TOKENS token rows through dp4a.
+// Shape legend: T tokens (<= MAX_GEMV_TOKENS), K_in input features, N output rows,
 // H hidden, F expert FFN width, P routed (token, expert) pairs = T * top_k, U units of 32.
 #include "q8_dot.cuh"
 #include "staging.cuh"
-
-#define DOWN_SLOTS 32          // most experts per token the down kernel sums
 
 // x [n, 32·units] f32 -> q int8 [n, 64·units] (per unit: plane a, plane b), ds [n·units] = (d, sx).
 // One thread per unit.
@@ -26,14 +24,14 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, long long n_
 template <IntUnitLoader Load, int R>
 __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int units, Q8Activations x,
                                                    long long first, int token_units, int n_tokens, int lane,
-                                                   int group, float (*acc)[MAX_TOKENS]) {
+                                                   int group, float (*acc)[MAX_GEMV_TOKENS]) {
 #pragma unroll 2
     for (int u = lane; u < units; u += group) {
         IntUnit w[R];
 #pragma unroll
         for (int r = 0; r < R; r++) Load(rows[r], u, w[r]);
 #pragma unroll
-        for (int t = 0; t < MAX_TOKENS; t++) {
+        for (int t = 0; t < MAX_GEMV_TOKENS; t++) {
             if (t < n_tokens) {
                 ActUnit a = load_act_unit(x, first + (long long)t * token_units + u);
 #pragma unroll
@@ -59,12 +57,12 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
         stage_rows(src, valid ? (pair ? 2 : 1) * row_bytes : 0, stride, threadIdx.x / group, lane, group); \
         wait_for_previous_grid();                                                                          \
         const u8* first = staged_rows(src, stride, threadIdx.x / group);                                   \
-        float acc[2][MAX_TOKENS] = {{0.f}};                                                                \
+        float acc[2][MAX_GEMV_TOKENS] = {{0.f}};                                                                \
         if (valid) {                                                                                       \
             const u8* rows[2] = {first, first + (pair ? row_bytes : 0)};                                   \
             accumulate_rows_q8<int_unit_##TYPE, 2>(rows, units, {xq, xds}, 0, units, n_tokens, lane, group, acc); \
         }                                                                                                  \
-        for (int t = 0; t < MAX_TOKENS; t++) {                                                             \
+        for (int t = 0; t < MAX_GEMV_TOKENS; t++) {                                                             \
             if (t >= n_tokens) break;                                                                      \
             for (int r = 0; r < 2; r++) {                                                                  \
                 float total = group_sum(acc[r][t], group);                                                 \
@@ -90,7 +88,7 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
         int group = blockDim.x / UNIT, local_row = threadIdx.x / group, lane = threadIdx.x % group;        \
         int row = blockIdx.x * UNIT + local_row, units = hidden / UNIT;                                    \
         long long offset = expert * expert_bytes + row * row_bytes, first = (long long)(pair / top_k) * units; \
-        float acc[2][MAX_TOKENS] = {{0.f}};                                                                \
+        float acc[2][MAX_GEMV_TOKENS] = {{0.f}};                                                                \
         const u8* rows[2] = {gate + offset, up + offset};                                                  \
         accumulate_rows_q8<int_unit_##TYPE, 2>(rows, units, {xq, xds}, first, 0, 1, lane, group, acc);      \
         float gate_sum = group_sum(acc[0][0], group), up_sum = group_sum(acc[1][0], group);                \
@@ -113,7 +111,7 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
             const int4* __restrict__ aq, const float2* __restrict__ ads, int ffn,                          \
             const int* __restrict__ ids, const float* __restrict__ weights, int top_k,                     \
             float* __restrict__ out, const float* __restrict__ residual, int hidden, int stride, int group) { \
-        __shared__ float partial[DOWN_SLOTS][32];                                                          \
+        __shared__ float partial[MAX_TOP_K][32];                                                          \
         int rows = 32 / group, token = blockIdx.y;                                                         \
         int warp = threadIdx.x / 32, local_row = (threadIdx.x % 32) / group, lane = threadIdx.x % group;   \
         int row = blockIdx.x * rows + local_row, units = ffn / UNIT;                                       \
@@ -125,7 +123,7 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
         first_rows = staged_rows(first_rows, stride, warp);                                                \
         for (int k = warp; k < top_k; k += blockDim.x / 32) {                                              \
             int pair = token * top_k + k, expert = ids[pair];                                              \
-            float acc[1][MAX_TOKENS] = {{0.f}};                                                            \
+            float acc[1][MAX_GEMV_TOKENS] = {{0.f}};                                                            \
             const u8* rows[1] = {k == warp ? first_rows + local_row * row_bytes                            \
                                            : down + expert * expert_bytes + row * row_bytes};              \
             if (expert >= 0 && row < hidden)                                                               \
@@ -156,7 +154,7 @@ FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
 // memory after the staged rows (normed_planes; K_in <= 8 · blockDim.x): no norm kernel before this
 // one. Unused matrices have 0 rows.
 __device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* const* row, int units, Q8Activations x,
-                                                       int n_tokens, int lane, int group, float (*acc)[MAX_TOKENS]) {
+                                                       int n_tokens, int lane, int group, float (*acc)[MAX_GEMV_TOKENS]) {
     switch (kind) {
         case 0: accumulate_rows_q8<int_unit_q8_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
         case 1: accumulate_rows_q8<int_unit_q4_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
@@ -200,10 +198,10 @@ extern "C" __global__ void gemv_q8_three(
         normed_planes(x, norm, in_features, n_tokens, eps, planes, scales, scratch);
         acts = {planes, scales};
     }
-    float acc[1][MAX_TOKENS] = {{0.f}};
+    float acc[1][MAX_GEMV_TOKENS] = {{0.f}};
     const u8* row_data[1] = {staged_rows(weight + row * row_bytes, stride, threadIdx.x / group)};
     if (valid) accumulate_row_of_kind(kind, row_data, units, acts, n_tokens, lane, group, acc);
-    for (int t = 0; t < MAX_TOKENS; t++) {
+    for (int t = 0; t < MAX_GEMV_TOKENS; t++) {
         if (t >= n_tokens) break;
         float total = group_sum(acc[0][t], group);
         if (lane == 0 && valid) y[t * rows + row] = total;

@@ -4,8 +4,6 @@
 #include "q8_dot.cuh"
 #include "staging.cuh"
 
-#define NORM_VALUES 8           // values of a row each rms_norm thread holds
-
 // out[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * weight, and in 8-bit planes (q8_dot.cuh)
 // into q, ds when q is given (width a multiple of 32: each warp holds whole units).
 // One block per row; each thread holds NORM_VALUES values of it (width <= NORM_VALUES · blockDim).

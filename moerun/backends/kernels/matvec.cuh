@@ -1,6 +1,6 @@
 // Row-times-vector building block shared by the dense and expert GEMVs: a group of
 // `group` threads walks one weight row unit by unit, dequantizing each unit once
-// and dotting it with up to MAX_TOKENS activation rows.
+// and dotting it with up to MAX_GEMV_TOKENS activation rows.
 //
 // Each lane reads its unit's 32 activations; read straight from global memory,
 // a warp's lanes would touch 32 different cache lines per load. So the block first
@@ -43,7 +43,7 @@ __device__ __forceinline__ void accumulate_row(const u8* row, int units, Activat
         float v[UNIT];
         Dequant(row, u, v);
 #pragma unroll
-        for (int t = 0; t < MAX_TOKENS; t++) {
+        for (int t = 0; t < MAX_GEMV_TOKENS; t++) {
             if (t < n_tokens) {
                 const float4* xs = reinterpret_cast<const float4*>(
                     x.base + (first_row + t) * x.row_stride + u * x.unit_stride);

@@ -12,7 +12,7 @@
 // Shape legend: R rows of the tiles, K shared width, N output columns (weight rows).
 #include "quant_blocks.cuh"
 
-#define MM_THREADS 128                // four warps; MM_THREADS in gpu_experts.py
+static_assert(MM_THREADS == 128, "the tile shapes are laid out for four warps");
 
 template <int Rows> struct TileShape;
 template <> struct TileShape<32> { static constexpr int cols = 64, depth = 128; };

@@ -4,8 +4,6 @@
 // Shape legend: P routed pairs, E experts, R rows (each expert's pairs, padded to tiles).
 #include "common.cuh"
 
-#define MAX_EXPERTS 1024
-
 // One block: count the pairs per expert (ids < 0 are empty slots), give expert e whole
 // tiles of `tile` rows from row_start[e] (tile t belongs to tile_expert[t] from row
 // tile_row[t]; tiles past the last are -1), then place pair p (token p / top_k) in the

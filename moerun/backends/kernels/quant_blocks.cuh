@@ -4,8 +4,6 @@
 #pragma once
 #include "common.cuh"
 
-#define UNIT 32
-
 // The float of an integer 0 <= q < 2^23 minus `bias`, without the slow conversion
 // unit: 2^23 + q has q in its mantissa bits, so one OR and one subtraction suffice.
 __device__ __forceinline__ float biased_float(u32 q, float bias) {

@@ -122,7 +122,6 @@ extern "C" __global__ void add_reply_rows(float* __restrict__ out, const float* 
 #define SLOT_REPLY_HEADER 2048
 #define OP_COMPUTE_PADDED 4
 #define OP_RESULT 2
-#define DAEMON_WORDS 4
 
 // One thread: the COMPUTE header of a padded request (its frames are in the slot already,
 // written by pack_remote before this), then the slot's request sequence word, which the

@@ -1,12 +1,9 @@
 // Routing: softmax over a token's E router logits, its K most probable experts and their
 // weights; and a decode step's whole router in one launch (norm, router product, top-K).
-// Shape legend: T tokens (<= MAX_TOKENS), H hidden, E experts, K experts per token.
+// Shape legend: T tokens (<= MAX_GEMV_TOKENS), H hidden, E experts, K experts per token.
 #include "matvec.cuh"
 #include "q8_dot.cuh"
 #include "staging.cuh"
-
-#define MAX_EXPERTS 1024
-#define MAX_TOP_K 32
 
 // One token's logits [E] -> ids [K] (ties to the lower id) and their probabilities, renormalised
 // to sum 1 when asked, by the whole block. An expert's rank is the number of experts more
@@ -72,7 +69,6 @@ __device__ __forceinline__ float float_value_bf16(const u8* row, int i) {
 // values i, i + blockDim.x, ...: one pass sums both x² and router · norm · x, so a logit is
 // (Σ router · norm · x) / rms after one block reduction. The last block to count itself in `done`
 // (which it sets back to 0) ranks the experts; meanwhile the blocks write h's units, one a thread.
-#define ROUTE_VALUES 16
 #define DEFINE_ROUTE_NORMED(TYPE)                                                                          \
     extern "C" __global__ void route_normed_##TYPE(                                                        \
             const float* __restrict__ x, const float* __restrict__ norm, float eps, int hidden, int n_tokens, \
@@ -80,8 +76,8 @@ __device__ __forceinline__ float float_value_bf16(const u8* row, int i) {
             int n_experts, int top_k, int renormalize, float* __restrict__ h, int4* __restrict__ hq,       \
             float2* __restrict__ hds, unsigned* __restrict__ done, int* __restrict__ ids,                  \
             float* __restrict__ weights) {                                                                 \
-        __shared__ float partial[2][MAX_TOKENS][32];       /* x², router · norm · x: per token, per warp */ \
-        __shared__ float inv[MAX_TOKENS];                                                                  \
+        __shared__ float partial[2][MAX_GEMV_TOKENS][32];       /* x², router · norm · x: per token, per warp */ \
+        __shared__ float inv[MAX_GEMV_TOKENS];                                                                  \
         __shared__ bool last;                                                                              \
         int expert = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;                         \
         stage_rows(router + expert * row_bytes, row_bytes, stride, 0, threadIdx.x, blockDim.x);            \

@@ -10,14 +10,13 @@ import signal
 import threading
 import time
 
+from moerun import log
+from moerun.daemons.shard import LayerShard
 from moerun.ipc.curve import server_keys_for
 from moerun.ipc.processes import pid_alive
 from moerun.ipc.server import Server
-
-from moerun import log
 from moerun.rig.cores import format_cpus, restrict_to_node
 from moerun.rig.daemon_handler import ExpertDaemon
-from moerun.daemons.shard import LayerShard
 from moerun.rig.settings import RigConfig
 from moerun.rig.spawn import remove_orphaned_run_dir
 

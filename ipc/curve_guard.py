@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 
 import zmq
-from moerun.ipc.curve import CurveServerKeys, set_server_keys
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
+
+from moerun.ipc.curve import CurveServerKeys, set_server_keys
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 REPEAT_WINDOW_S = 60.0        # the same refusal from the same host is logged once a minute

@@ -24,11 +24,12 @@ from __future__ import annotations
 import os
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
+
 from moerun.ipc import protocol as p
 from moerun.ipc.curve import MAKE_KEYS_HINT, CurveClientKeys
 from moerun.ipc.protocol import DaemonError, DaemonUnreachable
 from moerun.ipc.sockets import ipc_path
-from zmq.utils.monitor import recv_monitor_message
 
 MONITORED = (zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
              | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 import zmq
+
 from moerun.ipc import protocol as p
 from moerun.ipc import shm
 from moerun.ipc.curve import CurveServerKeys

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
 from moerun.ipc import protocol as p
 from moerun.ipc import shm
 from moerun.ipc.doorbell import fence

@@ -26,6 +26,7 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+
 from moerun.ipc import protocol as p
 from moerun.ipc.doorbell import Doorbell, FutexUnavailable, require_futex
 from moerun.ipc.processes import pid_alive

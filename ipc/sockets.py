@@ -14,6 +14,7 @@ import socket
 import stat
 
 import zmq
+
 from moerun.ipc.curve import CurveClientKeys, require_keys_if_exposed, set_client_keys
 from moerun.ipc.curve_guard import CurveGuard
 

@@ -12,10 +12,10 @@ experts (K; a CPU daemon beside a GPU parent gets about half of them) drawn anew
 their weights come from memory, as a decode step's do), the median step and the weight bytes it
 read per second. A CPU with a large L3 (300 MiB on some servers) keeps much of one layer's
 experts (392 MiB for Q4_K/Q6_K): `--layers N` makes N layers of experts and takes them in turn,
-as a decode step does, so that a layer's weights come from memory. `--gap-us` waits (spinning, as a daemon's serving thread does) between steps,
-as a daemon does between a decode step's layers. Prefill: 512 tokens routed uniformly (about 32
-per expert), the best of 3 runs. Weights are random bytes with valid scales: speed does not
-depend on the values.
+as a decode step does, so that a layer's weights come from memory. `--gap-us` waits (spinning, as a
+daemon's serving thread does) between steps, as a daemon does between a decode step's layers.
+Prefill: 512 tokens routed uniformly (about 32 per expert), the best of 3 runs. Weights are random
+bytes with valid scales: speed does not depend on the values.
 """
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from moerun.ipc.client import DaemonClient
 
 from moerun.gguf.reader import GGUFFile
+from moerun.ipc.client import DaemonClient
 from moerun.models import load_spec
 
 SLOTS_PER_TOKEN = 8

@@ -12,9 +12,9 @@ import tempfile
 import time
 
 import numpy as np
-from moerun.ipc.client import DaemonClient
 
 from moerun.gguf.reader import GGUFFile
+from moerun.ipc.client import DaemonClient
 from moerun.models import load_spec
 
 path, mode = sys.argv[1], sys.argv[2]          # mode: cold | cold-noprefetch | warm

@@ -13,8 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moerun.backends.numpy_ops import (delta_rule_chunk, delta_rule_token, gated_delta_rule, l2_norm, sigmoid,
-                                       softplus)
+from moerun.backends.numpy_ops import delta_rule_chunk, delta_rule_token, gated_delta_rule, l2_norm, sigmoid, softplus
 
 VALUE_HEADS, KEY_HEADS, DIM = 32, 16, 128
 

@@ -101,7 +101,8 @@ def main() -> None:
 
         for _ in range(2):
             for tree, module in zip(trees, modules):
-                for name, launch, read in (("gate/up", gate_up, 2 * top_k * gate_up_expert), ("down", down, top_k * down_expert)):
+                kernels = (("gate/up", gate_up, 2 * top_k * gate_up_expert), ("down", down, top_k * down_expert))
+                for name, launch, read in kernels:
                     us = timed(cupy, stream, lambda i: launch(module, i))
                     print(f"{kind:5} {name:8} {us:7.2f} us {read / us / 1e6:5.2f} TB/s  {tree}", flush=True)
         layers.clear()

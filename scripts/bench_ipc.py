@@ -208,7 +208,8 @@ def measure(paths: dict, rounds: int, iterations: int) -> dict[str, np.ndarray]:
 
 
 def run_size(tokens: int, rounds: int, iterations: int, folder: str) -> list[tuple]:
-    ipc = lambda name: f"ipc://{folder}/{name}-{tokens}"
+    def ipc(name: str) -> str:
+        return f"ipc://{folder}/{name}-{tokens}"
     paths = {
         "raw shm spin-flag (floor)": raw_shm_path(tokens),
         "moerun shared": moerun_path(ipc("s"), "shared", tokens),

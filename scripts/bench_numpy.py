@@ -42,7 +42,8 @@ def main() -> None:
             decode.append(stats.decode_tokens_per_second)
     spec = runtime.spec
     print(f"model: {args.model} ({spec.family}, H={spec.hidden}, L={spec.n_layers}, "
-          f"E={spec.n_experts}, K={spec.n_experts_used}, F={spec.expert_ff}, V={spec.vocab}); load {load_seconds:.2f} s")
+          f"E={spec.n_experts}, K={spec.n_experts_used}, F={spec.expert_ff}, V={spec.vocab}); "
+          f"load {load_seconds:.2f} s")
     print("| test | t/s mean | t/s sd |\n|---|---|---|")
     for name, values in ((f"pp{args.prompt_tokens}", prefill), (f"tg{args.decode_tokens}", decode)):
         sd = statistics.stdev(values) if len(values) > 1 else 0.0

@@ -83,7 +83,8 @@ def main() -> None:
         per_layer = {}
         for name, calls, operation in operations:
             per_layer[name] = (calls, graph_time_us(cupy, stream, operation))
-        head = graph_time_us(cupy, stream, lambda: backend.linear(x[-1:], model.weights.output))   # the last row, as a step
+        # the last row, as a step
+        head = graph_time_us(cupy, stream, lambda: backend.linear(x[-1:], model.weights.output))
         layer_us = sum(calls * us for calls, us in per_layer.values())
         print("| operation | µs per call | calls per layer | µs per layer | share |")
         print("| --- | ---: | ---: | ---: | ---: |")

@@ -169,8 +169,10 @@ def main() -> None:
 
         weight_bytes = decode_bytes(runtime)
         flops = prefill_flops(runtime, args.prompt_tokens)
-        print(f"device {runtime.device}: copy {bandwidth / 1e12:.2f} TB/s (read + write), f16 matmul {rate / 1e12:.0f} TFLOP/s")
-        print(f"prefill {args.prompt_tokens}: {prefill_wall * 1e3:.1f} ms wall ({args.prompt_tokens / prefill_wall:.0f} t/s); "
+        print(f"device {runtime.device}: copy {bandwidth / 1e12:.2f} TB/s (read + write), "
+              f"f16 matmul {rate / 1e12:.0f} TFLOP/s")
+        print(f"prefill {args.prompt_tokens}: {prefill_wall * 1e3:.1f} ms wall "
+              f"({args.prompt_tokens / prefill_wall:.0f} t/s); "
               f"floor {flops / rate * 1e3:.2f} ms ({flops / 1e12:.2f} TFLOP at the measured rate)")
         print(f"decode with graphs: {graph_gpu:.3f} ms GPU, {graph_wall:.3f} ms wall per token "
               f"({1e3 / graph_wall:.0f} t/s); floor {weight_bytes / bandwidth * 1e3:.3f} ms "

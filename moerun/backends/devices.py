@@ -70,7 +70,7 @@ def gpu_module(device: Device):
         )
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as err:  # the driver or runtime library is missing or broken
+    except Exception as err:  # noqa: BLE001 - the driver or runtime library is missing or broken
         runtime = "ROCm" if is_hip else "the NVIDIA driver"
         raise BackendUnavailable(f"{device.name}: no usable GPU ({runtime}: {err})") from None
     if device.index >= count:

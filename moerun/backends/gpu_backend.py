@@ -116,7 +116,8 @@ class GpuKVCache:
 
         state = CacheState(end, keys={i: host(self.k[i][:end]) for i in attention},
                            values={i: host(self.v[i][:end]) for i in attention},
-                           conv={i: host(a) for i, a in self.conv.items()}, ssm={i: host(a) for i, a in self.ssm.items()})
+                           conv={i: host(a) for i, a in self.conv.items()},
+                           ssm={i: host(a) for i, a in self.ssm.items()})
         self.stream.synchronize()
         return state
 
@@ -514,7 +515,8 @@ class GpuBackend:
         channels, z, beta, alpha = (cupy.ascontiguousarray(x) for x in (channels, z, beta, alpha))
         mixed = cupy.empty((n_tokens, shape.channels), cupy.float32)                   # [T, C]
         self.kernels.elementwise("delta_conv", n_tokens * shape.channels, (
-            channels, conv_weight, cache.conv[layer], mixed, i32(n_tokens), i32(shape.channels), i32(shape.conv_kernel)))
+            channels, conv_weight, cache.conv[layer], mixed, i32(n_tokens), i32(shape.channels),
+            i32(shape.conv_kernel)))
         self.kernels.elementwise("delta_conv_state", shape.channels, (
             channels, cache.conv[layer], i32(n_tokens), i32(shape.channels), i32(shape.conv_kernel)))
         eps = np.float32(self.spec.rms_eps)
@@ -524,7 +526,8 @@ class GpuBackend:
         self.kernels.launch("delta_prepare", (n_tokens, shape.key_heads + shape.value_heads), block,
                             (mixed, beta, alpha, a, dt, gates, *heads, eps))
         out = cupy.empty((n_tokens, shape.value_heads * shape.value_dim), cupy.float32)   # [T, HV*DV]
-        self.kernels.launch("delta_rule", (shape.value_heads, -(-shape.value_dim // DELTA_COLUMNS)), (DELTA_COLUMNS, DELTA_GROUPS),
+        self.kernels.launch("delta_rule", (shape.value_heads, -(-shape.value_dim // DELTA_COLUMNS)),
+                            (DELTA_COLUMNS, DELTA_GROUPS),
                             (mixed, gates, cache.ssm[layer], out, i32(n_tokens), *heads))
         self.kernels.launch("delta_gate_norm", (n_tokens, shape.value_heads), block,
                             (out, z, norm, i32(shape.value_heads), i32(shape.value_dim), eps))

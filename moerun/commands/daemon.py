@@ -46,7 +46,8 @@ class LayerRange(click.ParamType):
 @click.option("--daemon", "expert_daemons", multiple=True, metavar="SPEC",
               help="A layer shard's own expert daemon for its cold experts, as the parent's --daemon. Repeatable.")
 @click.option("--hot", type=click.IntRange(min=0), default=None,
-              help="With --daemon: experts 0..N-1 of each of the shard's layers stay on it [default: experts per token].")
+              help="With --daemon: experts 0..N-1 of each of the shard's layers stay on it "
+                   "[default: experts per token].")
 @click.option("--parent-pid", type=int, default=None, hidden=True)
 @friendly_errors
 def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, threads, numa_node, layers, ctx, kv_dtype,

@@ -26,7 +26,8 @@ from moerun.rig.settings import RigConfig
 @click.option("-n", "--n-predict", "n_predict", type=click.IntRange(min=0), default=16, show_default=True,
               help="Greedy tokens generated after each prompt (decode routes differently from prefill).")
 @click.option("--chat", is_flag=True, help="Render each prompt with the model's chat template.")
-@click.option("--ctx", type=click.IntRange(min=1), default=None, help="Context length [default: the model's, at most 4096].")
+@click.option("--ctx", type=click.IntRange(min=1), default=None,
+              help="Context length [default: the model's, at most 4096].")
 @click.option("--ubatch", type=click.IntRange(min=1), default=DEFAULT_UBATCH, show_default=True)
 @threads_option
 @friendly_errors

@@ -148,6 +148,8 @@ def _shard_environment(config_path: Path, model: str, entry: SplitEntry, flags: 
 
 
 def _daemon_template(env_dir: str, user_line: str) -> str:
+    command = (f"{_moerun()} daemon --model ${{MOERUN_MODEL}} --device ${{MOERUN_DEVICE}} --listen ${{MOERUN_LISTEN}} "
+               "$MOERUN_CURVE_FLAGS $MOERUN_CPU_FLAGS $MOERUN_SHARD_FLAGS")
     return f"""\
 [Unit]
 Description=moerun daemon %i
@@ -156,7 +158,7 @@ After=network.target
 [Service]
 Type=exec
 EnvironmentFile={_specifiers(env_dir)}/moerun-daemon-%i.env
-ExecStart={_moerun()} daemon --model ${{MOERUN_MODEL}} --device ${{MOERUN_DEVICE}} --listen ${{MOERUN_LISTEN}} $MOERUN_CURVE_FLAGS $MOERUN_CPU_FLAGS $MOERUN_SHARD_FLAGS
+ExecStart={command}
 {SHARED_SERVICE_SETTINGS}{user_line}
 [Install]
 WantedBy=multi-user.target

@@ -229,7 +229,8 @@ class GGUFFile:
         be 2-D and of a type that can be dequantized."""
         raw = self.raw(name)
         if raw.ndim != 2:
-            raise GGUFError(self.path, f"tensor '{name}' has shape {self.tensors[name].shape}; row lookup needs 2 dimensions")
+            raise GGUFError(self.path, f"tensor '{name}' has shape {self.tensors[name].shape}; "
+                                       "row lookup needs 2 dimensions")
         self._dequantize(name, raw[:1])
         return quants.RowTable(raw, self.tensors[name].ggml_type, name)
 

@@ -59,7 +59,8 @@ class MoEStats:
             "host_pairs": host.host_pairs, "cache_hits": host.cache_hits,
             "cache_hit_rate": host.cache_hits / host.host_pairs if host.host_pairs else 0.0,
             "cache_swaps": host.cache_swaps, "cache_bytes_in": host.cache_bytes_in,
-            "streamed_pairs": host.streamed_pairs, "read_pairs": host.read_pairs, "streamed_layers": host.streamed_layers,
+            "streamed_pairs": host.streamed_pairs, "read_pairs": host.read_pairs,
+            "streamed_layers": host.streamed_layers,
             "streamed_bytes": host.streamed_bytes,
         }
 

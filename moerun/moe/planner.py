@@ -277,7 +277,8 @@ def _report(request: PlanRequest, weights: np.ndarray, placed: _Placed, rule: st
 def explain(plan: Plan) -> str:
     """The table `moerun plan` prints: per device bytes, experts and traffic share; the KV rule; the pool."""
     header = ("device", "capacity", "reserved", "expert budget", "expert bytes", "experts", "traffic")
-    rows = [(d.name, format_bytes(d.capacity_bytes), format_bytes(d.reserved_bytes), format_bytes(d.budget_bytes), format_bytes(d.used_bytes),
+    rows = [(d.name, format_bytes(d.capacity_bytes), format_bytes(d.reserved_bytes), format_bytes(d.budget_bytes),
+             format_bytes(d.used_bytes),
              str(d.n_experts), f"{100 * d.traffic_share:.1f}%") for d in plan.devices]
     name_width = max(len(row[0]) for row in [header, *rows])
     lines = [f"{row[0]:<{name_width}}" + "".join(f"{cell:>14}" for cell in row[1:]) for row in [header, *rows]]
@@ -326,7 +327,8 @@ def _floor_message(request: PlanRequest, kv_tokens: int, parent_budget: int, flo
     return (f"the parent ({format_bytes(request.parent.capacity_bytes)}) cannot hold the non-expert weights "
             f"({format_bytes(sizes.non_expert_bytes)}), KV for {kv_tokens} tokens at {request.kv_dtype} "
             f"({format_bytes(_kv_bytes(request, kv_tokens))}), workspace ({format_bytes(request.workspace_bytes)}), "
-            f"safety margin ({format_bytes(request.safety_bytes)}){_extras(request)} and the floor of {floor} experts in "
+            f"safety margin ({format_bytes(request.safety_bytes)}){_extras(request)} "
+            f"and the floor of {floor} experts in "
             f"each of {n_moe} MoE layers ({format_bytes(floor_bytes)}): {format_bytes(short)} ({short:,} bytes) short. "
             f"Lower --ctx, set --kv-pool, use a smaller --kv-dtype, or use a parent device with more memory.")
 

@@ -9,9 +9,10 @@ asynchronously then, so no step waits), decay into scores, and the best-scored h
 not resident replace the worst-scored residents (at most SWAP_BYTES a refresh). Scores are
 routed-pair counts, as noisy as counts are: a newcomer replaces a resident only when its lead is
 beyond that noise (NOISE_SIGMAS), else two experts routed alike would trade places every refresh
-and the copies would take the host memory's bandwidth from the daemons: an expert leaving is given back to its daemon in the routing tables first, in stream
-order; its slot is overwritten on a copy stream only after every step queued before; the new
-expert is entered in the tables once its copy has finished. So no step reads a slot being
+and the copies would take the host memory's bandwidth from the daemons: an expert leaving is
+given back to its daemon in the routing tables first, in stream order; its slot is overwritten
+on a copy stream only after every step queued before; the new expert is entered in the tables
+once its copy has finished. So no step reads a slot being
 written, a step never loses an expert it routes to, and captured steps replay unchanged.
 Shape legend: E experts, N host experts of a layer, C slots of a layer.
 """

@@ -92,7 +92,8 @@ class GpuDispatcher:
         wanted = config.expert_cache_bytes > 0 or config.stream_tokens is not None or config.read_share is not None
         if not wanted or not self.host_links:
             return None
-        homes = {layer: homes for layer, homes in placement.homes.items() if np.isin(homes, list(self.host_links)).any()}
+        homes = {layer: homes for layer, homes in placement.homes.items()
+                 if np.isin(homes, list(self.host_links)).any()}
         if not homes:
             return None
         needed = sum(int(np.isin(h, list(self.host_links)).sum()) * expert_bytes(self.rig.gguf, backend.spec, layer)

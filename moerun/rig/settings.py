@@ -159,7 +159,8 @@ class RigConfig:
             (1 <= self.batch_capacity <= MAX_BATCH_CAPACITY,
              f"--batch-capacity must be between 1 and {MAX_BATCH_CAPACITY} (got {self.batch_capacity})"),
             (self.daemon_timeout_s > 0, f"--daemon-timeout must be > 0 (got {self.daemon_timeout_s})"),
-            (self.stream_threshold in (AUTO, OFF) or (self.stream_threshold.isdigit() and int(self.stream_threshold) >= 1),
+            (self.stream_threshold in (AUTO, OFF)
+             or (self.stream_threshold.isdigit() and int(self.stream_threshold) >= 1),
              f"--stream-threshold must be a number of tokens (>= 1), auto or off (got {self.stream_threshold!r})"),
             (self.expert_cache_bytes >= 0, f"--expert-cache must be >= 0 (got {self.expert_cache_bytes})"),
             (self.gpu_reads == OFF or _share(self.gpu_reads) is not None,

@@ -143,7 +143,8 @@ class LayerShards:
         """x f32 [T, H] at positions start.. of the current sequence through every shard -> [T, H]."""
         timeout_s = self.config.daemon_timeout_s
         for link in self.links:
-            x = self._step(link, lambda: link.client.forward(self.sequence, start, x, link.dtype, timeout_s, link.alive))
+            x = self._step(link, lambda: link.client.forward(self.sequence, start, x, link.dtype, timeout_s,
+                                                             link.alive))
         return x
 
     def _device_step(self, link: ShardLink, start: int, tokens: int) -> None:

@@ -167,7 +167,8 @@ class Rig:
         RAM equally; other daemons report their own free memory in HELLO."""
         local_cpu = [link for link in self.links if link.client.info.get("device") == "cpu" and link.client.same_host()]
         host_share = available_host_bytes() // (1 + len(local_cpu))
-        daemons = tuple(DeviceBudget(link.spec, host_share if link in local_cpu else int(link.client.info["free_bytes"]))
+        daemons = tuple(DeviceBudget(link.spec,
+                                     host_share if link in local_cpu else int(link.client.info["free_bytes"]))
                         for link in self.links)
         on_gpu = self.backend.kind != "CPU"
         parent = DeviceBudget(f"parent {self.backend.name}", device_memory_free(self.backend) if on_gpu else host_share,
@@ -237,7 +238,7 @@ class Rig:
             if err is None:
                 try:
                     link.transport = self._attach(link).transport
-                except Exception as attach_err:
+                except Exception as attach_err:  # noqa: BLE001 - any failure to attach is a start-up failure
                     raise RigError(_startup_failure(link, attach_err)) from None
             elif self._may_start_without(link, err):
                 with link.lock:
@@ -334,7 +335,7 @@ class Rig:
             try:
                 link.client.assign(assignments[link.index], lambda count, _total: progress(link.index, count),
                                    alive=self._alive(link))
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - reported with every daemon's, after the threads end
                 failures.append(_startup_failure(link, err))
 
         self._together([threading.Thread(target=assign, args=(link,)) for link in self.links if link.up], _join)
@@ -450,8 +451,8 @@ class Rig:
                 try:
                     if not link.local and link.client.info and link.up:     # handshaken and answering
                         link.client.bye(timeout_s=GOODBYE_TIMEOUT_S)
-                except Exception:
-                    pass  # it is going away either way
+                except Exception:  # noqa: BLE001 - it is going away either way
+                    pass
                 link.client.close()
                 if link.local:
                     link.local.stop()

@@ -66,7 +66,8 @@ DAEMON_SERIES = [
      lambda link: link.client.counters.wait_seconds),
     (CounterMetricFamily, "moerun_daemon_compute_seconds", "Time the daemon spent computing",
      lambda link: link.client.counters.compute_seconds),
-    (CounterMetricFamily, "moerun_daemon_fallback_calls", "Calls the parent computed itself because the daemon was down",
+    (CounterMetricFamily, "moerun_daemon_fallback_calls",
+     "Calls the parent computed itself because the daemon was down",
      lambda link: link.fallback_calls),
     (GaugeMetricFamily, "moerun_daemon_up", "1 while the daemon is in use, 0 while it is marked down",
      lambda link: 1 if link.up else 0),
@@ -95,7 +96,8 @@ SHARD_SERIES = [
      lambda link: 1 if link.broken is None else 0),
     (CounterMetricFamily, "moerun_shard_failures", "Steps the layer shard failed (each failed its request)",
      lambda link: link.times_down),
-    (CounterMetricFamily, "moerun_shard_restarts", "Times the layer shard was started again", lambda link: link.restarts),
+    (CounterMetricFamily, "moerun_shard_restarts", "Times the layer shard was started again",
+     lambda link: link.restarts),
 ]
 
 

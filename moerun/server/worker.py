@@ -41,7 +41,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str                            # "stop" (end of sequence or stop sequence), "length" (max_tokens or a full context)
+    reason: str                            # "stop" (end of sequence or stop sequence),
+                                           # "length" (max_tokens or a full context)
     prompt_tokens: int
     completion_tokens: int
 
@@ -199,7 +200,7 @@ class Worker:
         try:
             runtime = self._open_runtime()
             runtime.tokenizer                  # built here, before handlers read it from other threads
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - the server stays up and answers every request with it
             self.load_error = str(err)
             logger.error(f"the model failed to load: {err}")
             self._on_load_failure()
@@ -228,7 +229,7 @@ class Worker:
         except ShardFailed as err:                # the shard restarts: the same request may be sent again
             outcome = "failed"
             job.send(Failed(ApiError(503, str(err), type="server_error", code="layer_shard_failed")))
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - a bug fails its request, logged; the server goes on
             outcome = "failed"
             logger.error(f"generation failed:\n{traceback.format_exc()}")
             job.send(Failed(ApiError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error")))

@@ -367,7 +367,8 @@ def random_blocks(ggml_type: GGMLQuantizationType, n_blocks: int, rng: np.random
     """n_blocks random valid blocks of `ggml_type`, uint8 [n_blocks, block bytes]."""
     fill = BLOCK_FILLERS.get(ggml_type)
     if fill is None:
-        raise UsageError(f"no random block writer for {ggml_type.name} (have {', '.join(t.name for t in BLOCK_FILLERS)})")
+        have = ", ".join(t.name for t in BLOCK_FILLERS)
+        raise UsageError(f"no random block writer for {ggml_type.name} (have {have})")
     type_size = GGML_QUANT_SIZES[ggml_type][1]
     nbytes = n_blocks * type_size
     words = rng.bit_generator.random_raw(-(-nbytes // 8))      # 64 random bits at a time: the fastest source

@@ -1,7 +1,7 @@
 """Whole models on the CPU kernels against the float32 reference engine (the same files with
 every matrix dequantized to float32 and multiplied by numpy): every architecture (qwen35moe's
-DeltaNet projections too), every expert type (each model's three layers mix them, gate/up of one type and down of another),
-gate and up fused in one tensor (mixtral here), the dense matrices (attention, shared expert,
+DeltaNet projections too), every expert type (each model's three layers mix them, gate/up of one
+type and down of another), gate and up fused in one tensor (mixtral here), the dense matrices (attention, shared expert,
 LM head) in other types the kernels read; prefill in chunks and decode steps."""
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ def test_two_gpus_match_all_local(model, all_local, transport, mode):
         link = runtime.rig.links[0]
         calls = link.client.counters.calls
         daemon_captured = link.client.stats()["captured_steps"]
-        parent_experts = {layer: experts.down.experts for layer, experts in runtime.model.weights.experts.layers.items()}
+        layers = runtime.model.weights.experts.layers
+        parent_experts = {layer: experts.down.experts for layer, experts in layers.items()}
     assert link.transport == transport
     assert relative_error(got, want_logits) <= PREFILL_BOUND["f32"]
     assert tokens == want_tokens

@@ -357,7 +357,8 @@ def test_rope_append_writes_the_cache_in_its_type(kv_backend):
     for backend in (kv_backend, exact):
         cache = backend.new_cache(128)
         positions = cupy.arange(start, start + n_tokens, dtype=cupy.int32)
-        rotated.append(backend.rope_append(*(cupy.asarray(a) for a in (q, k, v, norm, norm)), cache, 0, positions).get())
+        inputs = (cupy.asarray(a) for a in (q, k, v, norm, norm))
+        rotated.append(backend.rope_append(*inputs, cache, 0, positions).get())
         caches.append((cache.k[0][start:start + n_tokens].get(), cache.v[0][start:start + n_tokens].get()))
     assert np.array_equal(rotated[0], rotated[1])
     for stored, full in zip(*caches):

@@ -1,6 +1,7 @@
 """Whole models on the GPU against the numpy backend: logits of all five
 architectures (the hybrid qwen35moe's gated DeltaNet and gated attention layers included) in
-every test storage type, greedy tokens, and graph replay against eager decode. Relative error ‖gpu - numpy‖ / ‖numpy‖ over all logits:
+every test storage type, greedy tokens, and graph replay against eager decode. Relative error
+‖gpu - numpy‖ / ‖numpy‖ over all logits:
 - through the GEMVs (chunks of <= 8 tokens, and decode): <= 1e-5 for float weights, and
   <= 3e-4 for quantized ones, whose activations go in two 8-bit planes (tests/support/gpu.py);
 - through the prefill products, f16 operands with f32 accumulation: <= 1e-3 on models

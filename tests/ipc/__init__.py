@@ -1,1 +1,2 @@
-"""The wire: protocol, shared-memory arenas and doorbells, ZeroMQ sessions and deadlines, CURVE, against a fake daemon."""
+"""The wire: protocol, shared-memory arenas and doorbells, ZeroMQ sessions and deadlines, CURVE, against a fake
+daemon."""

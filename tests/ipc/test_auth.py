@@ -17,19 +17,19 @@ import msgpack
 import pytest
 import zmq
 from click.testing import CliRunner
+
+from moerun.commands.keys import keys
+from moerun.gguf.reader import GGUFFile
+from moerun.ipc import curve_guard
 from moerun.ipc.curve import (
     CurveClientKeys,
     CurveKeyError,
     reachable_from_other_hosts,
     server_keys_for,
 )
-from moerun.ipc import curve_guard
 from moerun.ipc.curve_guard import RepeatFilter, describe_peer
 from moerun.ipc.protocol import PROTOCOL_VERSION
 from moerun.ipc.sockets import bind_router, new_dealer
-
-from moerun.commands.keys import keys
-from moerun.gguf.reader import GGUFFile
 from moerun.writers.synthetic import SyntheticConfig, write_synthetic_model
 from tests.support.live_processes import free_port, tcp_endpoint
 

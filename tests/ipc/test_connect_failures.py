@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import zmq
+
 from moerun.ipc import protocol as p
 from moerun.ipc.client import DaemonClient, DaemonError, DaemonUnreachable
 from moerun.ipc.curve import CurveClientKeys, CurveServerKeys
 from moerun.ipc.server import Server
-
+from tests.support.curve_keys import rig_key_folder
 from tests.support.fake_daemon import FINGERPRINT, FakeHandler, daemon_process
 from tests.support.live_processes import tcp_endpoint
-from tests.support.curve_keys import rig_key_folder
 
 CONNECT_TIMEOUT_S = 30.0
 AT_ONCE_S = 5.0               # far inside the connect timeout, even on a loaded machine

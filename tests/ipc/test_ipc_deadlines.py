@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from moerun.ipc import protocol as p
 from moerun.ipc.client import DaemonClient, DaemonDied, DaemonError, DaemonTimeout
-
 from tests.support.fake_daemon import (
     FINGERPRINT,
     HIDDEN,

@@ -11,11 +11,11 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+
 from moerun.ipc import protocol as p
 from moerun.ipc import shm
 from moerun.ipc.client import DaemonClient
 from moerun.ipc.shm import REQUEST_HEADER_OFFSET
-
 from tests.support.fake_daemon import (
     FINGERPRINT,
     HIDDEN,
@@ -45,7 +45,8 @@ def garbage_message(rng, request_id) -> list[bytes]:
     """One malformed message: a header frame and data frames."""
     header, frames = valid_compute(rng, request_id)
     kind = int(rng.integers(16))
-    random_bytes = lambda n: rng.integers(0, 256, int(n), dtype=np.uint8).tobytes()
+    def random_bytes(n) -> bytes:
+        return rng.integers(0, 256, int(n), dtype=np.uint8).tobytes()
     if kind == 0:
         return [random_bytes(rng.integers(0, 300))] + frames[:int(rng.integers(0, 5))]
     if kind == 1:

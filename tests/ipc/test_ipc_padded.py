@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 import pytest
+
+from moerun.engine.runtime import Runtime
 from moerun.ipc import shm
 from moerun.ipc.client import DaemonClient, DaemonError
 from moerun.ipc.shm import Arena, ArenaLayout
-
-from moerun.engine.runtime import Runtime
 from moerun.rig.links import RigError
 from moerun.rig.settings import RigConfig
 from tests.support.daemon_fixtures import tiny_daemon_model

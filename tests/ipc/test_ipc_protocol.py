@@ -11,6 +11,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
+
 from moerun.ipc import doorbell, shm
 from moerun.ipc import protocol as p
 from moerun.ipc.shm import (
@@ -20,7 +21,6 @@ from moerun.ipc.shm import (
     ArenaLayout,
     sweep_stale_segments,
 )
-
 from tests.support.shm_segments import shm_segments
 
 

@@ -9,9 +9,9 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+
 from moerun.ipc import protocol as p
 from moerun.ipc.client import DaemonClient, DaemonError
-
 from tests.support.fake_daemon import (
     FINGERPRINT,
     HIDDEN,

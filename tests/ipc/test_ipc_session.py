@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
+
 from moerun.ipc import protocol as p
 from moerun.ipc.client import DaemonClient, DaemonError
-
 from tests.support.fake_daemon import (
     FINGERPRINT,
     HIDDEN,

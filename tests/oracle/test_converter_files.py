@@ -112,7 +112,8 @@ def test_greedy_generation_of_the_fused_file_matches_transformers(converted):
 def test_fused_qkv_is_q_then_k_then_v(converted):
     """What the converter's --fuse-qkv writes, against its plain file."""
     fused, separate = _open(converted.files["f32-fuse-qkv"]), _open(converted.files["f32"])
-    assert separate.metadata["general.architecture"] == fused.metadata["general.architecture"] == GGUF_ARCH[converted.arch]
+    architecture = GGUF_ARCH[converted.arch]
+    assert separate.metadata["general.architecture"] == fused.metadata["general.architecture"] == architecture
     suffixes = ("weight", "bias") if converted.arch == "qwen2moe" else ("weight",)
     layers = range(converted.model.config.num_hidden_layers)
     assert set(separate.tensors) - set(fused.tensors) == {f"blk.{i}.attn_{p}.{s}" for i in layers for p in "qkv"

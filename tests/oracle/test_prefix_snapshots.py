@@ -158,7 +158,8 @@ def test_a_file_is_used_while_its_digest_is_checked_and_refused_when_it_fails(mo
     """Every file of a prompt damaged past its header: each is restored and its rest prefilled
     while its check runs, then refused before any snapshot is taken from it or a token goes
     out; the prompt ends up prefilled whole, its answer a fresh runtime's."""
-    with Runtime(model_path, prefix_cache=PrefixCache(slots=4, interval=8, folder=tmp_path, disk_budget=1 << 30)) as runtime:
+    prefix_cache = PrefixCache(slots=4, interval=8, folder=tmp_path, disk_budget=1 << 30)
+    with Runtime(model_path, prefix_cache=prefix_cache) as runtime:
         answer(runtime, SYSTEM, 0)                  # files at 8, 16 and 23 tokens
     files = snapshot_files(tmp_path)
     for path in files:
@@ -168,7 +169,10 @@ def test_a_file_is_used_while_its_digest_is_checked_and_refused_when_it_fails(mo
     cache = PrefixCache(slots=4, interval=8, folder=tmp_path, disk_budget=1 << 30)
     with Runtime(model_path, prefix_cache=cache) as runtime:
         restored, restore = [], runtime.backend.restore_cache
-        runtime.backend.restore_cache = lambda state, capacity: restored.append(state.length) or restore(state, capacity)
+        def counted_restore(state, capacity):
+            restored.append(state.length)
+            return restore(state, capacity)
+        runtime.backend.restore_cache = counted_restore
         tokens, stats = answer(runtime, SYSTEM + FOLLOW_UP)
     with Runtime(model_path) as fresh:
         assert tokens == answer(fresh, SYSTEM + FOLLOW_UP)[0]
@@ -211,7 +215,10 @@ def test_a_snapshot_still_being_written_is_found(model_path, tmp_path, monkeypat
     """Out of RAM (one slot) while its file waits for the writer: the store answers with it."""
     from moerun.engine.snapshot_store import SnapshotStore
     release, write_file = threading.Event(), SnapshotStore._write_file
-    monkeypatch.setattr(SnapshotStore, "_write_file", lambda store, snapshot: (release.wait(30), write_file(store, snapshot)))
+    def held_write(store, snapshot):
+        release.wait(30)
+        return write_file(store, snapshot)
+    monkeypatch.setattr(SnapshotStore, "_write_file", held_write)
     cache = PrefixCache(slots=1, interval=0, folder=tmp_path, disk_budget=1 << 30)
     with Runtime(model_path, prefix_cache=cache) as runtime:
         answer(runtime, SYSTEM, 0)

@@ -1,1 +1,2 @@
-"""Parents with real daemon processes: equivalence with all-local, faults and supervision, placement, launch and systemd."""
+"""Parents with real daemon processes: equivalence with all-local, faults and supervision, placement, launch and
+systemd."""

@@ -24,7 +24,6 @@ from tests.support.daemon_fixtures import (
     tiny_daemon_model,
 )
 from tests.support.hf_models import tiny_model
-from tests.support.shm_segments import shm_segments
 from tests.support.live_processes import (
     REJOIN_TIMEOUT_S,
     child_pids,
@@ -32,6 +31,7 @@ from tests.support.live_processes import (
     tcp_endpoint,
     wait_until,
 )
+from tests.support.shm_segments import shm_segments
 from tests.support.to_gguf import write_gguf
 
 

@@ -10,10 +10,10 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from moerun.ipc.protocol import PROTOCOL_VERSION
 
 from moerun.backends.numpy_backend import expert_store
 from moerun.gguf.reader import GGUFFile
+from moerun.ipc.protocol import PROTOCOL_VERSION
 from moerun.models import load_spec
 from tests.support.daemon_fixtures import running_daemons
 from tests.support.hf_models import tiny_model

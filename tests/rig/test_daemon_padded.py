@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from moerun.ipc.client import DaemonClient, DaemonError
 
 from moerun.backends.numpy_backend import DequantizedExperts
 from moerun.gguf.reader import GGUFFile
+from moerun.ipc.client import DaemonClient, DaemonError
 from moerun.models import load_spec
 from tests.support.daemon_fixtures import running_daemons
 from tests.support.hf_models import tiny_model

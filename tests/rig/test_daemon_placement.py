@@ -53,7 +53,8 @@ def test_placement_file_gives_all_local_logits(model, tmp_path):
 
 @pytest.mark.parametrize("document, phrase", [
     ({"layers": {}}, "not a placement file"),
-    ({"format": "moerun-placement/1", "daemons": ["cpu"], "layers": {}}, "made for 1 daemon (cpu) but the rig has 2 daemons"),
+    ({"format": "moerun-placement/1", "daemons": ["cpu"], "layers": {}},
+     "made for 1 daemon (cpu) but the rig has 2 daemons"),
     ({"format": "moerun-placement/1", "daemons": ["cpu", "cpu"], "layers": {"0": [0] * EXPERTS}},
      "no homes for MoE layers [1, 2]"),
     ({"format": "moerun-placement/1", "daemons": ["cpu", "cpu"],

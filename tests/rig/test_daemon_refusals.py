@@ -23,6 +23,7 @@ import zmq
 from moerun.engine.runtime import Runtime
 from moerun.rig.links import RigError
 from moerun.rig.settings import ConfigError, RigConfig
+from tests.support.curve_keys import rig_key_folder
 from tests.support.daemon_fixtures import (
     GREEDY,
     N_TOKENS,
@@ -33,7 +34,6 @@ from tests.support.daemon_fixtures import (
 from tests.support.hf_models import tiny_model
 from tests.support.live_processes import REJOIN_TIMEOUT_S, live_children, tcp_endpoint, wait_until
 from tests.support.to_gguf import write_gguf
-from tests.support.curve_keys import rig_key_folder
 
 DAEMON_TIMEOUT_S = 30.0       # what a refusal must not wait for
 AT_ONCE_S = 10.0              # a refusal's whole start-up, on a loaded 2-core machine
@@ -275,7 +275,8 @@ def test_launch_passes_the_parents_key_flag_to_its_workload(moerun, model, keys,
     command line, so the config need not hold it."""
     endpoint = tcp_endpoint()
     config = tmp_path / "curve.toml"
-    config.write_text(f'model = "{model}"\nhot = 1\n\n[[daemon]]\nname = "box"\ndevice = "cpu"\nendpoint = "{endpoint}"\n'
+    config.write_text(f'model = "{model}"\nhot = 1\n\n[[daemon]]\nname = "box"\ndevice = "cpu"\n'
+                      f'endpoint = "{endpoint}"\n'
                       f'curve_secret_key = "{keys / "daemon.key_secret"}"\n'
                       f'curve_authorized_keys = "{keys / "parents"}"\ncurve_public_key = "{keys / "daemon.key"}"\n')
     result = moerun("launch", "--config", config, "--curve-secret-key", keys / "parent.key_secret", "-n", "4",

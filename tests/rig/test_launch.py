@@ -20,8 +20,8 @@ from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.chat import render_messages
 from moerun.writers.demo import demo_model_path
-from tests.support.shm_segments import shm_segments
 from tests.support.live_processes import child_pids, exited, free_port, healthy
+from tests.support.shm_segments import shm_segments
 
 EXIT_WITHIN_S = 20.0                 # a wait that ends once they are gone
 START_WITHIN_S = 60.0

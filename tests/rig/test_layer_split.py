@@ -11,10 +11,10 @@ import sys
 
 import numpy as np
 import pytest
-from moerun.ipc.client import DaemonClient, DaemonError
 
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
+from moerun.ipc.client import DaemonClient, DaemonError
 from moerun.rig.links import RigError
 from moerun.rig.settings import ConfigError, RigConfig
 from moerun.rig.shards import ShardFailed

@@ -15,9 +15,9 @@ import pytest
 from moerun.engine.runtime import Runtime
 from moerun.rig.settings import RigConfig
 from tests.support.daemon_fixtures import GREEDY
-from tests.support.shm_segments import shm_segments
 from tests.support.hf_models import tiny_model
 from tests.support.live_processes import REJOIN_TIMEOUT_S, live_children, wait_until
+from tests.support.shm_segments import shm_segments
 from tests.support.to_gguf import write_gguf
 
 GENERATIONS = 200

@@ -14,10 +14,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-from moerun.ipc.client import DaemonClient
 
 from moerun.engine.report import stats_document, stats_table
 from moerun.engine.runtime import RunStats, Runtime
+from moerun.ipc.client import DaemonClient
 from moerun.rig import supervisor as rig_module
 from moerun.rig.links import RigError
 from moerun.rig.settings import RigConfig

@@ -215,7 +215,8 @@ def test_exec_start_quotes_paths_with_spaces_and_escapes_specifiers(moerun, tmp_
     config.write_text('model = "m.gguf"\n')
     assert moerun("systemd", "--config", config, "-o", tmp_path / "u").exit_code == 0
     escaped = str(config).replace("%", "%%")
-    assert f'ExecStart={sys.executable} -m moerun run --config "{escaped}"' in settings(tmp_path / "u" / "moerun.service")
+    unit = settings(tmp_path / "u" / "moerun.service")
+    assert f'ExecStart={sys.executable} -m moerun run --config "{escaped}"' in unit
 
 
 @pytest.mark.parametrize("text,message", [

@@ -1,1 +1,2 @@
-"""Helpers the test areas share: tiny models (and their Hugging Face oracles), real daemon processes, a fake daemon, GPU detection."""
+"""Helpers the test areas share: tiny models (and their Hugging Face oracles), real daemon processes, a fake
+daemon, GPU detection."""

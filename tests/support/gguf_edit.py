@@ -9,7 +9,8 @@ import gguf
 
 def rewrite_gguf(src: Path, dst: Path, *, drop_tensors: tuple[str, ...] = (), drop_keys: tuple[str, ...] = (),
                  set_strings: dict[str, str] | None = None, set_uint32: dict[str, int] | None = None,
-                 set_arrays: dict[str, list] | None = None, set_tensors: dict[str, tuple[Any, gguf.GGMLQuantizationType]] | None = None) -> Path:
+                 set_arrays: dict[str, list] | None = None,
+                 set_tensors: dict[str, tuple[Any, gguf.GGMLQuantizationType]] | None = None) -> Path:
     """set_tensors: name -> (data as gguf.GGUFWriter.add_tensor takes it, its type), replacing
     that tensor's data and type."""
     reader = gguf.GGUFReader(src)

@@ -18,7 +18,7 @@ def gpu_device() -> str | None:
         import cupy
         if cupy.cuda.runtime.getDeviceCount() < 1:
             return None
-    except Exception:
+    except Exception:  # noqa: BLE001 - no usable GPU, whatever the reason
         return None
     return "hip:0" if cupy.cuda.runtime.is_hip else "cuda:0"
 
@@ -35,5 +35,5 @@ def gpu_count() -> int:
     try:
         import cupy
         return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
+    except Exception:  # noqa: BLE001 - no usable GPU, whatever the reason
         return 0

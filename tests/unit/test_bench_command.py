@@ -14,12 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
-from moerun.ipc.client import DaemonClient
-from moerun.ipc.protocol import DaemonTimeout
 
 from moerun.backends.memory import device_memory_used
 from moerun.commands.bench import bench
 from moerun.engine.model import MoEModel
+from moerun.ipc.client import DaemonClient
+from moerun.ipc.protocol import DaemonTimeout
 from moerun.writers.bench_model import (
     MIXES,
     PRESETS,
@@ -45,7 +45,8 @@ def run_bench(*args):
 
 
 def table_rows(output: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in output.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in output.splitlines()
+            if line.startswith("|")]
 
 
 def test_markdown_table_has_llama_bench_columns_and_a_row_per_test(model):

@@ -185,7 +185,8 @@ def test_inspect_describes_a_hybrid_model(tmp_path, moerun):
     assert "qwen35moe" in result.stdout and "rope over 16, gated output" in result.stdout
     assert "DeltaNet:      3 layers (attention in [3]), 2 key and 4 value heads of 64/64, conv 4" in result.stdout
     kv_f16 = 1 * 2 * (64 + 64) * 2                    # one attention layer * kv heads * (K + V) * bytes
-    assert f"KV cache per token: {kv_f16} B at f16" in result.stdout and "its 1 of 4 layers with attention" in result.stdout
+    assert f"KV cache per token: {kv_f16} B at f16" in result.stdout
+    assert "its 1 of 4 layers with attention" in result.stdout
 
 
 def test_a_full_context_is_said_not_silent(demo_model, moerun):

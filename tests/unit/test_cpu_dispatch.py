@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 import pytest
-from moerun.ipc.client import DaemonClient
 
+from moerun.ipc.client import DaemonClient
 from moerun.moe.placement import PARENT, Placement
 from moerun.rig.cpu_dispatch import CpuDispatcher
 from moerun.rig.links import DaemonLink, RigError

@@ -8,6 +8,8 @@ import pytest
 import zmq
 import zmq.auth
 from click.testing import CliRunner
+
+from moerun.commands.keys import keys
 from moerun.ipc.curve import (
     CurveClientKeys,
     CurveKeyError,
@@ -17,8 +19,6 @@ from moerun.ipc.curve import (
     read_public_key,
     write_key_pair,
 )
-
-from moerun.commands.keys import keys
 
 
 def make_keys(*args) -> object:

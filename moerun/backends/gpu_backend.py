@@ -76,9 +76,8 @@ def attention_splits(span: int, heads: int, wave: int) -> int:
     DECODE_CHUNK positions, at least one. Each thread of a split keeps only a few loads in flight,
     so a long position needs every block the GPU holds at once to keep its memory busy, and a
     second wave would add a whole block's latency; a split past the token's position costs one
-    block that reads the position and writes (-inf, 0). The 30B-A3B shape on an H100 (32 heads;
-    46 registers by nvcc's count, so 5 blocks of 256 threads per multiprocessor): 20 splits per
-    head at a 4096 context or longer, where splits of 64 positions made 64 at 4096, 512 at 32768."""
+    block that reads the position and writes (-inf, 0) (docs/benchmarks.md, "attention splits
+    from the position", has the measured split counts)."""
     return max(1, min(wave // heads, math.ceil(span / DECODE_CHUNK)))
 
 

@@ -40,8 +40,8 @@ from moerun.rig.supervisor import Rig
 DEFAULT_CONTEXT = 4096
 DEFAULT_UBATCH = 512
 DEFAULT_EXPERT_CACHE_BYTES = 4 << 30
-SHORT_REST_STEPS = 4    # a prompt's rest of up to this many captured steps goes in them (an H200, Qwen3.6 shape:
-                        # a 16-token pass 41 ms eager, a replayed step ~4 ms)
+SHORT_REST_STEPS = 4    # a prompt's rest of up to this many captured steps goes in them rather than in one
+                        # eager pass, whose launches cost ten times a replayed step's time (docs/gpu.md)
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ no device memory, no copy first — in every step that does not stream its layer
 (inside captured graphs too) and small prefill chunks. The CPU daemons compute the other host
 experts' pairs at the same time. Both paths read the same RAM: this gains where the CPU daemons
 are bound by their compute rather than by the memory's bandwidth (few cores), and costs where
-they already use the bandwidth (on the H200 machines, 16 cores: 81 -> 68 tokens/s at half,
-docs/benchmarks.md), so it is off unless asked for.
+they already use the bandwidth (docs/benchmarks.md has a 16-core machine's figures), so it is off
+unless asked for.
 
 --gpu-reads SHARE of each layer's host experts, spread evenly over it (default off).
 Shape legend: T tokens, H hidden, K experts per token, N host experts of a layer.

@@ -1,5 +1,5 @@
 """The daemon process: `moerun daemon --model M --device D --listen ENDPOINT` serves the
-experts a parent assigns it (moerun.rig.daemon_handler), or with `--layers A:B` runs those
+experts a parent assigns it (moerun.daemons.handler), or with `--layers A:B` runs those
 layers as a layer shard (moerun.daemons.shard), behind moerun.ipc.server, until SHUTDOWN,
 SIGTERM/SIGINT, or the death of the parent that spawned it (whose run directory it then
 removes, the parent being unable to)."""
@@ -11,12 +11,12 @@ import threading
 import time
 
 from moerun import log
+from moerun.daemons.handler import ExpertDaemon
 from moerun.daemons.shard import LayerShard
 from moerun.ipc.curve import server_keys_for
 from moerun.ipc.processes import pid_alive
 from moerun.ipc.server import Server
 from moerun.rig.cores import format_cpus, restrict_to_node
-from moerun.rig.daemon_handler import ExpertDaemon
 from moerun.rig.settings import RigConfig
 from moerun.rig.spawn import remove_orphaned_run_dir
 

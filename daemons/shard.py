@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moerun.backends import open_backend
+from moerun.backends.gpu_ipc import ExportedBuffers, record, valid_handles, wait
 from moerun.engine.model import MoEModel
 from moerun.engine.weights import load_weights
 from moerun.errors import UsageError
@@ -28,7 +29,6 @@ from moerun.models import load_spec
 from moerun.moe.executor import LocalExecutor
 from moerun.moe.placement import PARENT
 from moerun.rig.cores import HostShares, share_host
-from moerun.rig.gpu_ipc import ExportedBuffers, record, valid_handles, wait
 from moerun.rig.settings import RigConfig
 from moerun.rig.supervisor import Rig
 from moerun.units import available_host_bytes

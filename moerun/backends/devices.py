@@ -76,3 +76,13 @@ def gpu_module(device: Device):
     if device.index >= count:
         raise BackendUnavailable(f"{device.name}: this machine has {count} {device.platform.upper()} device(s)")
     return cupy
+
+
+def check_device(device: str) -> str:
+    """The backend name for a device string (numpy, cuda or hip), what both a parent and an expert
+    daemon check before they use one; UsageError for a malformed one, BackendUnavailable saying
+    what is missing for one this machine cannot drive."""
+    parsed = parse_device(device)
+    if parsed.platform != "cpu":
+        gpu_module(parsed)
+    return "numpy" if parsed.platform == "cpu" else parsed.platform

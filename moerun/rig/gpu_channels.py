@@ -23,9 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from moerun.ipc.device_slots import DeviceSlots
-from moerun.ipc.protocol import DTYPE_CODES
-from moerun.rig.gpu_ipc import (
+from moerun.backends.gpu_ipc import (
     IPC_EVENT_FLAGS,
     ImportedBuffers,
     host_mapping_supported,
@@ -33,6 +31,8 @@ from moerun.rig.gpu_ipc import (
     register_arena,
     wait,
 )
+from moerun.ipc.device_slots import DeviceSlots
+from moerun.ipc.protocol import DTYPE_CODES
 from moerun.rig.links import DAEMON_FAILURES, DaemonLink, failure_reason
 
 

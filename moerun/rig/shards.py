@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 
 from moerun.backends.devices import DEVICE_PATTERN, gpu_module, parse_device
+from moerun.backends.gpu_ipc import TransportUnavailable, record, wait
 from moerun.ipc.client import Counters, DaemonClient
 from moerun.ipc.curve import CurveClientKeys
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY
@@ -33,7 +34,6 @@ from moerun.models.spec import ModelSpec
 from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
 from moerun.moe.planner import DeviceBudget
 from moerun.rig.gpu_channels import Attached, GpuAttachments
-from moerun.rig.gpu_ipc import TransportUnavailable, record, wait
 from moerun.rig.links import DAEMON_FAILURES, RigError, failure_reason
 from moerun.rig.settings import RigConfig, SplitEntry, default_kv_dtype, shard_flags
 from moerun.rig.spawn import LocalDaemon, make_run_dir, remove_run_dir, spawn_daemon
@@ -256,7 +256,7 @@ class LayerShards:
         link.restarts += 1
         try:
             self._start(link)
-        except RigError as err:
+        except (RigError, TransportUnavailable) as err:
             raise ShardFailed(str(err)) from None
 
     def _drop(self, link: ShardLink) -> None:

@@ -103,3 +103,49 @@ def test_backends_import_neither_engine_rig_nor_server():
 
 def test_leaf_modules_import_nothing_of_moerun_but_the_errors_base():
     assert [edge for edge in EDGES if edge[0] in ("log", "units", "paths", "errors") and edge[1] != "errors"] == []
+
+
+# The expert daemon's side: what runs in a daemon process to serve experts. A layer shard
+# (daemons/shard.py) is a parent to its own expert daemons and runs the engine and a rig.
+DAEMON_SIDE = ("moerun.daemons.handler", "moerun.daemons.gpu_experts", "moerun.daemons.slot_server")
+PARENT_SIDE = ("moerun.rig", "moerun.engine", "moerun.server", "moerun.commands")
+
+
+def module_imports() -> set[tuple[str, str]]:
+    """(importing module, imported module) for every import of a moerun module."""
+    pairs = set()
+    for root in ROOTS.values():
+        for path in root.rglob("*.py"):
+            source = module_name(path)
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    pairs.add((source, node.module))
+                elif isinstance(node, ast.Import):
+                    pairs.update((source, alias.name) for alias in node.names)
+    return {(source, target) for source, target in pairs if target.startswith("moerun")}
+
+
+def daemon_side_violations(pairs: set[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Imports of the parent's supervision, engine, server or commands by the daemon's side."""
+    return sorted((source, target) for source, target in pairs
+                  if source.startswith(DAEMON_SIDE) and target.startswith(PARENT_SIDE))
+
+
+def test_the_daemon_side_imports_no_parent_code():
+    assert daemon_side_violations(module_imports()) == []
+
+
+def test_the_daemon_side_rule_catches_a_violation():
+    planted = {("moerun.daemons.handler", "moerun.rig.supervisor"), ("moerun.daemons.shard", "moerun.rig.supervisor"),
+               ("moerun.daemons.gpu_experts", "moerun.backends.gpu_ipc")}
+    assert daemon_side_violations(planted) == [("moerun.daemons.handler", "moerun.rig.supervisor")]
+
+
+def test_every_module_imports_on_a_machine_without_a_gpu():
+    """GPU code imports CuPy when it runs, not when it is imported: a moved or renamed module
+    whose imports broke fails here, not first on a GPU machine."""
+    import importlib
+    modules = sorted(module_name(path) for root in ROOTS.values() for path in root.rglob("*.py"))
+    for module in modules:
+        if not module.endswith("__main__"):
+            importlib.import_module(module)

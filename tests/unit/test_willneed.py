@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from moerun.backends.cpu.library import load_kernels
+from moerun.daemons.handler import ExpertDaemon
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.client import DaemonClient
-from moerun.rig.daemon_handler import ExpertDaemon
 from moerun.writers.synthetic import SyntheticConfig, write_synthetic_model
 from tests.support.daemon_fixtures import wait_for_socket
 

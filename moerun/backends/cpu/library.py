@@ -2,7 +2,7 @@
 (moe_ffn and moe_ffn_padded, the grouped expert FFN, called by numpy_backend.QuantizedExperts; moe_matmul, the
 products of a few matrices with one input, called by numpy_backend.StoredMatrix; the work of a
 layer around its products, decode.c, called by numpy_backend.NumpyBackend; a CPU daemon's
-arena served in a loop, serve.c, called by slot_server.SlotServer), the instruction
+arena served in a loop, serve.c, called by moerun.daemons.slot_server.SlotServer), the instruction
 set they run with, and the threads they use by default.
 load_kernels() builds or loads the library once per process; where it cannot, it says why once
 and returns None (the caller then takes the numpy path).

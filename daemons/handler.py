@@ -1,6 +1,6 @@
 """The expert daemon's request handling: it holds the experts a parent assigns it and computes
 them on request, on the CPU (the CPU kernels over its own mmap: nothing to load, so it is
-ready at once) or on a GPU (daemon_gpu.py). The protocol and the session rules live in
+ready at once) or on a GPU (gpu_experts.py). The protocol and the session rules live in
 moerun.ipc.server, which calls this as its Handler; moerun.daemons.daemon runs the process.
 
 Shape legend: T tokens, H hidden, P routed pairs (token, expert), F expert FFN width.
@@ -13,30 +13,21 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moerun.backends.cpu.slot_server import SlotServer
-from moerun.backends.devices import gpu_module, parse_device
+from moerun.backends.devices import check_device
+from moerun.backends.gpu_ipc import IPC_HANDLE_BYTES, valid_handles
 from moerun.backends.numpy_backend import (
     ExpertStore,
     QuantizedExperts,
     expert_store,
     float32_expert_bytes,
 )
+from moerun.daemons.gpu_experts import GpuExpertSet
+from moerun.daemons.slot_server import SlotServer
 from moerun.errors import UsageError
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.shm import Arena
 from moerun.models import load_spec
-from moerun.rig.daemon_gpu import GpuExpertSet
-from moerun.rig.gpu_ipc import IPC_HANDLE_BYTES, valid_handles
 from moerun.units import available_host_bytes
-
-
-def check_device(device: str) -> str:
-    """The backend name for a device string (numpy, cuda or hip); ValueError for a malformed
-    one, BackendUnavailable saying what is missing for one this machine cannot drive."""
-    parsed = parse_device(device)
-    if parsed.platform != "cpu":
-        gpu_module(parsed)
-    return "numpy" if parsed.platform == "cpu" else parsed.platform
 
 
 class ExpertDaemon:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from moerun.errors import MoerunError
 from moerun.ipc.shm import Arena
-from moerun.rig.links import RigError
 
 HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 1, 2
 IPC_EVENT_FLAGS = 4 | 2          # interprocess, no timing
@@ -16,7 +16,7 @@ CAN_USE_HOST_POINTER = 91        # device attribute: registered host memory at i
 IPC_HANDLE_BYTES = 64            # a CUDA/HIP IPC handle (memory or event)
 
 
-class TransportUnavailable(RigError):
+class TransportUnavailable(MoerunError, RuntimeError):
     """This pair of processes cannot use the transport asked for; the message says why."""
 
 

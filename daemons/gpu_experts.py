@@ -18,13 +18,13 @@ import numpy as np
 
 from moerun.backends import open_backend
 from moerun.backends.gpu_experts import GpuExperts, load_experts
+from moerun.backends.gpu_ipc import ExportedBuffers, record, register_arena, wait
 from moerun.backends.gpu_weights import Uploader
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.device_slots import DeviceSlots
 from moerun.ipc.protocol import DTYPE_CODES, WIRE_ITEMSIZE
 from moerun.ipc.shm import Arena
 from moerun.models.spec import ModelSpec
-from moerun.rig.gpu_ipc import ExportedBuffers, record, register_arena, wait
 
 TIMED_COMPUTES = 1024          # (start, end) event pairs, harvested when all are used
 

@@ -1,6 +1,7 @@
 """The package layering of docs/architecture.md, read from the source with `ast`: no import cycle
 between moerun's packages, no layer importing one above it, ipc importing nothing of moerun but
-itself, and backends knowing nothing of engine, rig or server."""
+itself, backends knowing nothing of engine, rig or server, and no architecture branch outside
+models/."""
 from __future__ import annotations
 
 import ast
@@ -102,3 +103,23 @@ def test_backends_import_neither_engine_rig_nor_server():
 
 def test_leaf_modules_import_nothing_of_moerun():
     assert [edge for edge in EDGES if edge[0] in ("log", "units", "paths")] == []
+
+
+def test_no_architecture_branch_outside_models():
+    """What an architecture does is in its file in moerun/models/: the engine reads nothing of
+    the architecture's rule (the backends read what their operations take), and neither the
+    engine nor the backends, the routing or the rig compare a value to an architecture's name."""
+    from moerun.models.registry import ARCHITECTURES
+    names = {n for module in ARCHITECTURES.values() for n in (module.RULE.family, module.RULE.gguf_arch)}
+    branches = []
+    for package in ("engine", "backends", "moe", "rig"):
+        for path in (REPO / "moerun" / package).rglob("*.py"):
+            where = path.relative_to(REPO)
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if package == "engine" and isinstance(node, ast.Attribute) and node.attr == "rule":
+                    branches.append(f"{where}:{node.lineno} reads the rule")
+                if isinstance(node, ast.Compare):
+                    constants = [c.value for operand in (node.left, *node.comparators) for c in ast.walk(operand)
+                                 if isinstance(c, ast.Constant)]
+                    branches += [f"{where}:{node.lineno} compares to {v!r}" for v in constants if v in names]
+    assert branches == []

@@ -25,7 +25,7 @@ def describe(path) -> str:
     with GGUFFile(path) as gguf:
         spec = load_spec(gguf)
         lines = [f"file:          {gguf.path} (GGUF v{gguf.version}, {_size(gguf.path.stat().st_size)})"]
-        lines += _hyperparameters(spec)
+        lines += _hyperparameters(spec, _gated_attention(gguf, spec))
         lines += ["", "tensor types:"] + _tensor_types(gguf)
         lines += ["", "per layer:"] + _layers(gguf, spec)
         kv = model_sizes(gguf, spec).kv_bytes_per_token
@@ -36,7 +36,7 @@ def describe(path) -> str:
     return "\n".join(lines)
 
 
-def _hyperparameters(spec: ModelSpec) -> list[str]:
+def _hyperparameters(spec: ModelSpec, gated_attention: bool) -> list[str]:
     dense = [i for i, moe in enumerate(spec.moe_layers) if not moe]
     rows = [
         ("architecture", f"{spec.family} (rope {spec.rule.rope_style}, top-K weights "
@@ -46,7 +46,7 @@ def _hyperparameters(spec: ModelSpec) -> list[str]:
         ("hidden", spec.hidden),
         ("heads", f"{spec.n_heads} query, {spec.n_kv_heads} key/value, head dim {spec.head_dim_k}"
                   + (f", rope over {spec.rope_dims}" if spec.rope_dims else "")
-                  + (", gated output" if spec.rule.gated_attention else "")),
+                  + (", gated output" if gated_attention else "")),
         *([("DeltaNet", _delta_net(spec))] if spec.delta_net else []),
         ("experts", f"{spec.n_experts}, {spec.n_experts_used} per token, FFN width {spec.expert_ff}"
                     + (", gate+up fused" if spec.fused_gate_up else "")),
@@ -58,6 +58,13 @@ def _hyperparameters(spec: ModelSpec) -> list[str]:
         ("rms eps", f"{spec.rms_eps:g}"),
     ]
     return [f"{key + ':':<15}{value}" for key, value in rows]
+
+
+def _gated_attention(gguf: GGUFFile, spec: ModelSpec) -> bool:
+    """Whether attn_q holds each head's output gate too (twice the query rows)."""
+    first = next(i for i in range(spec.n_layers) if not spec.is_recurrent(i))
+    q = f"blk.{first}.attn_q.weight"
+    return gguf.has_tensor(q) and gguf.tensor(q).shape[0] == 2 * spec.n_heads * spec.head_dim_k
 
 
 def _delta_net(spec: ModelSpec) -> str:

@@ -1,9 +1,9 @@
-"""The forward pass of a MoE transformer, written once over a backend's operations
-(moerun.backends: numpy on the CPU, CUDA or HIP on a GPU); each MoE layer's routed experts
-go through the executor it is given (moerun.moe.executor: all local, or a rig).
+"""The forward pass of a MoE transformer over a backend's operations (moerun.backends: numpy
+on the CPU, CUDA or HIP on a GPU): the embedding, the layers as the model's architecture
+composes them (moerun.models.registry), the layer shards' hop, the head; each MoE layer's routed
+experts go through the executor it is given (moerun.moe.executor: all local, or a rig).
 
-Shape legend: T tokens in the chunk, H hidden, V vocab, NH/NKV heads, D head dim,
-E experts, K experts per token, L layers.
+Shape legend: T tokens in the chunk, H hidden, V vocab, L layers.
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from moerun.backends.protocol import Backend, KVCache
-from moerun.engine.weights import LayerWeights, ModelWeights
+from moerun.engine.weights import ModelWeights
+from moerun.models.blocks import Step
+from moerun.models.registry import architecture
 from moerun.models.spec import ModelSpec
 from moerun.moe.executor import ExpertExecutor, MoEStats
 from moerun.moe.hotness import RoutingCounter
@@ -40,6 +42,7 @@ class MoEModel:
         self.executor = executor
         self.routing = routing
         self.shards = shards
+        self.architecture = architecture(spec)
         self.layer_ids = range(weights.first_layer, weights.first_layer + len(weights.layers))
         self._moe_layers = sum(spec.moe_layers[i] for i in self.layer_ids)
         self._layer_calls = 0             # MoE layer calls and routed pairs, counted per forward
@@ -118,70 +121,8 @@ class MoEModel:
         return backend.linear(backend.rms_norm(x, weights.output_norm), weights.output)   # [T, V]
 
     def _layers(self, x: Any, positions: Any, cache: KVCache) -> Any:
-        """x [T, H] through the layers this process runs -> [T, H]."""
+        """x [T, H] through the layers this process runs, each as its architecture composes it -> [T, H]."""
+        step = Step(self.backend, self.spec, self.executor, self.routing, cache, positions)
         for i, layer in zip(self.layer_ids, self.weights.layers):
-            if layer.delta_net is not None:
-                x = self._delta_net(i, layer, x, cache)
-            else:
-                x = self._attention(i, layer, x, cache, positions)
-            x = self._ffn(i, layer, x)
+            x = self.architecture.layer(step, i, layer, x)
         return x
-
-    def _attention(self, i: int, w: LayerWeights, x: Any, cache: KVCache, positions: Any) -> Any:
-        backend, spec = self.backend, self.spec
-        q, k, v = self._qkv(w, x)
-        gate = None
-        if spec.rule.gated_attention:
-            q, gate = backend.query_gate(q)                                            # [T, NH*D] each
-        q_norm, k_norm = w.attn_q_norm, w.attn_k_norm
-        if q_norm is not None and q_norm.shape[0] != spec.head_dim_k:   # olmoe: over the whole projection
-            q, k = backend.rms_norm(q, q_norm), backend.rms_norm(k, k_norm)
-            q_norm = k_norm = None
-        q = backend.rope_append(q, k, v, q_norm, k_norm, cache, i, positions)           # [T, NH, D]
-        attended = backend.attention(q, cache, i, positions)                           # [T, NH*Dv]
-        if gate is not None:
-            attended = backend.sigmoid_gate(attended, gate)
-        return backend.linear(attended, w.attn_output, residual=x)                     # [T, H]
-
-    def _delta_net(self, i: int, w: LayerWeights, x: Any, cache: KVCache) -> Any:
-        """A gated DeltaNet (linear attention) layer: its four projections of rms_norm(x), the
-        recurrence over the layer's states, the output projection plus the residual."""
-        d = w.delta_net
-        channels, z, beta, alpha = self.backend.linears(x, (d.attn_qkv, d.attn_gate, d.ssm_beta, d.ssm_alpha),
-                                                        (None,) * 4, w.attn_norm)
-        mixed = self.backend.delta_net(channels, z, beta, alpha, (d.ssm_conv1d, d.ssm_a, d.ssm_dt, d.ssm_norm),
-                                       cache, i)                                      # [T, HV*DV]
-        return self.backend.linear(mixed, d.ssm_out, residual=x)                       # [T, H]
-
-    def _qkv(self, w: LayerWeights, x: Any) -> tuple[Any, Any, Any]:
-        """q [T, NH*D], k [T, NKV*D], v [T, NKV*Dv] of rms_norm(x, attn_norm): three linears, or
-        one over the fused attn_qkv cut into column views (rows strided when T > 1; the backends
-        take them so)."""
-        backend, spec = self.backend, self.spec
-        if w.attn_qkv is None:
-            return backend.linears(x, (w.attn_q, w.attn_k, w.attn_v), (w.attn_q_bias, w.attn_k_bias, w.attn_v_bias),
-                                   w.attn_norm)
-        qkv, = backend.linears(x, (w.attn_qkv,), (w.attn_qkv_bias,), w.attn_norm)     # [T, q + k + v]
-        q_end = spec.n_heads * spec.head_dim_k
-        k_end = q_end + spec.n_kv_heads * spec.head_dim_k
-        return qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
-
-    def _ffn(self, i: int, w: LayerWeights, x: Any) -> Any:
-        backend = self.backend
-        if w.ffn_dense is not None:
-            h = backend.rms_norm(x, w.ffn_norm)
-            return backend.linear(self._swiglu(h, w.ffn_dense[:2]), w.ffn_dense[2], residual=x)
-        h, ids, weights = backend.route(x, w.ffn_norm, w.ffn_gate_inp)                # [T, H], [T, K], [T, K]
-        if self.routing is not None:
-            self.routing.add(i, backend.to_host(ids))
-        if w.ffn_shexp is None:                       # x + routed, the residual added by the experts' last kernel
-            return self.executor.begin(i, h, ids, weights, residual=x).finish()
-        pending = self.executor.begin(i, h, ids, weights)     # cold work is on its way to the daemons
-        shared = backend.linear(self._swiglu(h, w.ffn_shexp[:2]), w.ffn_shexp[2])
-        routed = pending.finish()                                                      # [T, H]
-        gate = None if w.ffn_gate_inp_shexp is None else backend.linear(h, w.ffn_gate_inp_shexp)
-        return backend.add(x, backend.add(routed, shared, gate))
-
-    def _swiglu(self, h: Any, gate_up: tuple[Any, Any]) -> Any:
-        gate, up = gate_up
-        return self.backend.silu_mul(self.backend.linear(h, gate), self.backend.linear(h, up))

@@ -1,17 +1,17 @@
-"""Architecture specs: the rules of each supported GGUF architecture (rules.py), and
-`load_spec`, which turns a GGUF file's metadata and tensor index into a `ModelSpec`."""
+"""Architecture specs: `load_spec`, which turns a GGUF file's metadata and tensor index into a
+`ModelSpec`, from the keys every architecture has and what its module (registry.py) reads."""
 from __future__ import annotations
 
 from moerun.gguf.reader import GGUFError, GGUFFile
-from moerun.models.rules import RULES, SUPPORTED
-from moerun.models.spec import DeltaNetShape, ModelSpec
+from moerun.models.registry import ARCHITECTURES, SUPPORTED
+from moerun.models.spec import ModelSpec
 
 
 def load_spec(gguf: GGUFFile) -> ModelSpec:
     """Read the hyper-parameters; raise GGUFError for anything moerun cannot run."""
     arch = gguf.require("general.architecture")
-    rule = RULES.get(arch)
-    if rule is None:
+    module = ARCHITECTURES.get(arch)
+    if module is None:
         raise GGUFError(gguf.path, f"unsupported architecture '{arch}' (moerun runs {SUPPORTED})")
 
     def key(name: str, default=None):
@@ -30,19 +30,11 @@ def load_spec(gguf: GGUFFile) -> ModelSpec:
     n_heads = _uniform(gguf, arch, "attention.head_count", key("attention.head_count"))
     n_kv_heads = _uniform(gguf, arch, "attention.head_count_kv", key("attention.head_count_kv", n_heads))
     first_moe = moe_layers.index(True)
-    fused = gguf.has_tensor(f"blk.{first_moe}.ffn_gate_up_exps.weight")
     down = gguf.tensor(f"blk.{first_moe}.ffn_down_exps.weight").shape  # (E, H, F)
-    rope_scale = _rope_scale(gguf, arch)
     head_dim_k = int(key("attention.key_length", hidden // n_heads))
-    head_dim_v = int(key("attention.value_length", hidden // n_heads))
-    recurrent = _recurrent_layers(gguf, arch, n_layers)
-    _check_fused_qkv(gguf, n_layers, recurrent,
-                     (n_heads * head_dim_k, n_kv_heads * head_dim_k, n_kv_heads * head_dim_v))
     rope_dims = int(key("rope.dimension_count", head_dim_k))
-    if rule.gguf_arch == "qwen35moe":
-        _check_rope_sections(gguf, arch, rope_dims)
-    return ModelSpec(
-        rule=rule,
+    spec = module.read_spec(gguf, ModelSpec(
+        rule=module.RULE,
         name=str(gguf.get("general.name", gguf.path.stem)),
         n_layers=n_layers,
         hidden=hidden,
@@ -50,10 +42,10 @@ def load_spec(gguf: GGUFFile) -> ModelSpec:
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim_k=head_dim_k,
-        head_dim_v=head_dim_v,
+        head_dim_v=int(key("attention.value_length", hidden // n_heads)),
         context_train=int(key("context_length")),
         rope_base=float(key("rope.freq_base", 10000.0)),
-        rope_scale=rope_scale,
+        rope_scale=_rope_scale(gguf, arch),
         rms_eps=float(key("attention.layer_norm_rms_epsilon")),
         n_experts=down[0],
         n_experts_used=int(key("expert_used_count")),
@@ -61,61 +53,11 @@ def load_spec(gguf: GGUFFile) -> ModelSpec:
         shared_ff=_first_dim(gguf, "ffn_down_shexp.weight", n_layers, axis=-1),
         dense_ff=_first_dim(gguf, "ffn_down.weight", n_layers, axis=-1),
         moe_layers=moe_layers,
-        fused_gate_up=fused,
+        fused_gate_up=gguf.has_tensor(f"blk.{first_moe}.ffn_gate_up_exps.weight"),
         rope_dims=0 if rope_dims == head_dim_k else rope_dims,
-        recurrent_layers=recurrent if any(recurrent) else (),
-        delta_net=_delta_net_shape(gguf, arch) if any(recurrent) else None,
-    )
-
-
-def _recurrent_layers(gguf: GGUFFile, arch: str, n_layers: int) -> tuple[bool, ...]:
-    """Which layers are gated DeltaNet (linear attention) rather than attention: as listed in
-    `attention.recurrent_layers`, else all but every `full_attention_interval`-th."""
-    listed = gguf.get(f"{arch}.attention.recurrent_layers")
-    if listed is not None:
-        if len(listed) < n_layers:
-            raise GGUFError(gguf.path, f"'{arch}.attention.recurrent_layers' has {len(listed)} entries for "
-                            f"{n_layers} layers")
-        return tuple(bool(v) for v in listed[:n_layers])
-    interval = gguf.get(f"{arch}.full_attention_interval")
-    if interval is None:
-        return (False,) * n_layers
-    if int(interval) < 1:
-        raise GGUFError(gguf.path, f"'{arch}.full_attention_interval' is {interval}; it must be at least 1")
-    return tuple((i + 1) % int(interval) != 0 for i in range(n_layers))
-
-
-def _delta_net_shape(gguf: GGUFFile, arch: str) -> DeltaNetShape:
-    def key(name: str) -> int:
-        value = gguf.get(f"{arch}.ssm.{name}")
-        if value is None:
-            raise GGUFError(gguf.path, f"missing metadata key '{arch}.ssm.{name}' (the linear attention layers' shape)")
-        return int(value)
-
-    key_heads, value_heads = key("group_count"), key("time_step_rank")
-    if key_heads < 1 or value_heads % key_heads:
-        raise GGUFError(gguf.path, f"'{arch}.ssm.time_step_rank' ({value_heads} value heads) must be a multiple of "
-                        f"'{arch}.ssm.group_count' ({key_heads} key heads)")
-    inner = key("inner_size")
-    if inner % value_heads:
-        raise GGUFError(gguf.path, f"'{arch}.ssm.inner_size' ({inner}) is not a multiple of {value_heads} value heads")
-    return DeltaNetShape(key_heads=key_heads, value_heads=value_heads, key_dim=key("state_size"),
-                         value_dim=inner // value_heads, conv_kernel=key("conv_kernel"))
-
-
-def _check_rope_sections(gguf: GGUFFile, arch: str, rope_dims: int) -> None:
-    """qwen35moe's rope is multi-section (time, height, width, extra); for text, whose positions
-    are equal on the first three and 0 on the fourth, it is plain NEOX rope only if every rotated
-    pair takes one of the first three sections (as in llama.cpp's sector rule)."""
-    sections = [int(v) for v in gguf.get(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])]
-    time, height, width = (sections + [0, 0, 0])[:3]
-    total = sum(sections)
-    for pair in range(rope_dims // 2):
-        sector = pair % total if total else pair
-        if not ((sector % 3 == 0 and sector < 3 * time) or (sector % 3 == 1 and sector < 3 * height)
-                or (sector % 3 == 2 and sector < 3 * width)):
-            raise GGUFError(gguf.path, f"'{arch}.rope.dimension_sections' {sections} leave rotated pair {pair} to the "
-                            f"fourth section, which text positions do not use; moerun runs text only")
+    ))
+    _check_fused_qkv(gguf, spec)
+    return spec
 
 
 def _uniform(gguf: GGUFFile, arch: str, name: str, value) -> int:
@@ -139,13 +81,14 @@ def _check_dense_layout(gguf: GGUFFile, arch: str, moe_layers: tuple[bool, ...])
                             f"nor a dense FFN (blk.{i}.ffn_down.weight)")
 
 
-def _check_fused_qkv(gguf: GGUFFile, n_layers: int, recurrent: tuple[bool, ...], widths: tuple[int, int, int]) -> None:
+def _check_fused_qkv(gguf: GGUFFile, spec: ModelSpec) -> None:
     """An attention layer's fused attn_qkv (llama.cpp's converter with --fuse-qkv) stands instead
     of attn_q/k/v, weights and biases alike, and holds the q, k and v rows in that order: the
     forward pass splits it by these widths. (A DeltaNet layer's attn_qkv is its own projection.)"""
+    widths = (spec.n_heads * spec.head_dim_k, spec.n_kv_heads * spec.head_dim_k, spec.n_kv_heads * spec.head_dim_v)
     rows = sum(widths)
-    for i in range(n_layers):
-        if recurrent[i]:
+    for i in range(spec.n_layers):
+        if spec.is_recurrent(i):
             continue
         weight, bias = f"blk.{i}.attn_qkv.weight", f"blk.{i}.attn_qkv.bias"
         if not gguf.has_tensor(weight):

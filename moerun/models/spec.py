@@ -1,7 +1,8 @@
-"""ModelSpec: the hyper-parameters and per-architecture rules one forward pass needs.
+"""ModelSpec: the hyper-parameters one forward pass needs, and the architecture's rule.
 
 Built from GGUF metadata and the tensor index by `moerun.models.load_spec`; each
-architecture contributes only the rules that differ (rope style, routing; rules.py).
+architecture (its file in moerun/models/) declares its rule and what it reads beyond the
+common keys.
 """
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ArchRule:
-    """What distinguishes one architecture family in the forward pass."""
+    """What the backends' operations read of an architecture (rope_append, route); the rest of
+    it is how its file composes a layer."""
 
     family: str              # qwen3moe | qwen2moe | olmoe | mixtral | qwen35moe
     gguf_arch: str           # general.architecture value
     rope_style: str          # "neox" (rotate halves) or "norm" (rotate adjacent pairs)
     renormalize_topk: bool   # rescale the top-K router weights to sum to 1
-    gated_shared_expert: bool = False  # shared expert scaled by sigmoid(ffn_gate_inp_shexp · x)
-    gated_attention: bool = False      # attn_q gives each head's query and an output gate (sigmoid)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The package layering of docs/architecture.md, read from the source with `ast`: no import cycle
 between moerun's packages, no layer importing one above it, ipc importing nothing of moerun but
-itself and the errors' base, and backends knowing nothing of engine, rig or server."""
+itself and the errors' base, backends knowing nothing of engine, rig or server, and no
+architecture branch outside models/."""
 from __future__ import annotations
 
 import ast
@@ -149,3 +150,23 @@ def test_every_module_imports_on_a_machine_without_a_gpu():
     for module in modules:
         if not module.endswith("__main__"):
             importlib.import_module(module)
+
+
+def test_no_architecture_branch_outside_models():
+    """What an architecture does is in its file in moerun/models/: the engine reads nothing of
+    the architecture's rule (the backends read what their operations take), and neither the
+    engine nor the backends, the routing or the rig compare a value to an architecture's name."""
+    from moerun.models.registry import ARCHITECTURES
+    names = {n for module in ARCHITECTURES.values() for n in (module.RULE.family, module.RULE.gguf_arch)}
+    branches = []
+    for package in ("engine", "backends", "moe", "rig"):
+        for path in (REPO / "moerun" / package).rglob("*.py"):
+            where = path.relative_to(REPO)
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if package == "engine" and isinstance(node, ast.Attribute) and node.attr == "rule":
+                    branches.append(f"{where}:{node.lineno} reads the rule")
+                if isinstance(node, ast.Compare):
+                    constants = [c.value for operand in (node.left, *node.comparators) for c in ast.walk(operand)
+                                 if isinstance(c, ast.Constant)]
+                    branches += [f"{where}:{node.lineno} compares to {v!r}" for v in constants if v in names]
+    assert branches == []

@@ -17,7 +17,7 @@ import pytest
 
 from moerun.backends.numpy_backend import NumpyBackend
 from moerun.backends.numpy_ops import route
-from moerun.models.rules import RULES
+from moerun.models.registry import ARCHITECTURES
 from tests.support.gpu import small_spec
 
 SHAPES = [(1, 8, 2), (7, 8, 8), (5, 16, 1), (33, 64, 8), (4, 60, 4), (3, 128, 8), (2, 4, 4)]
@@ -108,9 +108,9 @@ def test_large_and_masked_logits_stay_finite():
 RENORMALISES = {"qwen3moe": True, "mixtral": True, "qwen2moe": False, "olmoe": False, "qwen35moe": True}
 
 
-@pytest.mark.parametrize("gguf_arch", sorted(RULES))
+@pytest.mark.parametrize("gguf_arch", sorted(ARCHITECTURES))
 def test_backend_route_uses_the_architecture_rule(gguf_arch):
-    rule = RULES[gguf_arch]
+    rule = ARCHITECTURES[gguf_arch].RULE
     spec = dataclasses.replace(small_spec(experts=16, top_k=4), rule=rule)
     x = logits_for(9, 16, seed=3)                                          # [9, 16]
     norm = np.linspace(0.5, 2, 16, dtype=np.float32)
@@ -120,4 +120,4 @@ def test_backend_route_uses_the_architecture_rule(gguf_arch):
     want_ids, want_weights = reference(h, 4, RENORMALISES[rule.family])
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(weights, want_weights, rtol=2e-6, atol=1e-7)
-    assert set(RENORMALISES) == {r.family for r in RULES.values()}
+    assert set(RENORMALISES) == {module.RULE.family for module in ARCHITECTURES.values()}

@@ -6,9 +6,9 @@ heads of 128 (the Qwen3-30B-A3B shape), the median of repeated calls, against nu
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from timing import call_seconds
 
 from moerun.backends.cpu.library import AttentionShape, load_kernels
 
@@ -46,11 +46,8 @@ def main() -> None:
         for threads in (int(t) for t in args.threads.split(",")):
             got = kernels.attention(shape, q, seen - 1, keys, values, threads).reshape(HEADS, DIM)
             error = np.abs(got - want).max() / np.abs(want).max()
-            times = []
-            for _ in range(args.calls):
-                started = time.perf_counter()
-                kernels.attention(shape, q, seen - 1, keys, values, threads)
-                times.append(time.perf_counter() - started)
+            times = call_seconds(lambda: kernels.attention(shape, q, seen - 1, keys, values, threads),
+                                 runs=args.calls, warmup=0)
             seconds = float(np.median(times))
             rate = HEADS * seen * 2 * DIM / seconds / 1e9 / threads
             print(f"{threads:7d} {seen:9d} {seconds * 1e3:8.3f} {rate:10.2f} {error:8.1e}", flush=True)

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import time
 
 import numpy as np
 from bench_cpu_experts import T, stored
 from threadpoolctl import threadpool_limits
+from timing import call_seconds
 
 from moerun.backends.cpu.library import CpuKernels, load_kernels
 
@@ -33,13 +33,7 @@ BUDGET_S = 1.0                    # time spent per measurement, at least 3 calls
 
 
 def best_seconds(call) -> float:
-    call()
-    runs, started = [], time.perf_counter()
-    while len(runs) < 3 or time.perf_counter() - started < BUDGET_S:
-        begin = time.perf_counter()
-        call()
-        runs.append(time.perf_counter() - begin)
-    return min(runs)
+    return min(call_seconds(call, runs=3, budget_s=BUDGET_S))
 
 
 def blocking(kernels: CpuKernels, n_cols: int, n_rows: int, threads: int) -> tuple[int, int]:

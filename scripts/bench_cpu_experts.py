@@ -26,6 +26,7 @@ import time
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from threadpoolctl import threadpool_limits
+from timing import call_seconds
 
 from moerun.backends.cpu.library import ExpertMatrices, Matrix, load_kernels
 from moerun.backends.numpy_backend import QuantizedExperts
@@ -83,13 +84,7 @@ def prefill_seconds(ffn, rng: np.random.Generator) -> float:
     experts = np.concatenate([rng.permutation(EXPERTS)[:TOP_K] for _ in range(PREFILL_TOKENS)])
     rows = np.repeat(np.arange(PREFILL_TOKENS), TOP_K)
     weights = np.full(len(rows), 1 / TOP_K, np.float32)
-    ffn(x, rows, experts, weights)
-    runs = []
-    for _ in range(3):
-        started = time.perf_counter()
-        ffn(x, rows, experts, weights)
-        runs.append(time.perf_counter() - started)
-    return min(runs)
+    return min(call_seconds(lambda: ffn(x, rows, experts, weights), runs=3))
 
 
 def main() -> None:

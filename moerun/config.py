@@ -14,13 +14,27 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import click
 
 from moerun.backends.devices import DEVICE_PATTERN
 from moerun.backends.protocol import KV_DTYPES
+from moerun.engine.runtime import DEFAULT_UBATCH
 from moerun.errors import UsageError
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES
 from moerun.ipc.sockets import ENDPOINT
-from moerun.rig.settings import AUTO, MODES, RIG_TRANSPORTS, ConfigError, DaemonEntry, SplitEntry
+from moerun.rig.settings import (
+    AUTO,
+    MODES,
+    RIG_TRANSPORTS,
+    STREAM_SLICE_TOKENS,
+    ConfigError,
+    DaemonEntry,
+    RigConfig,
+    SplitEntry,
+    parse_split,
+)
 from moerun.units import parse_bytes
 
 WORKLOADS = ("generate", "serve")
@@ -147,29 +161,149 @@ class Key:
     path: bool = False           # a file name, relative to the config file's directory (~ expanded)
 
 
+def field(name: str, convert: Callable[[Any], Any] = lambda value: value) -> Callable[[Any], dict]:
+    """An option's value as the RigConfig field `name` (converted)."""
+    return lambda value: {name: convert(value)}
+
+
+def split_fields(specs: tuple[str, ...]) -> dict:
+    """--split SPEC@LAYER ... and auto, as RigConfig's splits and split_auto."""
+    return {"splits": tuple(parse_split(spec) for spec in specs if spec != AUTO), "split_auto": AUTO in specs}
+
+
+@dataclass(frozen=True)
+class RunOption:
+    """One option of the commands that load a model, written once: its flag (the click
+    declaration every such command takes), its top-level config-file key with the key's check
+    (None: the file has none, or sets it another way), and the RigConfig fields its value sets
+    (None: a Runtime argument)."""
+    name: str                                   # the commands' parameter, and the config key
+    flag: Callable                              # click.option(...)
+    key: Key | None
+    rig: Callable[[Any], dict] | None
+
+
+threads_flag = click.option(
+    "-t", "--threads", type=click.IntRange(min=1), default=None,
+    help="The parent's CPU threads [default: its share of this host's CPUs, split with the CPU daemons that "
+         "run here; one for a GPU parent beside them].")
+
+RUN_OPTIONS = (
+    RunOption("device", click.option("--device", default="cpu", show_default=True, metavar="DEVICE",
+                                     help="The parent's device: cpu, cuda:N or hip:N."),
+              Key(device), field("device")),
+    RunOption("graphs", click.option("--graph/--no-graph", "graphs", default=True, show_default=True,
+                                     help="Run GPU decode steps as CUDA graphs (--no-graph: eagerly)."),
+              Key(boolean), field("graphs")),
+    RunOption("kv_dtype", click.option("--kv-dtype", type=click.Choice(tuple(KV_DTYPES)), default=None,
+                                       help="A GPU parent's KV cache elements [default: f16; the CPU parent's "
+                                            "are f32]."),
+              Key(one_of(*KV_DTYPES)), field("kv_dtype")),
+    RunOption("ctx", click.option("-c", "--ctx", "--ctx-size", "ctx", type=click.IntRange(min=1), default=None,
+                                  help="Context length in tokens [default: the model's, at most 4096]."),
+              Key(integer(1)), None),
+    RunOption("kv_pool", click.option("--kv-pool", type=click.IntRange(min=1), default=None,
+                                      help="Hold at most this many tokens of KV cache (a sequence that outgrows it "
+                                           "is an error)."),
+              Key(integer(1)), None),
+    RunOption("ubatch", click.option("-ub", "--ubatch", "--ubatch-size", "ubatch", type=click.IntRange(min=1),
+                                     default=DEFAULT_UBATCH, show_default=True, help="Prefill chunk size in tokens."),
+              Key(integer(1)), None),
+    RunOption("daemons", click.option("--daemon", "daemons", multiple=True, metavar="SPEC",
+                                      help="Expert daemon: cpu, cuda:N or hip:N (spawned here) or ipc://PATH, "
+                                           "tcp://HOST:PORT (running already). Repeatable."),
+              None, field("daemons", tuple)),                  # the file's [[daemon]] tables
+    RunOption("splits", click.option("--split", "splits", multiple=True, metavar="SPEC@LAYER|auto",
+                                     help="Run the layers from LAYER to the next boundary in a layer shard on SPEC: "
+                                          "cpu, cuda:N or hip:N (spawned here) or ipc://PATH, tcp://HOST:PORT "
+                                          "(running already: `moerun daemon --layers A:B`). Repeatable. auto: "
+                                          "ranges over this host's GPUs by their free memory."),
+              None, split_fields),                            # the file's [[split]] tables
+    RunOption("hot", click.option("--hot", type=click.IntRange(min=0), default=None,
+                                  help="Keep experts 0..N-1 of each layer on the parent, deal the rest to the daemons "
+                                       "[default: experts per token]."),
+              Key(integer(0)), field("hot")),
+    RunOption("placement", click.option("--placement", default=None, metavar="FILE|auto",
+                                        help="Placement JSON file (docs/placement.md), or auto: plan from the free "
+                                             "memory now."),
+              Key(text, path=True), field("placement")),
+    RunOption("transport", click.option("--transport", type=click.Choice(RIG_TRANSPORTS), default="auto",
+                                        show_default=True,
+                                        help="device: GPU to GPU through CUDA/HIP IPC (same host, same vendor); "
+                                             "shared: shared memory, pinned for GPUs (same host); stream: ZeroMQ "
+                                             "frames; auto: the first that fits."),
+              Key(one_of(*RIG_TRANSPORTS)), field("transport")),
+    RunOption("mode", click.option("--mode", type=click.Choice(MODES), default="auto", show_default=True,
+                                   help=f"batched: a whole prefill chunk per call; stream: {STREAM_SLICE_TOKENS} "
+                                        "tokens per call."),
+              Key(one_of(*MODES)), field("mode")),
+    RunOption("batch_capacity", click.option("--batch-capacity", type=click.IntRange(1, MAX_BATCH_CAPACITY),
+                                             default=1024, show_default=True,
+                                             help="Most prefill tokens per daemon call in batched mode."),
+              Key(integer(1, MAX_BATCH_CAPACITY)), field("batch_capacity")),
+    RunOption("payload_dtype", click.option("--payload-dtype", type=click.Choice(tuple(PAYLOAD_DTYPES)), default=None,
+                                            help="Activations sent to daemons (replies are f32) and hidden states to "
+                                                 "layer shards [default: f32; bf16 between a GPU parent and a GPU "
+                                                 "shard]."),
+              Key(one_of(*PAYLOAD_DTYPES)), field("payload_dtype")),
+    RunOption("stream_threshold", click.option("--stream-threshold", default=AUTO, show_default=True,
+                                               metavar="N|auto|off",
+                                               help="A GPU parent computes the CPU daemons' experts itself, from "
+                                                    "copies streamed to the GPU, for prefill chunks of at least N "
+                                                    "tokens; auto: N by measuring both at start-up."),
+              Key(stream_threshold), field("stream_threshold")),
+    RunOption("expert_cache", click.option("--expert-cache", default="0", show_default=True, metavar="SIZE",
+                                           help="A GPU parent's device memory for the host-RAM experts routing "
+                                                "favours now, e.g. 8GiB."),
+              Key(size), field("expert_cache_bytes", lambda text: parse_bytes(text, "--expert-cache"))),
+    RunOption("gpu_reads", click.option("--gpu-reads", default="off", show_default=True, metavar="SHARE|off",
+                                        help="The share (0 to 1) of the CPU daemons' experts a GPU parent multiplies "
+                                             "itself, reading their weights in host RAM across the bus, while the "
+                                             "daemons compute the rest (gains only where the daemons are short of "
+                                             "cores rather than of memory bandwidth)."),
+              Key(gpu_reads), field("gpu_reads")),
+    RunOption("daemon_timeout", click.option("--daemon-timeout", type=click.FloatRange(min=0, min_open=True),
+                                             default=30.0, show_default=True,
+                                             help="Seconds a daemon may take per call before the parent computes "
+                                                  "its experts itself."),
+              Key(number(above=0)), field("daemon_timeout_s")),
+    RunOption("require_daemons", click.option("--require-daemons", is_flag=True,
+                                              help="Stop with an error instead of computing a failed daemon's "
+                                                   "experts on the parent."),
+              Key(boolean), field("require_daemons")),
+    RunOption("client_secret_key", click.option("--curve-secret-key", "client_secret_key",
+                                                type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                                                help="This parent's CURVE secret key file (`moerun keys`), for "
+                                                     "daemons that authenticate their parents."),
+              None, field("client_secret_key")),              # the file's [auth] client_secret_key
+    RunOption("daemon_public_keys", click.option("--daemon-public-key", "daemon_public_keys", multiple=True,
+                                                 metavar="FILE",
+                                                 help="The CURVE public key file of a daemon the parent connects "
+                                                      "to: one for each ipc:// or tcp:// --daemon, then --split, "
+                                                      "in order, or one for all. Repeatable."),
+              None, field("daemon_public_keys", tuple)),      # the file's curve_public_key of each table
+    RunOption("threads", threads_flag, Key(integer(1)), field("threads")),
+    RunOption("pin", click.option("--pin", is_flag=True,
+                                  help="Hold the parent and each CPU daemon it starts to CPUs of its own (Linux)."),
+              Key(boolean), field("pin")),
+)
+
+
+def rig_config(values: dict) -> RigConfig:
+    """The RigConfig of a model-loading command's option values (every RUN_OPTIONS name, plus the
+    file's daemon_entries and split_entries)."""
+    fields = {}
+    for option in RUN_OPTIONS:
+        if option.rig is not None:
+            fields.update(option.rig(values[option.name]))
+    return RigConfig(**fields, daemon_entries=values["daemon_entries"], split_entries=values["split_entries"])
+
+
 TOP_LEVEL = {
     "model": Key(text, path=True),
-    "device": Key(device),
-    "graphs": Key(boolean),
-    "kv_dtype": Key(one_of(*KV_DTYPES)),
     "memory": Key(size),
     "workload": Key(one_of(*WORKLOADS)),
-    "placement": Key(text, path=True),
-    "hot": Key(integer(0)),
-    "transport": Key(one_of(*RIG_TRANSPORTS)),
-    "mode": Key(one_of(*MODES)),
-    "payload_dtype": Key(one_of(*PAYLOAD_DTYPES)),
-    "batch_capacity": Key(integer(1, MAX_BATCH_CAPACITY)),
-    "stream_threshold": Key(stream_threshold),
-    "expert_cache": Key(size),
-    "gpu_reads": Key(gpu_reads),
-    "daemon_timeout": Key(number(above=0)),
-    "require_daemons": Key(boolean),
-    "threads": Key(integer(1)),
-    "pin": Key(boolean),
-    "ctx": Key(integer(1)),
-    "kv_pool": Key(integer(1)),
-    "ubatch": Key(integer(1)),
+    **{option.name: option.key for option in RUN_OPTIONS if option.key is not None},
 }
 TABLES = {
     "auth": {

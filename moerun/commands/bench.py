@@ -127,7 +127,7 @@ def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_
             raise click.BadParameter(f"{given} is too small for {largest.name}, which needs {largest.positions} "
                                      f"positions; raise it or leave it out", param_hint=f"--{flag.replace('_', '-')}")
     runtime_flags["ctx"] = runtime_flags["ctx"] or largest.positions
-    with open_runtime(model_or_demo(model), **runtime_flags) as runtime:
+    with open_runtime(model_or_demo(model), runtime_flags) as runtime:
         facts = _model_facts(runtime)
         rig = runtime.rig
         columns = COLUMNS + DAEMON_COLUMNS if rig else COLUMNS

@@ -33,7 +33,7 @@ def logits(model, ids, output, stats, stats_json, **runtime_flags):
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {ids!r}", param_hint="--ids") from None
     runtime_flags["ctx"] = runtime_flags["ctx"] or max(len(token_ids), 1)
-    with open_runtime(model, **runtime_flags) as runtime:
+    with open_runtime(model, runtime_flags) as runtime:
         run_stats = RunStats()
         result = runtime.logits(token_ids, run_stats)
         write_atomic(Path(output), npy_bytes(result))

@@ -9,8 +9,8 @@ from moerun.commands.options import (
     MODEL_HELP,
     friendly_errors,
     model_or_demo,
-    threads_option,
 )
+from moerun.config import threads_flag
 from moerun.engine.runtime import DEFAULT_UBATCH, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.chat import render_messages
@@ -29,7 +29,7 @@ from moerun.rig.settings import RigConfig
 @click.option("--ctx", type=click.IntRange(min=1), default=None,
               help="Context length [default: the model's, at most 4096].")
 @click.option("--ubatch", type=click.IntRange(min=1), default=DEFAULT_UBATCH, show_default=True)
-@threads_option
+@threads_flag
 @friendly_errors
 def profile(model, prompts_file, output, n_predict, chat, ctx, ubatch, threads):
     """Count how often each expert is routed to over a set of prompts (for `plan --hotness`)."""

@@ -117,7 +117,7 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     def announce() -> None:
         logger.info(f"serving {model_id} at {url_of(listening)} (OpenAI API at /v1)")
 
-    worker = Worker(partial(open_runtime, model, prefix_cache=prefix_cache, **runtime_flags),
+    worker = Worker(partial(open_runtime, model, runtime_flags, prefix_cache=prefix_cache),
                     Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue),
                     on_load_failure=stop_serving, on_ready=announce)
     app = create_app(worker, model_id, max_body_bytes, access)

@@ -470,3 +470,27 @@ def test_a_split_tables_expert_daemons_are_checked(tmp_path):
     entry, = load_config_file(write(tmp_path, '[[split]]\ndevice = "cpu"\nlayer = 2\ndaemons = ["cpu", "cuda:1"]\n'
                                               'hot = 3\n'))["split_entries"]
     assert entry.expert_flags == ("--daemon", "cpu", "--daemon", "cuda:1", "--hot", "3")
+
+
+def test_one_table_gives_the_flags_the_keys_and_the_rig_settings():
+    """config.RUN_OPTIONS is the one place a model-loading option is written: its flag declares
+    the parameter of its name, its key is the config file's, and together the options set every
+    RigConfig field the file's tables do not, each field from exactly one option."""
+    import dataclasses
+
+    from moerun.config import RUN_OPTIONS, TOP_LEVEL
+    from moerun.rig.settings import RigConfig
+
+    for option in RUN_OPTIONS:
+        declared = option.flag(lambda **params: None).__click_params__[-1]
+        assert declared.name == option.name
+        assert (option.key is None) or TOP_LEVEL[option.name] is option.key
+    samples = {"daemons": ("cpu",), "splits": ("cpu@2", "auto"), "expert_cache": "1GiB", "daemon_public_keys": ("k",)}
+    set_by: dict[str, list[str]] = {}
+    for option in RUN_OPTIONS:
+        if option.rig is not None:
+            for name in option.rig(samples.get(option.name, None)):
+                set_by.setdefault(name, []).append(option.name)
+    fields = {f.name for f in dataclasses.fields(RigConfig)} - {"daemon_entries", "split_entries"}
+    assert set(set_by) == fields
+    assert all(len(options) == 1 for options in set_by.values())

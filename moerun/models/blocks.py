@@ -8,6 +8,7 @@ HV value heads of DV (DeltaNet).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,12 @@ def dense_ffn(step: Step, w: LayerWeights, x: Any) -> Any:
     """A dense layer's SwiGLU FFN of rms_norm(x, ffn_norm)."""
     h = step.backend.rms_norm(x, w.ffn_norm)
     return step.backend.linear(_swiglu(step, h, w.ffn_dense), w.ffn_dense[2], residual=x)   # [T, H]
+
+
+def feed_forward(step: Step, i: int, w: LayerWeights, x: Any, experts: Callable[..., Any]) -> Any:
+    """Layer i's feed-forward block: the MoE block `experts` (routed_experts or
+    routed_and_shared_experts) where the layer has routed experts, else the dense FFN."""
+    return experts(step, i, w, x) if step.spec.moe_layers[i] else dense_ffn(step, w, x)
 
 
 def routed_experts(step: Step, i: int, w: LayerWeights, x: Any) -> Any:

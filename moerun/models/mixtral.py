@@ -5,19 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from moerun.gguf.reader import GGUFFile
-from moerun.models.blocks import Step, attention, dense_ffn, routed_experts
+from moerun.models.blocks import Step, attention, feed_forward, routed_experts
 from moerun.models.layer_weights import LayerWeights
-from moerun.models.spec import ArchRule, ModelSpec
+from moerun.models.spec import ArchRule, common_keys_only
 
 RULE = ArchRule(family="mixtral", gguf_arch="llama", rope_style="norm", renormalize_topk=True)
-
-
-def read_spec(gguf: GGUFFile, spec: ModelSpec) -> ModelSpec:
-    """Nothing beyond the common keys."""
-    return spec
+read_spec = common_keys_only
 
 
 def layer(step: Step, i: int, w: LayerWeights, x: Any) -> Any:
     x = attention(step, i, w, x)
-    return routed_experts(step, i, w, x) if step.spec.moe_layers[i] else dense_ffn(step, w, x)
+    return feed_forward(step, i, w, x, routed_experts)

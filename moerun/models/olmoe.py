@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from moerun.gguf.reader import GGUFFile
-from moerun.models.blocks import Step, dense_ffn, routed_experts, whole_projection_qk_norm_attention
+from moerun.models.blocks import Step, feed_forward, routed_experts, whole_projection_qk_norm_attention
 from moerun.models.layer_weights import LayerWeights
-from moerun.models.spec import ArchRule, ModelSpec
+from moerun.models.spec import ArchRule, common_keys_only
 
 RULE = ArchRule(family="olmoe", gguf_arch="olmoe", rope_style="neox", renormalize_topk=False)
-
-
-def read_spec(gguf: GGUFFile, spec: ModelSpec) -> ModelSpec:
-    """Nothing beyond the common keys."""
-    return spec
+read_spec = common_keys_only
 
 
 def layer(step: Step, i: int, w: LayerWeights, x: Any) -> Any:
     x = whole_projection_qk_norm_attention(step, i, w, x)
-    return routed_experts(step, i, w, x) if step.spec.moe_layers[i] else dense_ffn(step, w, x)
+    return feed_forward(step, i, w, x, routed_experts)

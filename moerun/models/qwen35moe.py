@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from moerun.gguf.reader import GGUFError, GGUFFile
-from moerun.models.blocks import Step, delta_net, dense_ffn, gated_attention, routed_and_shared_experts
+from moerun.models.blocks import Step, delta_net, feed_forward, gated_attention, routed_and_shared_experts
 from moerun.models.layer_weights import LayerWeights
 from moerun.models.spec import ArchRule, DeltaNetShape, ModelSpec
 
@@ -28,7 +28,7 @@ def read_spec(gguf: GGUFFile, spec: ModelSpec) -> ModelSpec:
 
 def layer(step: Step, i: int, w: LayerWeights, x: Any) -> Any:
     x = delta_net(step, i, w, x) if step.spec.is_recurrent(i) else gated_attention(step, i, w, x)
-    return routed_and_shared_experts(step, i, w, x) if step.spec.moe_layers[i] else dense_ffn(step, w, x)
+    return feed_forward(step, i, w, x, routed_and_shared_experts)
 
 
 def _recurrent_layers(gguf: GGUFFile, n_layers: int) -> tuple[bool, ...]:

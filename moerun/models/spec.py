@@ -83,3 +83,8 @@ class ModelSpec:
         or the fused gate_up (E, 2F, H, gate first) and down."""
         parts = ("gate_up", "down") if self.fused_gate_up else ("gate", "up", "down")
         return [f"blk.{layer}.ffn_{part}_exps.weight" for part in parts]
+
+
+def common_keys_only(gguf, spec: ModelSpec) -> ModelSpec:
+    """The `read_spec` of an architecture that reads nothing beyond the common keys."""
+    return spec

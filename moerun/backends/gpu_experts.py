@@ -216,7 +216,6 @@ class TileLayout:
         if n_experts > MAX_EXPERTS:
             raise UsageError(f"the GPU prefill lays out at most {MAX_EXPERTS} experts per layer (got {n_experts})")
         n_pairs = ids.size
-        self.rows = rows
         self.max_tiles = -(-n_pairs // rows) + n_experts
         self.max_rows = self.max_tiles * rows
         self.counts = cupy.empty(n_experts, cupy.int32)                               # [E]

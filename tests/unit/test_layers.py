@@ -41,9 +41,10 @@ def module_name(path: Path) -> str:
     raise AssertionError(path)
 
 
-def imports() -> dict[tuple[str, str], list[str]]:
-    """(importing unit, imported unit) -> the importing modules, for every moerun import."""
-    edges: dict[tuple[str, str], list[str]] = {}
+def module_imports() -> set[tuple[str, str]]:
+    """(importing module, imported module) for every import of a moerun module (`from moerun
+    import x` as moerun.x)."""
+    pairs = set()
     for root in ROOTS.values():
         for path in root.rglob("*.py"):
             source = module_name(path)
@@ -54,10 +55,20 @@ def imports() -> dict[tuple[str, str], list[str]]:
                     targets = [alias.name for alias in node.names]
                 else:
                     continue
-                for target in targets:
-                    importer, imported = unit_of(source), unit_of(target)
-                    if imported is not None and importer not in (None, imported):
-                        edges.setdefault((importer, imported), []).append(source)
+                pairs.update((source, target) for target in targets if target.startswith("moerun"))
+    return pairs
+
+
+MODULE_IMPORTS = module_imports()
+
+
+def imports() -> dict[tuple[str, str], list[str]]:
+    """(importing unit, imported unit) -> the importing modules, for every moerun import."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for source, target in sorted(MODULE_IMPORTS):
+        importer, imported = unit_of(source), unit_of(target)
+        if imported is not None and importer not in (None, imported):
+            edges.setdefault((importer, imported), []).append(source)
     return edges
 
 
@@ -112,20 +123,6 @@ DAEMON_SIDE = ("moerun.daemons.handler", "moerun.daemons.gpu_experts", "moerun.d
 PARENT_SIDE = ("moerun.rig", "moerun.engine", "moerun.server", "moerun.commands")
 
 
-def module_imports() -> set[tuple[str, str]]:
-    """(importing module, imported module) for every import of a moerun module."""
-    pairs = set()
-    for root in ROOTS.values():
-        for path in root.rglob("*.py"):
-            source = module_name(path)
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    pairs.add((source, node.module))
-                elif isinstance(node, ast.Import):
-                    pairs.update((source, alias.name) for alias in node.names)
-    return {(source, target) for source, target in pairs if target.startswith("moerun")}
-
-
 def daemon_side_violations(pairs: set[tuple[str, str]]) -> list[tuple[str, str]]:
     """Imports of the parent's supervision, engine, server or commands by the daemon's side."""
     return sorted((source, target) for source, target in pairs
@@ -133,7 +130,7 @@ def daemon_side_violations(pairs: set[tuple[str, str]]) -> list[tuple[str, str]]
 
 
 def test_the_daemon_side_imports_no_parent_code():
-    assert daemon_side_violations(module_imports()) == []
+    assert daemon_side_violations(MODULE_IMPORTS) == []
 
 
 def test_the_daemon_side_rule_catches_a_violation():

@@ -18,9 +18,16 @@ events say what happened, on the connecting side (libzmq 4.3):
 The monitor judges only events that came after forget(): the caller forgets before each
 greeting, and the DEALER's next attempt (at most RECONNECT_MAX_MS later) decides; a refused
 handshake is remembered (refused_for_good), since no attempt follows it.
+
+ZeroMQ sends each event from the context's I/O thread, and a send that cannot go through
+blocks that thread, and with it every socket of the context. So the events' queue has no
+bound (a DEALER that retries a dead daemon for a day queues some 170,000 events, ~125 bytes
+each, until its next request reads them), and close() stops the events before it closes
+their socket (an event sent to a closed monitor would block for good).
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import zmq
@@ -37,14 +44,19 @@ MONITORED = (zmq.EVENT_CONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED 
 HUNG_UP_TIMES = 3             # handshakes in a row the daemon hung up on before that is its answer
 AUTHORIZED_KEYS_FLAG = "--curve-authorized-keys"
 PARENT_KEY_FLAGS = "--curve-secret-key FILE and --daemon-public-key FILE"
+_monitor_numbers = itertools.count()     # each monitor's inproc endpoint is new (a closed one unbinds later)
 
 
 class DealerMonitor:
     def __init__(self, dealer: zmq.Socket, endpoint: str, curve: CurveClientKeys | None):
         """Start watching `dealer`, before it connects to `endpoint` with `curve` keys (or none)."""
-        self.endpoint, self.curve = endpoint, curve
-        self.events = dealer.get_monitor_socket(MONITORED)
+        self.endpoint, self.curve, self.dealer = endpoint, curve, dealer
+        events_endpoint = f"inproc://moerun-dealer-events-{os.getpid()}-{next(_monitor_numbers)}"
+        dealer.monitor(events_endpoint, MONITORED)
+        self.events = dealer.context.socket(zmq.PAIR)
         self.events.linger = 0
+        self.events.rcvhwm = 0              # no bound: see the module's notes
+        self.events.connect(events_endpoint)
         self._last: int | None = None      # the latest event, whenever it came
         self._hung_up = 0                  # handshakes the daemon hung up on since forget() or a success
         self.refused_for_good: DaemonError | None = None   # a refused handshake: the DEALER is done
@@ -85,6 +97,8 @@ class DealerMonitor:
         return failure
 
     def close(self) -> None:
+        """Stop the DEALER's events, then close their socket (call it before closing the DEALER)."""
+        self.dealer.disable_monitor()
         self.events.close(linger=0)
 
     def _next(self) -> dict | None:

@@ -17,9 +17,8 @@ from collections.abc import Callable
 import numpy as np
 
 from moerun.backends import open_backend
-from moerun.backends.gpu_experts import GpuExperts, load_experts
-from moerun.backends.gpu_ipc import ExportedBuffers, record, register_arena, wait
-from moerun.backends.gpu_weights import Uploader
+from moerun.backends.gpu import GpuExperts, Uploader, load_experts
+from moerun.backends.gpu.ipc import ExportedBuffers, record, register_arena, wait
 from moerun.gguf.reader import GGUFFile
 from moerun.ipc.device_slots import DeviceSlots
 from moerun.ipc.protocol import DTYPE_CODES, WIRE_ITEMSIZE
@@ -38,7 +37,7 @@ class GpuExpertSet:
         self.arena: Arena | None = None
         self.transport = ""
         self.exported: ExportedBuffers | None = None
-        cupy = self.backend.cupy
+        cupy = self.backend.device.cupy
         self._timings = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(TIMED_COMPUTES)]
         self._timed_count = 0                                # pairs recorded since the last harvest
         self._seconds = 0.0
@@ -51,7 +50,7 @@ class GpuExpertSet:
         """Replace the resident experts with `assignment` (global ids per layer)."""
         self._forget_graphs()
         self.experts.layers = {}
-        uploader = Uploader(self.backend.cupy, self.gguf, lambda nbytes: None)
+        uploader = Uploader(self.backend.device.cupy, self.gguf, lambda nbytes: None)
         total, done = sum(len(ids) for ids in assignment.values()), 0
         layers = {}
         for layer, ids in sorted(assignment.items()):
@@ -71,8 +70,8 @@ class GpuExpertSet:
         ids = np.full((n_tokens, width), -1, np.int32)                  # [T, W], -1: no expert
         padded_weights = np.zeros((n_tokens, width), np.float32)
         ids[rows, slot], padded_weights[rows, slot] = local_ids, weights
-        backend, cupy = self.backend, self.backend.cupy
-        with backend.stream:
+        backend, cupy = self.backend, self.backend.device.cupy
+        with backend.device.stream:
             x, ids, padded_weights = (cupy.asarray(np.ascontiguousarray(x, np.float32)), cupy.asarray(ids),
                                       cupy.asarray(padded_weights))
             return backend.to_host(self._timed(lambda: self.experts.compute(layer, x, ids, padded_weights)))
@@ -83,7 +82,7 @@ class GpuExpertSet:
         """Buffers for a parent's arena; the ATTACH reply fields (for "device", the IPC
         handles). `incoming`: the parent's IPC event handles, one per slot ("device")."""
         self.detach()
-        cupy = self.backend.cupy
+        cupy = self.backend.device.cupy
         slots = DeviceSlots(arena.layout)
         if transport == "device":
             self.exported = ExportedBuffers(cupy, slots.size, incoming)
@@ -108,7 +107,7 @@ class GpuExpertSet:
         """Slot `index`'s padded request: x [T, H] in `dtype`, ids and weights [T, K] -> the
         f32 reply [T, H] in the daemon's buffer ("device": announced by the slot's outgoing
         event, no host wait) or in the arena ("shared": written before this returns)."""
-        cupy, stream = self.backend.cupy, self.backend.stream
+        cupy, stream = self.backend.device.cupy, self.backend.device.stream
         layout = self.arena.layout
         top_k, hidden = layout.max_pairs_per_token, layout.hidden
         x, ids, weights, reply = self._views[index]                # full capacity: [C, H], [C, K], [C, K], [C, H]
@@ -117,21 +116,22 @@ class GpuExpertSet:
                 wait(cupy, stream, self.exported.incoming[index])
             else:      # the arena's frames onto the device first
                 x_at, ids_at, weights_at = self.arena.slots[index].frame_addresses()
-                self.backend.copy_addresses(x.data.ptr, x_at, tokens * hidden * WIRE_ITEMSIZE[dtype])
-                self.backend.copy_addresses(ids.data.ptr, ids_at, tokens * top_k * 4)
-                self.backend.copy_addresses(weights.data.ptr, weights_at, tokens * top_k * 4)
+                self.backend.device.copy_addresses(x.data.ptr, x_at, tokens * hidden * WIRE_ITEMSIZE[dtype])
+                self.backend.device.copy_addresses(ids.data.ptr, ids_at, tokens * top_k * 4)
+                self.backend.device.copy_addresses(weights.data.ptr, weights_at, tokens * top_k * 4)
             self._timed(lambda: self._slot_experts(index, layer, dtype, tokens))
             if self.transport == "device":
                 record(cupy, self.exported.outgoing[index], stream)
             else:
-                self.backend.copy_addresses(self.arena.slots[index].frame_addresses()[0], reply.data.ptr, reply.nbytes)
+                self.backend.device.copy_addresses(self.arena.slots[index].frame_addresses()[0], reply.data.ptr,
+                                                   reply.nbytes)
                 stream.synchronize()
 
     def _slot_experts(self, index: int, layer: int, dtype: str, tokens: int) -> None:
         """Slot `index`'s experts into its reply buffer: a one-token request's launches eager the
         first time for its (slot, layer, dtype), captured the second, replayed after."""
-        key, stream = (index, layer, dtype), self.backend.stream
-        if tokens > 1 or not self.backend.graphs_enabled:
+        key, stream = (index, layer, dtype), self.backend.device.stream
+        if tokens > 1 or not self.backend.step_tokens:        # 0: no CUDA graphs (HIP, or --no-graph)
             self._launch_slot_experts(index, layer, dtype, tokens)
         elif key not in self._seen:
             self._seen.add(key)
@@ -139,7 +139,7 @@ class GpuExpertSet:
         elif key in self._graphs:
             self._graphs[key][0].launch(stream)
         else:
-            cupy = self.backend.cupy
+            cupy = self.backend.device.cupy
             pool = cupy.cuda.MemoryPool()                    # the graph's buffers, kept with it
             with cupy.cuda.using_allocator(pool.malloc):
                 stream.begin_capture()
@@ -155,8 +155,8 @@ class GpuExpertSet:
         if dtype == "f32":
             x = x[:tokens]
         else:
-            payload, x = x, self.backend.cupy.empty((tokens, x.shape[1]), self.backend.cupy.float32)
-            self.backend.kernels.elementwise("unpack_payload", x.size, (
+            payload, x = x, self.backend.device.cupy.empty((tokens, x.shape[1]), self.backend.device.cupy.float32)
+            self.backend.device.elementwise("unpack_payload", x.size, (
                 payload, np.int32(DTYPE_CODES[dtype]), np.int64(x.size), x))
         self.experts.compute(layer, x, ids[:tokens], weights[:tokens], reply[:tokens])
 
@@ -177,12 +177,12 @@ class GpuExpertSet:
         return len(self._graphs)
 
     def _forget_graphs(self) -> None:
-        self.backend.stream.synchronize()
+        self.backend.device.stream.synchronize()
         self._graphs, self._seen = {}, set()
 
     def device_seconds(self) -> float:
         """Device time of every compute so far (waits for the queued ones)."""
-        cupy = self.backend.cupy
+        cupy = self.backend.device.cupy
         for start, end in self._timings[:self._timed_count]:
             end.synchronize()
             self._seconds += cupy.cuda.get_elapsed_time(start, end) / 1e3

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moerun.backends.devices import check_device
-from moerun.backends.gpu_ipc import IPC_HANDLE_BYTES, valid_handles
+from moerun.backends.gpu.ipc import IPC_HANDLE_BYTES, valid_handles
 from moerun.backends.numpy_backend import (
     ExpertStore,
     QuantizedExperts,

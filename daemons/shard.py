@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moerun.backends import open_backend
-from moerun.backends.gpu_ipc import ExportedBuffers, record, valid_handles, wait
+from moerun.backends.gpu.ipc import ExportedBuffers, record, valid_handles, wait
 from moerun.engine.model import MoEModel
 from moerun.engine.weights import load_weights
 from moerun.errors import UsageError
@@ -97,7 +97,7 @@ class LayerShard:
         the parent's event, runs the layers, writes the reply and records the shard's event;
         the host returns once that is queued."""
         self._continue(sequence, start, tokens)
-        exported, cupy, stream = self.exported, self.backend.cupy, self.backend.stream
+        exported, cupy, stream = self.exported, self.backend.device.cupy, self.backend.device.stream
         capacity, hidden = self._buffer_rows, self.spec.hidden
         x, reply = (cupy.ndarray((capacity, hidden), cupy.float32, cupy.cuda.MemoryPointer(exported.memory, offset))
                     for offset in (0, capacity * hidden * 4))
@@ -148,12 +148,13 @@ class LayerShard:
         if not valid_handles(incoming, arena.layout.slots):
             raise UsageError(f"the device transport needs 'incoming': {arena.layout.slots} IPC event handles")
         self._buffer_rows = arena.layout.batch_capacity
-        self.exported = ExportedBuffers(self.backend.cupy, 2 * self._buffer_rows * self.spec.hidden * 4, incoming)
+        buffer_bytes = 2 * self._buffer_rows * self.spec.hidden * 4
+        self.exported = ExportedBuffers(self.backend.device.cupy, buffer_bytes, incoming)
         return {"device_buffers": self.exported.handles()}, self._forward_slot, None
 
     def _release_buffers(self) -> None:
         if self.exported is not None:
-            self.backend.stream.synchronize()
+            self.backend.device.stream.synchronize()
             self.exported.release()
             self.exported = None
 

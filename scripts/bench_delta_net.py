@@ -23,7 +23,7 @@ def main() -> None:
     sizes = [int(n) for n in args.tokens.split(",")]
     with Runtime(args.model, ctx=max(sizes) + 1, rig=RigConfig(device=args.device)) as runtime:
         backend, spec = runtime.backend, runtime.spec
-        cupy, shape = backend.cupy, spec.delta_net
+        cupy, shape = backend.device.cupy, spec.delta_net
         layer = next(i for i in range(spec.n_layers) if spec.is_recurrent(i))
         rng = cupy.random.default_rng(0)
         weights = (rng.standard_normal((shape.channels, shape.conv_kernel), dtype=cupy.float32) * 0.3,
@@ -34,7 +34,7 @@ def main() -> None:
                       rng.standard_normal((n_tokens, shape.value_heads * shape.value_dim), dtype=cupy.float32),
                       rng.standard_normal((n_tokens, shape.value_heads), dtype=cupy.float32),
                       rng.standard_normal((n_tokens, shape.value_heads), dtype=cupy.float32))
-            with backend.stream:
+            with backend.device.stream:
                 for _ in range(3):
                     cache = backend.new_cache(max(sizes) + 1)
                     begin, end = cupy.cuda.Event(), cupy.cuda.Event()

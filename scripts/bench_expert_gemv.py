@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moerun.backends.gpu_constants import UNIT, defines
-from moerun.backends.gpu_experts import DOWN_WARPS, GATE_UP_BLOCK
-from moerun.backends.gpu_kernels import (
+from moerun.backends.gpu.constants import UNIT, defines
+from moerun.backends.gpu.experts import DOWN_WARPS, GATE_UP_BLOCK
+from moerun.backends.gpu.library import (
     KERNEL_DIR,
     UNITS_PER_LANE,
     row_group,

@@ -48,17 +48,17 @@ def device_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dic
     """One eager chunk of n_tokens at `start`, CUDA events around every backend and executor call,
     each call begun on a drained stream (its time: its own launches and kernels, no queue before it)."""
     backend, model = runtime.backend, runtime.model
-    cupy, times, events = backend.cupy, collections.defaultdict(float), []
+    cupy, times, events = backend.device.cupy, collections.defaultdict(float), []
 
     def timed(owner, name: str, label: str) -> None:
         inner = getattr(owner, name)
 
         def call(*args, **kwargs):
             begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-            backend.stream.synchronize()
-            begin.record(backend.stream)
+            backend.device.stream.synchronize()
+            begin.record(backend.device.stream)
             out = inner(*args, **kwargs)
-            end.record(backend.stream)
+            end.record(backend.device.stream)
             events.append((label, begin, end))
             if label == "experts.begin":
                 timed(out, "finish", "experts.finish")
@@ -73,7 +73,7 @@ def device_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dic
     timed(model.executor, "begin", "experts.begin")
     backend.graphs_enabled = False
     model.forward(rng.integers(0, 1000, n_tokens), cache, all_logits=False)
-    backend.stream.synchronize()
+    backend.device.stream.synchronize()
     for label, begin, end in events:
         times[label] += cupy.cuda.get_elapsed_time(begin, end)
     return {label: round(ms, 2) for label, ms in sorted(times.items(), key=lambda item: -item[1])}

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moerun.backends.gpu_constants import MAX_GEMV_TOKENS
+from moerun.backends.gpu.constants import MAX_GEMV_TOKENS
 from moerun.backends.numpy_backend import StoredMatrix, load_expert
 from moerun.backends.numpy_ops import l2_norm, rms_norm, sigmoid, silu, softmax
 from moerun.engine.runtime import Runtime

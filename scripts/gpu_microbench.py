@@ -15,7 +15,7 @@ import argparse
 
 import numpy as np
 
-from moerun.backends import gpu_kernels
+from moerun.backends.gpu import library
 from moerun.engine.runtime import Runtime
 from moerun.rig.settings import RigConfig
 
@@ -47,14 +47,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--position", type=int, default=512, help="cache positions before the timed step")
     parser.add_argument("--tokens", type=int, default=1, help="tokens of the timed step [default: 1, decode]")
-    parser.add_argument("--row-group", type=int, default=gpu_kernels.ROW_GROUP,
+    parser.add_argument("--row-group", type=int, default=library.ROW_GROUP,
                         help="threads per output row in the GEMVs (8, 16 or 32)")
     args = parser.parse_args()
-    gpu_kernels.ROW_GROUP = args.row_group
+    library.ROW_GROUP = args.row_group
     ctx = args.position + 64
     with Runtime(args.model, ctx=ctx, rig=RigConfig(device=args.device)) as runtime:
         backend, model, spec = runtime.backend, runtime.model, runtime.spec
-        cupy, stream = backend.cupy, backend.stream
+        cupy, stream = backend.device.cupy, backend.device.stream
         cache = backend.new_cache(ctx)
         model.forward(np.arange(args.position) % 1000, cache, all_logits=False)
         layer = model.weights.layers[0]

@@ -29,7 +29,7 @@ class OpTimer:
     operation called inside another (linears falling back to linear) counts in the outer one only."""
 
     def __init__(self, runtime: Runtime):
-        self.cupy = runtime.backend.cupy
+        self.cupy = runtime.backend.device.cupy
         self.pairs: list[tuple[str, object, object]] = []
         self.depth = 0
         backend, executor = runtime.backend, runtime.model.executor
@@ -133,7 +133,7 @@ def main() -> None:
     ctx = args.prompt_tokens + max(args.decode_tokens, warm_steps) + 1
 
     with Runtime(args.model, ctx=ctx, rig=RigConfig(device=args.device, graphs=True)) as runtime:
-        cupy, model = runtime.backend.cupy, runtime.model
+        cupy, model = runtime.backend.device.cupy, runtime.model
         bandwidth, rate = ceilings(cupy)
         # Graphs: warm up (eager, capture), then time replayed steps.
         for _ in range(2):
@@ -147,10 +147,10 @@ def main() -> None:
         prefill_wall = time.perf_counter() - started
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         started = time.perf_counter()
-        start.record(runtime.backend.stream)
+        start.record(runtime.backend.device.stream)
         for token in range(args.decode_tokens):
             model.forward(np.array([token % 1000]), cache, all_logits=False)
-        end.record(runtime.backend.stream)
+        end.record(runtime.backend.device.stream)
         end.synchronize()
         graph_wall = (time.perf_counter() - started) / args.decode_tokens * 1e3
         graph_gpu = cupy.cuda.get_elapsed_time(start, end) / args.decode_tokens
@@ -158,7 +158,7 @@ def main() -> None:
         runtime.backend.graphs_enabled = False
         timer = OpTimer(runtime)
         cache = runtime.backend.new_cache(ctx)
-        with runtime.backend.stream:
+        with runtime.backend.device.stream:
             cupy.cuda.profiler.start()        # what a kernel profiler (ncu --profile-from-start off) sees
             model.forward(prompt, cache, all_logits=False)
             prefill = timer.collect()

@@ -20,5 +20,5 @@ def open_backend(device: str, spec: ModelSpec, graphs: bool = True, threads: int
     if parsed.platform == "cpu":
         from moerun.backends.numpy_backend import NumpyBackend
         return NumpyBackend(spec, threads)
-    from moerun.backends.gpu_backend import GpuBackend
+    from moerun.backends.gpu.backend import GpuBackend
     return GpuBackend(parsed, spec, graphs=graphs, kv_dtype=kv_dtype)

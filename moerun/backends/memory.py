@@ -25,8 +25,8 @@ def device_memory_used(backend: Backend) -> int:
     in RAM so far. Either way the largest of a run's samples is its peak."""
     if backend.kind == "CPU":
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * RU_MAXRSS_UNIT
-    cupy = backend.cupy
-    with cupy.cuda.Device(backend.device_index):
+    cupy = backend.device.cupy
+    with cupy.cuda.Device(backend.device.index):
         free, total = cupy.cuda.runtime.memGetInfo()
     return total - free
 
@@ -35,7 +35,7 @@ def device_memory_free(backend: Backend) -> int:
     """Bytes free on a GPU backend's device now (the CPU backend: none of this applies, raises)."""
     if backend.kind == "CPU":
         raise ValueError("the CPU backend's memory is the host's: see moerun.units.available_host_bytes")
-    cupy = backend.cupy
-    with cupy.cuda.Device(backend.device_index):
+    cupy = backend.device.cupy
+    with cupy.cuda.Device(backend.device.index):
         free, _ = cupy.cuda.runtime.memGetInfo()
     return free

@@ -1,7 +1,7 @@
 """What a compute backend offers: weights in its own form, a sequence's KV cache, the
 operations of one forward pass, routed experts, and a way to run a step. Pure compute: a
 backend knows nothing of models, runtimes or rigs. numpy_backend.NumpyBackend is the plainest
-statement of each operation; gpu_backend.GpuBackend does the same with kernels.
+statement of each operation; gpu.backend.GpuBackend does the same with kernels.
 
 Shape legend: T tokens, H hidden, N output rows, V vocab, NH/NKV heads, D/Dv head dims,
 E experts, K experts per token.
@@ -16,6 +16,7 @@ import numpy as np
 
 from moerun.errors import MoerunError
 from moerun.gguf.reader import GGUFFile
+from moerun.models.spec import ModelSpec
 
 Array = Any          # the backend's array: numpy on the CPU, CuPy on a GPU
 Forward = Callable[[Array, Array], Array]     # (ids [T], positions [T]) -> logits [T or 1, V]
@@ -71,6 +72,7 @@ class Experts(Protocol):
 class Backend(Protocol):
     name: str                     # cpu | cuda:N | hip:N
     kind: str                     # CPU | CUDA | HIP
+    spec: ModelSpec               # the model it runs
     kv_dtype: str                 # its KV cache's elements: f32, f16
     captured_steps: int           # steps captured as CUDA graphs so far (0 where there are none)
     step_tokens: int              # the most tokens a captured step takes (0: steps run as they come)

@@ -8,7 +8,7 @@ scatter-adds it. A layer whose routed experts are all on the parent never touche
 daemon that dies, misses its deadline or answers an error is marked down and its pairs
 computed here from the parent's own mmap until it rejoins. Every request to a daemon is made
 holding its link's lock, after checking that the link is up and (for a reply) still in the
-session the request went out in. (A GPU parent splits on the device: gpu_dispatch.py.)
+session the request went out in. (A GPU parent splits on the device: gpu/dispatch.py.)
 
 Shape legend: T tokens, H hidden, K experts per token, E experts, P routed pairs.
 """

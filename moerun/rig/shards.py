@@ -26,14 +26,14 @@ import numpy as np
 import zmq
 
 from moerun.backends.devices import DEVICE_PATTERN, gpu_module, parse_device
-from moerun.backends.gpu_ipc import TransportUnavailable, record, wait
+from moerun.backends.gpu.ipc import TransportUnavailable, record, wait
 from moerun.ipc.client import Counters, DaemonClient
 from moerun.ipc.curve import CurveClientKeys
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY
 from moerun.models.spec import ModelSpec
 from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
 from moerun.moe.planner import DeviceBudget
-from moerun.rig.gpu_channels import Attached, GpuAttachments
+from moerun.rig.gpu.channels import Attached, GpuAttachments
 from moerun.rig.links import DAEMON_FAILURES, RigError, failure_reason
 from moerun.rig.settings import RigConfig, SplitEntry, default_kv_dtype, shard_flags
 from moerun.rig.spawn import LocalDaemon, make_run_dir, remove_run_dir, spawn_daemon
@@ -130,8 +130,9 @@ class LayerShards:
             return self.backend.hop(x, lambda hidden: self.forward(hidden, start()))
         for link in self.links:
             buffers, tokens = link.device.imported.address, len(x)
-            x = self.backend.hop_through(x, buffers, buffers + self.chunk * self.hidden * 4,
-                                         lambda link=link, tokens=tokens: self._device_step(link, start(), tokens))
+            x = self.backend.device.hop_through(
+                x, buffers, buffers + self.chunk * self.hidden * 4,
+                lambda link=link, tokens=tokens: self._device_step(link, start(), tokens))
         return x
 
     def graph_key(self) -> tuple:
@@ -151,7 +152,7 @@ class LayerShards:
         """A shard's step whose state is in its device buffers: the parent's event after its
         copy, the request, the shard's answer once its work is queued, then this stream waits
         for the shard's event (no host waits for either device)."""
-        cupy, stream, timeout_s = self.backend.cupy, self.backend.stream, self.config.daemon_timeout_s
+        cupy, stream, timeout_s = self.backend.device.cupy, self.backend.device.stream, self.config.daemon_timeout_s
 
         def post_and_collect() -> None:
             record(cupy, link.device.incoming[0], stream)

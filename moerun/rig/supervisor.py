@@ -18,7 +18,7 @@ from pathlib import Path
 import zmq
 
 from moerun.backends.devices import DEVICE_PATTERN, BackendUnavailable, check_device
-from moerun.backends.gpu_ipc import TransportUnavailable
+from moerun.backends.gpu.ipc import TransportUnavailable
 from moerun.backends.memory import device_memory_free
 from moerun.backends.numpy_backend import CpuExperts, expert_store
 from moerun.backends.protocol import Backend, Experts
@@ -41,8 +41,8 @@ from moerun.moe.planner import (
 )
 from moerun.rig.cores import HostShares
 from moerun.rig.cpu_dispatch import CpuDispatcher
-from moerun.rig.gpu_channels import GpuAttachments
-from moerun.rig.gpu_dispatch import GpuDispatcher
+from moerun.rig.gpu.channels import GpuAttachments
+from moerun.rig.gpu.dispatch import GpuDispatcher
 from moerun.rig.links import DAEMON_FAILURES, DaemonLink, RigError, failure_reason
 from moerun.rig.settings import AUTO, DaemonEntry, RigConfig
 from moerun.rig.spawn import (

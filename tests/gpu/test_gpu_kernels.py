@@ -15,8 +15,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from moerun.backends.devices import GpuError
-from moerun.backends.gpu_kernels import INT_KINDS
-from moerun.backends.gpu_weights import KERNEL_TYPES, DeviceMatrix
+from moerun.backends.gpu.library import INT_KINDS
+from moerun.backends.gpu.weights import KERNEL_TYPES, DeviceMatrix
 from moerun.gguf.quants import dequantize
 from moerun.writers.bench_model import BLOCK_FILLERS, random_blocks
 from tests.support.gpu import gpu_device, small_spec
@@ -74,7 +74,7 @@ def stored(request, backend):
     ggml_type = request.param
     raw = random_matrix(ggml_type, np.random.default_rng())
     reference = dequantized(raw, ggml_type).reshape(ROWS, COLS)
-    matrix = DeviceMatrix(backend.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], ROWS, COLS)
+    matrix = DeviceMatrix(backend.device.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], ROWS, COLS)
     return matrix, reference
 
 
@@ -83,7 +83,7 @@ def test_decode_gemv_matches_dequantized_product(backend, stored, n_tokens):
     matrix, reference = stored
     x = np.random.default_rng().normal(size=(n_tokens, COLS)).astype(np.float32)
     residual = np.random.default_rng().normal(size=(n_tokens, ROWS)).astype(np.float32)
-    got = backend.linear(backend.cupy.asarray(x), matrix, residual=backend.cupy.asarray(residual)).get()
+    got = backend.linear(backend.device.cupy.asarray(x), matrix, residual=backend.device.cupy.asarray(residual)).get()
     exact = x @ reference.T + residual
     if matrix.kind in INT_KINDS:
         assert relative_error(got, q8_round_trip(x) @ reference.T + residual) < 1e-5
@@ -96,13 +96,13 @@ def test_decode_gemv_matches_dequantized_product(backend, stored, n_tokens):
 def test_decode_gemv_of_many_float_rows(backend, ggml_type):
     """Float matrices of more than FEW_ROWS rows take the row-group kernel (fewer rows: a block
     per row, as in the test above)."""
-    from moerun.backends.gpu_backend import FEW_ROWS
+    from moerun.backends.gpu.backend import FEW_ROWS
     rows = FEW_ROWS + 40
     raw = random_matrix(ggml_type, np.random.default_rng(), rows=rows)
     reference = dequantized(raw, ggml_type).reshape(rows, COLS)
-    matrix = DeviceMatrix(backend.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, COLS)
+    matrix = DeviceMatrix(backend.device.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, COLS)
     x = np.random.default_rng().normal(size=(3, COLS)).astype(np.float32)
-    got = backend.linear(backend.cupy.asarray(x), matrix).get()
+    got = backend.linear(backend.device.cupy.asarray(x), matrix).get()
     assert relative_error(got, x @ reference.T) < 1e-5
 
 
@@ -129,7 +129,7 @@ def test_experts_of_odd_sizes_match_numpy(n_tokens):
 
 def check_experts(types: tuple[T, T], n_tokens: int, hidden: int, ffn: int) -> None:
     from moerun.backends import open_backend
-    from moerun.backends.gpu_experts import GpuExperts, LayerExperts
+    from moerun.backends.gpu.experts import GpuExperts, LayerExperts
     spec = small_spec(hidden=hidden, experts=6, top_k=4, expert_ff=ffn)
     backend = open_backend(gpu_device(), spec)
     rng = np.random.default_rng()
@@ -143,10 +143,10 @@ def check_experts(types: tuple[T, T], n_tokens: int, hidden: int, ffn: int) -> N
     unresident[:, 0] = False                            # every token keeps one expert: a non-zero result
     ids[unresident] = -1
     weights = rng.random(ids.shape).astype(np.float32)
-    on_device = [backend.cupy.asarray(a) for a in (x, ids, weights)]
+    on_device = [backend.device.cupy.asarray(a) for a in (x, ids, weights)]
     got = experts.compute(0, *on_device).get()
     residual = rng.normal(size=(n_tokens, hidden)).astype(np.float32)
-    with_residual = experts.compute(0, *on_device, residual=backend.cupy.asarray(residual)).get()
+    with_residual = experts.compute(0, *on_device, residual=backend.device.cupy.asarray(residual)).get()
     np.testing.assert_array_equal(with_residual, residual + got)      # added by the last kernel: the same bits
 
     def expected(quantized: bool) -> np.ndarray:
@@ -173,14 +173,14 @@ def check_experts(types: tuple[T, T], n_tokens: int, hidden: int, ffn: int) -> N
 def expert_stack(backend, ggml_type: T, n_experts: int, rows: int, cols: int, rng) -> tuple[DeviceMatrix, np.ndarray]:
     """A random stack [E, rows, cols] on the device and its dequantized values."""
     raw = np.concatenate([random_matrix(ggml_type, rng, rows, cols) for _ in range(n_experts)])
-    matrix = DeviceMatrix(backend.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, cols, n_experts)
+    matrix = DeviceMatrix(backend.device.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, cols, n_experts)
     return matrix, dequantized(raw, ggml_type).reshape(n_experts, rows, cols)
 
 
 def test_prefill_product_matches_dequantized_product(backend, stored):
     matrix, reference = stored
     x = np.random.default_rng().normal(size=(40, COLS)).astype(np.float32)
-    got = backend.linear(backend.cupy.asarray(x), matrix).get()
+    got = backend.linear(backend.device.cupy.asarray(x), matrix).get()
     error = relative_error(got, x @ reference.T)
     assert 0 < error < 2e-3      # f16 operands: rounded, but only that
 
@@ -197,12 +197,12 @@ def test_dequantize_f16_and_gather_rows(backend, stored):
 @pytest.mark.parametrize("skew", [0.05, 1.0, 50.0])
 def test_expert_tile_layout(backend, skew, rows):
     """Every routed pair gets its own row among its expert's tiles, holding its token."""
-    from moerun.backends.gpu_experts import TileLayout
+    from moerun.backends.gpu.experts import TileLayout
     rng = np.random.default_rng()
     n_tokens, top_k, n_experts = 300, 4, 16
     p = rng.dirichlet(np.full(n_experts, skew))
     ids = np.stack([rng.choice(n_experts, top_k, replace=False, p=p) for _ in range(n_tokens)]).astype(np.int32)
-    layout = TileLayout(backend, backend.cupy.asarray(ids), n_experts, rows)
+    layout = TileLayout(backend, backend.device.cupy.asarray(ids), n_experts, rows)
     pair_rows, token_rows = layout.pair_rows.get(), layout.token_rows.get()
     tile_expert, tile_row = layout.tile_expert.get(), layout.tile_row.get()
     assert np.array_equal(layout.counts.get(), np.bincount(ids.reshape(-1), minlength=n_experts))
@@ -240,17 +240,17 @@ def test_routing_matches_numpy(n_tokens, n_experts, top_k, renormalize, ties):
         router[1::3] = router[0::3][: len(router[1::3])]
         x = rng.choice(np.float32([-1, 1]), (n_tokens, HIDDEN))     # with no eps, h = x exactly
         norm = np.ones(HIDDEN, np.float32)
-    matrix = DeviceMatrix(backend.cupy.asarray(router.view(np.uint8).reshape(-1)), "f32", n_experts, HIDDEN)
+    matrix = DeviceMatrix(backend.device.cupy.asarray(router.view(np.uint8).reshape(-1)), "f32", n_experts, HIDDEN)
     want_h, want_ids, want_weights = NumpyBackend(spec).route(x, norm, router)
-    h, ids, weights = backend.route(backend.cupy.asarray(x), backend.cupy.asarray(norm), matrix)
+    h, ids, weights = backend.route(backend.device.cupy.asarray(x), backend.device.cupy.asarray(norm), matrix)
     np.testing.assert_allclose(h.get(), want_h, rtol=2e-6, atol=1e-6)
     assert np.array_equal(ids.get(), want_ids)
     np.testing.assert_allclose(weights.get(), want_weights, rtol=1e-5, atol=1e-7)
     if n_tokens <= 8:
         planes, scales = backend.q8_of(h)
         want_planes, want_scales = backend.quantize_q8(h)
-        assert backend.cupy.array_equal(planes, want_planes)
-        assert backend.cupy.allclose(scales, want_scales, rtol=1e-6, atol=0)
+        assert backend.device.cupy.array_equal(planes, want_planes)
+        assert backend.device.cupy.allclose(scales, want_scales, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3, 8])
@@ -265,12 +265,13 @@ def test_three_products_in_one_launch(backend, n_tokens, normed):
     for ggml_type, rows in shapes:
         raw = random_matrix(ggml_type, rng, rows, COLS)
         references.append(dequantize(raw, ggml_type).reshape(rows, COLS).astype(np.float64))
-        matrices.append(DeviceMatrix(backend.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, COLS))
+        matrices.append(DeviceMatrix(backend.device.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, COLS))
     biases = [rng.normal(size=rows).astype(np.float32) for _, rows in shapes]
     x = rng.normal(size=(n_tokens, COLS)).astype(np.float32)
     norm = rng.uniform(0.5, 1.5, COLS).astype(np.float32) if normed else None
-    outs = backend.linears(backend.cupy.asarray(x), tuple(matrices), tuple(backend.cupy.asarray(b) for b in biases),
-                           None if norm is None else backend.cupy.asarray(norm))
+    cupy = backend.device.cupy
+    outs = backend.linears(cupy.asarray(x), tuple(matrices), tuple(cupy.asarray(b) for b in biases),
+                           None if norm is None else cupy.asarray(norm))
     h = x if norm is None else rms_norm(x, norm, backend.spec.rms_eps)
     for got, reference, bias in zip(outs, references, biases):
         assert relative_error(got.get(), q8_round_trip(h) @ reference.T + bias) < 1e-5
@@ -308,22 +309,22 @@ def test_decode_attention_matches_numpy(kv_backend, monkeypatch, capacity, start
     """Split-K attention of tokens at positions start.. over the cache (f16 or f32), each split an
     equal share of its token's own positions, against numpy over the values the cache holds; the
     8-bit planes the combine writes are quantize_q8's of its output."""
-    from moerun.backends import gpu_backend
+    from moerun.backends.gpu import backend as gpu_backend
     if splits is not None:
         monkeypatch.setattr(gpu_backend, "attention_splits", lambda span, heads, wave: splits)
     got, want = attention_and_numpy(kv_backend, capacity, start, n_tokens)
     assert relative_error(got.get(), want) < 1e-5
     planes, scales = kv_backend.q8_of(got)
     want_planes, want_scales = kv_backend.quantize_q8(got)
-    assert kv_backend.cupy.array_equal(planes, want_planes)
-    assert kv_backend.cupy.allclose(scales, want_scales, rtol=1e-6, atol=0)
+    assert kv_backend.device.cupy.array_equal(planes, want_planes)
+    assert kv_backend.device.cupy.allclose(scales, want_scales, rtol=1e-6, atol=0)
 
 
 def attention_and_numpy(backend, capacity: int, start: int, n_tokens: int) -> tuple:
     """The backend's attention of random tokens at positions start.. over a cache of random rows
     (values its type holds exactly; NaN past the tokens, which must not be read), and numpy's."""
     from moerun.backends.numpy_ops import causal_attention
-    spec, cupy = backend.spec, backend.cupy
+    spec, cupy = backend.spec, backend.device.cupy
     rng = np.random.default_rng()
     cache = backend.new_cache(capacity)
     stored = cache.k[0].dtype
@@ -345,7 +346,7 @@ def test_rope_append_writes_the_cache_in_its_type(kv_backend):
     cache's values rounded to nearest (numpy's rounding), and the rotated queries do not depend on
     the cache's type."""
     from moerun.backends import open_backend
-    spec, cupy = kv_backend.spec, kv_backend.cupy
+    spec, cupy = kv_backend.spec, kv_backend.device.cupy
     exact = open_backend(gpu_device(), spec, kv_dtype="f32")
     rng = np.random.default_rng()
     n_tokens, start = 24, 40
@@ -379,10 +380,10 @@ def test_hopper_launches_kernels_as_dependent_launches(backend):
     """On compute capability 9.0 and later the suite's kernels go through cuLaunchKernelEx with
     programmatic serialization (so every product test here checks that path); a launch with
     a bad argument is refused with the driver's reason."""
-    cupy = backend.cupy
+    cupy = backend.device.cupy
     if cupy.cuda.runtime.is_hip or int(cupy.cuda.Device().compute_capability) < 90:
         pytest.skip("programmatic dependent launches need CUDA compute capability 9.0")
-    kernels = backend.kernels
+    kernels = backend.device.kernels
     assert kernels._dependent is not None
     x = cupy.arange(1000, dtype=cupy.float32)
     out = cupy.empty_like(x)
@@ -395,8 +396,8 @@ def test_hopper_launches_kernels_as_dependent_launches(backend):
 
 def test_a_plain_launch_that_fails_names_its_kernel(backend, monkeypatch):
     """Where launches are CuPy's own (HIP, GPUs before 9.0), a refused launch is a GpuError too."""
-    cupy = backend.cupy
-    monkeypatch.setattr(backend.kernels, "_dependent", None)
+    cupy = backend.device.cupy
+    monkeypatch.setattr(backend.device.kernels, "_dependent", None)
     x = cupy.arange(1000, dtype=cupy.float32)
     with pytest.raises(GpuError, match=r"the GPU failed in kernel add_gated .*: .*(INVALID|invalid)"):
-        backend.kernels.launch("add_gated", (1,), (4096,), (x, x, np.uint64(0), np.int32(10), np.int64(x.size), x))
+        backend.device.launch("add_gated", (1,), (4096,), (x, x, np.uint64(0), np.int32(10), np.int64(x.size), x))

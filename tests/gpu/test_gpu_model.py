@@ -137,8 +137,8 @@ def test_token_embedding_stays_in_host_memory(arch_files):
     the kernels across the bus (its rows checked by the logits tests): no device memory for it."""
     with runtime(arch_files["Q8_0"], gpu_device()) as gpu:
         table = gpu.model.weights.token_embd.data
-        attributes = gpu.backend.cupy.cuda.runtime.pointerGetAttributes(table.data.ptr)
-        assert attributes.type == gpu.backend.cupy.cuda.runtime.memoryTypeHost
+        attributes = gpu.backend.device.cupy.cuda.runtime.pointerGetAttributes(table.data.ptr)
+        assert attributes.type == gpu.backend.device.cupy.cuda.runtime.memoryTypeHost
         assert table.size == gpu.gguf.tensor("token_embd.weight").nbytes
 
 

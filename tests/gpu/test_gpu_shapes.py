@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moerun.backends.gpu_constants import MAX_GEMV_TOKENS
+from moerun.backends.gpu.constants import MAX_GEMV_TOKENS
 from moerun.backends.numpy_ops import softmax
 from moerun.engine.runtime import Runtime
 from moerun.rig.settings import RigConfig

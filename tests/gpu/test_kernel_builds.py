@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from moerun.backends.gpu_constants import defines
-from moerun.backends.gpu_experts import TILE_SHAPES
-from moerun.backends.gpu_kernels import INT_KINDS, KERNEL_DIR
-from moerun.backends.gpu_weights import KERNEL_TYPES
+from moerun.backends.gpu.constants import defines
+from moerun.backends.gpu.experts import TILE_SHAPES
+from moerun.backends.gpu.library import INT_KINDS, KERNEL_DIR
+from moerun.backends.gpu.weights import KERNEL_TYPES
 from moerun.backends.protocol import KV_DTYPES
 
 pytestmark = [pytest.mark.tools, pytest.mark.slow]   # a compile takes ~15 s

@@ -1,10 +1,10 @@
-"""How many splits per head decode attention takes (moerun/backends/gpu_backend.py): pure
+"""How many splits per head decode attention takes (moerun/backends/gpu/backend.py): pure
 arithmetic, so it is checked here without a GPU; tests/gpu checks the kernels over them."""
 from __future__ import annotations
 
 import pytest
 
-from moerun.backends.gpu_backend import DECODE_CHUNK, attention_splits
+from moerun.backends.gpu.backend import DECODE_CHUNK, attention_splits
 
 WAVE = 5 * 132          # blocks of attention_partial an H100 holds at once (46 registers)
 

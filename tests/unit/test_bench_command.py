@@ -109,7 +109,7 @@ class FakeCupy:
 def test_a_gpu_reports_what_its_whole_device_has_in_use():
     """total - free of the backend's device, asked with that device current."""
     cupy = FakeCupy({0: (70 << 30, 80 << 30), 1: (60 << 30, 80 << 30)})
-    backend = SimpleNamespace(kind="CUDA", cupy=cupy, device_index=1)
+    backend = SimpleNamespace(kind="CUDA", device=SimpleNamespace(cupy=cupy, index=1))
     assert device_memory_used(backend) == 20 << 30
     assert cupy.current == 0
 

@@ -15,7 +15,7 @@ from moerun.errors import MoerunError, UsageError
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = {"moerun": REPO / "moerun", "moerun.ipc": REPO / "ipc", "moerun.daemons": REPO / "daemons"}
 # Exceptions that are signals between moerun's own parts, never shown to a user.
-SIGNALS = {"moerun.backends.gpu_graphs.StepRetry", "moerun.gguf.chat._RaisedByTemplate"}
+SIGNALS = {"moerun.backends.gpu.graphs.StepRetry", "moerun.gguf.chat._RaisedByTemplate"}
 
 
 def exception_classes() -> list[str]:

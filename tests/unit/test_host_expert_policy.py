@@ -7,10 +7,10 @@ import pytest
 
 from moerun.moe.placement import PARENT
 from moerun.moe.planner import DeviceBudget, ModelSizes, PlanError, PlanRequest, plan, streaming_buffer_bytes
-from moerun.rig.expert_cache import DECAY, REFRESH_STEPS, cache_slots, choose_swaps, clearly_ahead
-from moerun.rig.expert_stream import auto_threshold
-from moerun.rig.host_experts import marked_runs
-from moerun.rig.host_reads import spread
+from moerun.rig.gpu.expert_cache import DECAY, REFRESH_STEPS, cache_slots, choose_swaps, clearly_ahead
+from moerun.rig.gpu.expert_stream import auto_threshold
+from moerun.rig.gpu.host_experts import marked_runs
+from moerun.rig.gpu.host_reads import spread
 from moerun.rig.settings import AUTO, ConfigError, RigConfig
 
 GiB = 1 << 30

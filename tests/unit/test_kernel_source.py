@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from moerun.backends.gpu_kernels import KERNEL_DIR, kernel_source
+from moerun.backends.gpu.library import KERNEL_DIR, kernel_source
 
 
 def test_a_changed_header_changes_the_source(tmp_path):
@@ -27,11 +27,11 @@ def test_a_file_outside_the_tree_kinds_does_not(tmp_path):
 
 
 def test_the_shared_numbers_come_from_one_table():
-    """Every number the launching Python and the kernels share is written once, in gpu_constants:
+    """Every number the launching Python and the kernels share is written once, in gpu/constants.py:
     no kernel source defines one, and common.cuh stops a build that lacks any of them."""
     import re
 
-    from moerun.backends.gpu_constants import SHARED, defines
+    from moerun.backends.gpu.constants import SHARED, defines
     sources = {path.name: path.read_text() for path in KERNEL_DIR.iterdir() if path.suffix in (".cu", ".cuh")}
     defined = {(name, file) for file, text in sources.items() for name in SHARED
                if re.search(rf"^\s*#define\s+{name}\b", text, re.M)}

@@ -1,10 +1,10 @@
-"""How a row-parallel kernel's threads are grouped (moerun/backends/gpu_kernels.py): pure
+"""How a row-parallel kernel's threads are grouped (moerun/backends/gpu/library.py): pure
 arithmetic, so it is checked here without a GPU."""
 from __future__ import annotations
 
 import pytest
 
-from moerun.backends.gpu_kernels import (
+from moerun.backends.gpu.library import (
     BLOCK,
     ROW_GROUP,
     STAGE_LIMIT,

@@ -135,7 +135,7 @@ def test_the_daemon_side_imports_no_parent_code():
 
 def test_the_daemon_side_rule_catches_a_violation():
     planted = {("moerun.daemons.handler", "moerun.rig.supervisor"), ("moerun.daemons.shard", "moerun.rig.supervisor"),
-               ("moerun.daemons.gpu_experts", "moerun.backends.gpu_ipc")}
+               ("moerun.daemons.gpu_experts", "moerun.backends.gpu.ipc")}
     assert daemon_side_violations(planted) == [("moerun.daemons.handler", "moerun.rig.supervisor")]
 
 
@@ -167,3 +167,87 @@ def test_no_architecture_branch_outside_models():
                                  if isinstance(c, ast.Constant)]
                     branches += [f"{where}:{node.lineno} compares to {v!r}" for v in constants if v in names]
     assert branches == []
+
+
+# The GPU wing: code outside moerun/backends/ reaches the GPU backend through its package's
+# interface (moerun.backends.gpu, and moerun.backends.gpu.ipc for what two processes share),
+# reads a backend only where the Backend protocol declares it or through its `device`, reads
+# a device only where the device interface below offers it, and assigns into neither.
+GPU_INTERFACE_MODULES = ("moerun.backends.gpu", "moerun.backends.gpu.ipc")
+DEVICE_INTERFACE = {"cupy", "index", "stream", "launch", "elementwise", "pinned", "cut", "copy_addresses",
+                    "hop_through", "capturing", "graph_step", "set_step_hooks"}
+
+
+def gpu_import_violations(pairs: set[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Imports of the GPU backend's own modules from outside moerun.backends."""
+    return sorted((source, target) for source, target in pairs
+                  if target.startswith("moerun.backends.gpu.") and target not in GPU_INTERFACE_MODULES
+                  and unit_of(source) != "backends")
+
+
+def test_code_outside_the_backends_imports_the_gpu_backend_through_its_interface():
+    assert gpu_import_violations(MODULE_IMPORTS) == []
+
+
+def test_the_gpu_import_rule_catches_a_violation():
+    planted = {("moerun.rig.gpu.dispatch", "moerun.backends.gpu.library"),
+               ("moerun.rig.gpu.dispatch", "moerun.backends.gpu"),
+               ("moerun.rig.shards", "moerun.backends.gpu.ipc"),
+               ("moerun.backends.gpu.backend", "moerun.backends.gpu.library")}
+    assert gpu_import_violations(planted) == [("moerun.rig.gpu.dispatch", "moerun.backends.gpu.library")]
+
+
+def class_members(path: Path, name: str) -> set[str]:
+    """The attributes a class declares: its annotations, methods and properties, and what its
+    __init__ assigns to self."""
+    tree = ast.parse(path.read_text())
+    cls = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == name)
+    members = {node.target.id for node in cls.body if isinstance(node, ast.AnnAssign)}
+    members |= {node.name for node in cls.body if isinstance(node, ast.FunctionDef)}
+    members |= {node.attr for node in ast.walk(cls) if isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) and node.value.id == "self"}
+    return members
+
+
+def is_backend(node: ast.AST) -> bool:
+    """`backend` or `<anything>.backend`: how moerun names a backend wherever it holds one."""
+    return (isinstance(node, ast.Name) and node.id == "backend") or (isinstance(node, ast.Attribute)
+                                                                     and node.attr == "backend")
+
+
+def backend_uses(source: str, where: str) -> list[str]:
+    """What `source` assigns of a backend or of its device, and reads beyond their interfaces."""
+    allowed = class_members(REPO / "moerun/backends/protocol.py", "Backend") | {"device"}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        value = node.value
+        on_device = isinstance(value, ast.Attribute) and value.attr == "device" and is_backend(value.value)
+        name = f"backend.device.{node.attr}" if on_device else f"backend.{node.attr}"
+        if (on_device or is_backend(node.value)) and isinstance(node.ctx, ast.Store):
+            found.append(f"{where}:{node.lineno} assigns {name}")
+        elif (on_device and node.attr not in DEVICE_INTERFACE) or (is_backend(node.value) and node.attr not in allowed):
+            found.append(f"{where}:{node.lineno} reads {name}")
+    return found
+
+
+def test_the_device_interface_is_the_devices():
+    assert DEVICE_INTERFACE <= class_members(REPO / "moerun/backends/gpu/device.py", "GpuDevice")
+
+
+def test_code_outside_the_gpu_backend_uses_a_backend_through_its_interfaces():
+    """Every module that holds a compute backend (the tokenizer's `backend` is another thing)."""
+    found = []
+    for root in ROOTS.values():
+        for path in root.rglob("*.py"):
+            if not path.is_relative_to(REPO / "moerun/backends/gpu") and not path.is_relative_to(REPO / "moerun/gguf"):
+                found += backend_uses(path.read_text(), str(path.relative_to(REPO)))
+    assert found == []
+
+
+def test_the_backend_use_rule_catches_violations():
+    planted = ("self.backend.device.step_guard = rings\nbackend.cupy.zeros(3)\nbackend.device.kernels.rows()\n"
+               "backend.device.stream.synchronize()\nbackend.linear(x, w)\n")
+    assert backend_uses(planted, "f.py") == ["f.py:1 assigns backend.device.step_guard", "f.py:2 reads backend.cupy",
+                                             "f.py:3 reads backend.device.kernels"]

@@ -1,7 +1,7 @@
 """Top-K routing (moerun.backends.numpy_ops.route) against a reference written here: softmax
 in float64, the K most probable experts by sorting, exact ties to the lower expert id.
 
-Ties: the GPU parent's router (route_top_k in moerun/backends/kernels/layers.cu) also breaks
+Ties: the GPU parent's router (route_top_k in moerun/backends/gpu/kernels/layers.cu) also breaks
 exact ties to the lower id, so that is the rule both parents must share. llama.cpp itself
 leaves the order of exact ties to its backend's sort (the CPU argsort is an exchange sort, not
 stable), so no finer agreement with it exists to test.

@@ -1,4 +1,4 @@
-"""The routing tables a GPU parent keeps (moerun.rig.routing_tables), checked on the host with a
+"""The routing tables a GPU parent keeps (moerun.rig.gpu.routing_tables), checked on the host with a
 stand-in for CuPy: an expert moved into a cache slot leaves its daemon, the streamed layer and
 the reads in place; given back, it returns exactly where it was."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moerun.moe.placement import PARENT, Placement
-from moerun.rig.routing_tables import RoutingTables
+from moerun.rig.gpu.routing_tables import RoutingTables
 
 
 class DeviceArray(np.ndarray):
@@ -32,13 +32,17 @@ class FakeCupy:
 
 
 @dataclass
-class FakeBackend:
+class FakeDevice:
     cupy: FakeCupy = FakeCupy()
     stream: Stream = Stream()
 
     @staticmethod
     def pinned(shape, dtype):
         return np.empty(shape, dtype)
+
+
+class FakeBackend:
+    device = FakeDevice()
 
 
 @dataclass

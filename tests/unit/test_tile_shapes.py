@@ -1,11 +1,11 @@
-"""The GPU prefill's tile shape follows the experts' average load (moerun.backends.gpu_experts),
+"""The GPU prefill's tile shape follows the experts' average load (moerun.backends.gpu.experts),
 and every shape the Python side launches is one the kernel source defines."""
 import re
 
 import pytest
 
-from moerun.backends.gpu_experts import TILE_SHAPES, tile_rows
-from moerun.backends.gpu_kernels import KERNEL_DIR
+from moerun.backends.gpu.experts import TILE_SHAPES, tile_rows
+from moerun.backends.gpu.library import KERNEL_DIR
 
 
 @pytest.mark.parametrize("n_pairs, n_experts, rows", [

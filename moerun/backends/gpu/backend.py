@@ -5,7 +5,7 @@ Decode (T <= 8) multiplies quantized weights by activations converted once per i
 to two 8-bit planes (integer dot products, kernels/q8_dot.cuh) and float weights in f32.
 Prefill dequantizes each dense matrix to f16 and multiplies on the matrix units with f32
 accumulation and output (f32 matrices, the routers, stay f32); the experts multiply
-straight from their stored blocks (gpu_experts.py, kernels/moe_mm.cu); attention is
+straight from their stored blocks (experts.py, kernels/moe_mm.cu); attention is
 batched TF32 products over a KV cache of f16 (by default, as llama.cpp's) or f32. Decode
 steps replay as captured CUDA graphs (with daemons: graph segments between the MoE layers'
 host actions; not on HIP, or with graphs off).
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.devices import Device, gpu_module
-from moerun.backends.gpu_blas import Blas
-from moerun.backends.gpu_constants import (
+from moerun.backends.devices import Device
+from moerun.backends.gpu.blas import Blas
+from moerun.backends.gpu.constants import (
     DELTA_COLUMNS,
     DELTA_GROUPS,
     MAX_CONV_WIDTH,
@@ -33,18 +33,18 @@ from moerun.backends.gpu_constants import (
     ROUTE_VALUES,
     UNIT,
 )
-from moerun.backends.gpu_experts import GpuExperts, load_experts
-from moerun.backends.gpu_graphs import GraphCache
-from moerun.backends.gpu_kernels import (
+from moerun.backends.gpu.device import GpuDevice
+from moerun.backends.gpu.experts import GpuExperts, load_experts
+from moerun.backends.gpu.graphs import GraphCache
+from moerun.backends.gpu.library import (
     BLOCK,
     INT_KINDS,
     NULL,
     UNITS_PER_LANE,
-    Kernels,
     pointer,
     stage_stride,
 )
-from moerun.backends.gpu_weights import DeviceMatrix, Uploader
+from moerun.backends.gpu.weights import DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
 from moerun.backends.protocol import KV_DTYPES, CacheState, ContextFull, Forward
@@ -59,7 +59,6 @@ ROUTE_THREADS = 128            # threads of each block of route_normed (a router
 NORMED_VALUES = 8              # values of a row each thread converts when q/k/v fold the norm (q8_dot.cuh) ...
 NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
 DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
-COPY_DEFAULT = 4               # cudaMemcpyDefault: the runtime infers the direction from the addresses
 
 
 def i32(value: int) -> np.int32:
@@ -142,12 +141,9 @@ class GpuBackend:
             raise UsageError(f"{spec.rule.gguf_arch}: the GPU's DeltaNet kernels take key heads of at most "
                              f"{MAX_KEY_DIM} dims, value heads of at most 1024 and convolutions of at most "
                              f"{MAX_CONV_WIDTH} (this model: {shape})")
-        cupy = self.cupy = gpu_module(device)
-        import cupyx
-        self.pinned = cupyx.empty_pinned                # (shape, dtype) -> a page-locked numpy array
-        cupy.cuda.Device(device.index).use()
+        self.device = GpuDevice(device)       # the stream, launches, copies, capture state, the rig's hooks
+        cupy = self.device.cupy
         self.name = device.name
-        self.device_index = device.index
         self.kind = device.platform.upper()
         self.spec = spec
         if kv_dtype not in KV_DTYPES:
@@ -156,15 +152,9 @@ class GpuBackend:
         if spec.hidden > NORM_BLOCK * NORM_VALUES:
             raise UsageError(f"hidden size {spec.hidden}: the GPU backend normalises rows of at most "
                              f"{NORM_BLOCK * NORM_VALUES} values")
-        self.kernels = Kernels(cupy)
         self.blas = Blas(cupy)
-        self.stream = cupy.cuda.Stream(non_blocking=True)
         self.graphs_enabled = graphs and not cupy.cuda.runtime.is_hip
         self._graphs = GraphCache(self, MAX_GEMV_TOKENS)
-        self.recorder = None                # set while a decode step is captured
-        self.graph_step = False             # a decode step is being captured or replayed
-        self.step_guard = None              # the rig's: opens a captured step, watches it finish (gpu_graphs.py)
-        self.before_step = None             # the rig's: called before every step, outside any capture
         self._kv_buffers: dict[int, tuple[list, list]] = {}
         self._uploader: Uploader | None = None
         self._last_f16: tuple[Any, Any] = (None, None)        # (activations, their f16 copy)
@@ -178,7 +168,7 @@ class GpuBackend:
     # -- loading
     def begin_loading(self, gguf: GGUFFile) -> None:
         self._progress = UploadProgress(sum(info.nbytes for info in gguf.tensors.values()), self.name)
-        self._uploader = Uploader(self.cupy, gguf, self._progress.advance)
+        self._uploader = Uploader(self.device.cupy, gguf, self._progress.advance)
 
     def finish_loading(self) -> None:
         try:
@@ -192,10 +182,10 @@ class GpuBackend:
 
     def embedding(self, gguf: GGUFFile, name: str) -> DeviceMatrix:
         """In mapped host memory: a step gathers T rows of it (no device memory for the table)."""
-        return self._uploader.host_matrix(name, self.device_index)
+        return self._uploader.host_matrix(name, self.device.index)
 
     def vector(self, values: np.ndarray) -> Any:
-        return self.cupy.asarray(np.ascontiguousarray(values, dtype=np.float32))
+        return self.device.cupy.asarray(np.ascontiguousarray(values, dtype=np.float32))
 
     def load_experts(self, gguf: GGUFFile, held: dict[int, list[int]] | None, cache_bytes: int) -> GpuExperts:
         """Every expert, or the `held` ones per layer (a parent with daemons: its hot ones)."""
@@ -206,32 +196,24 @@ class GpuBackend:
                 layers[layer] = load_experts(self._uploader, self.spec, layer, ids)
         return GpuExperts(self, self.spec, layers)
 
-    def cut(self, action) -> None:
-        """A host action between device work: run now, or between graph segments while a
-        decode step is captured."""
-        if self.recorder is not None:
-            self.recorder.cut(action)
-        else:
-            action()
-
     # -- buffers
     def upload_ids(self, ids: np.ndarray) -> Any:
-        return self.cupy.asarray(np.asarray(ids, dtype=np.int32))
+        return self.device.cupy.asarray(np.asarray(ids, dtype=np.int32))
 
     def positions(self, start: int, n_tokens: int) -> Any:
-        return self.cupy.arange(start, start + n_tokens, dtype=self.cupy.int32)
+        return self.device.cupy.arange(start, start + n_tokens, dtype=self.device.cupy.int32)
 
     def to_host(self, x: Any) -> np.ndarray:
         """x in page-locked host memory (from CuPy's pool): a step's logits come back several
         times faster than through a pageable copy."""
-        out = self.pinned(x.shape, x.dtype)
-        self.cupy.ascontiguousarray(x).get(stream=self.stream, out=out)
+        out = self.device.pinned(x.shape, x.dtype)
+        self.device.cupy.ascontiguousarray(x).get(stream=self.device.stream, out=out)
         return out
 
     def new_cache(self, capacity: int) -> GpuKVCache:
         """A fresh sequence; the buffers of the last one of this capacity are reused."""
         if capacity not in self._kv_buffers:
-            spec, cupy = self.spec, self.cupy
+            spec, cupy = self.spec, self.device.cupy
             dtype = KV_DTYPES[self.kv_dtype]
             recurrent = [i for i in range(spec.n_layers) if spec.is_recurrent(i)]
             rows = [0 if i in recurrent else capacity for i in range(spec.n_layers)]
@@ -241,8 +223,8 @@ class GpuBackend:
                 [cupy.zeros((n, spec.n_kv_heads, spec.head_dim_v), dtype) for n in rows],
                 {i: cupy.zeros((shape.conv_kernel - 1, shape.channels), cupy.float32) for i in recurrent},
                 {i: cupy.zeros((shape.value_heads, shape.key_dim, shape.value_dim), cupy.float32) for i in recurrent})
-        with self.stream:
-            return GpuKVCache(self._kv_buffers[capacity], capacity, self.stream, self.pinned)
+        with self.device.stream:
+            return GpuKVCache(self._kv_buffers[capacity], capacity, self.device.stream, self.device.pinned)
 
     def restore_cache(self, state: CacheState, capacity: int) -> GpuKVCache:
         cache = self.new_cache(capacity)
@@ -262,9 +244,9 @@ class GpuBackend:
     def run_step(self, forward: Forward, inputs: Any, start: int, graph_key: tuple | None) -> Any:
         """As the protocol's; a layer shard's hidden state may come on the device (a parent's
         device-direct hop), and its output then stays there, queued on the stream."""
-        with self.stream:
-            if self.before_step is not None:
-                self.before_step()
+        with self.device.stream:
+            if self.device.before_step is not None:
+                self.device.before_step()
             on_host = isinstance(inputs, np.ndarray)
             if graph_key is not None and len(inputs) <= self.step_tokens and (inputs.ndim == 1 or len(inputs) == 1):
                 out = self._graphs.step(forward, inputs, start, graph_key)
@@ -278,80 +260,64 @@ class GpuBackend:
         """Eagerly: x to the host and the action's result back. While a step is captured: the
         copies into and out of page-locked buffers are graph nodes, the action a cut between
         segments (it waits for the first copy); the buffers live as long as the captured step."""
-        cupy, runtime = self.cupy, self.cupy.cuda.runtime
+        cupy, stream = self.device.cupy, self.device.stream
+        runtime = cupy.cuda.runtime
         x = cupy.ascontiguousarray(x)
-        if self.recorder is None:
+        if not self.device.capturing:
             return self.vector(action(self.to_host(x)))
-        sent, received = self.pinned(x.shape, np.float32), self.pinned(x.shape, np.float32)
-        runtime.memcpyAsync(sent.ctypes.data, x.data.ptr, x.nbytes, runtime.memcpyDeviceToHost, self.stream.ptr)
+        sent, received = self.device.pinned(x.shape, np.float32), self.device.pinned(x.shape, np.float32)
+        runtime.memcpyAsync(sent.ctypes.data, x.data.ptr, x.nbytes, runtime.memcpyDeviceToHost, stream.ptr)
 
         def through_host() -> None:
-            self.stream.synchronize()
+            stream.synchronize()
             received[...] = action(sent)
 
-        self.cut(through_host)
+        self.device.cut(through_host)
         out = cupy.empty_like(x)
-        runtime.memcpyAsync(out.data.ptr, received.ctypes.data, x.nbytes, runtime.memcpyHostToDevice, self.stream.ptr)
+        runtime.memcpyAsync(out.data.ptr, received.ctypes.data, x.nbytes, runtime.memcpyHostToDevice, stream.ptr)
         return out
-
-    def hop_through(self, x: Any, destination: int, source: int, action) -> Any:
-        """x [T, H] into another process's device buffer at `destination` (opened through IPC),
-        the action (its doorbell and event waits: a cut while a step is captured), then [T, H]
-        back from its buffer at `source`: no host copy, and the copies are graph nodes."""
-        x = self.cupy.ascontiguousarray(x)
-        self.copy_addresses(destination, x.data.ptr, x.nbytes)
-        self.cut(action)
-        out = self.cupy.empty_like(x)
-        self.copy_addresses(out.data.ptr, source, x.nbytes)
-        return out
-
-    def copy_addresses(self, destination: int, source: int, nbytes: int) -> None:
-        """A copy on the stream between any two addresses this process reaches (device, mapped
-        or page-locked host memory, another process's buffer opened through IPC)."""
-        if nbytes:
-            self.cupy.cuda.runtime.memcpyAsync(destination, source, nbytes, COPY_DEFAULT, self.stream.ptr)
 
     # -- operations
     def embed(self, table: DeviceMatrix, ids: Any) -> Any:
         units = table.cols // UNIT
-        out = self.cupy.empty((ids.size, table.cols), self.cupy.float32)
-        self.kernels.elementwise(f"gather_rows_f32_{table.kind}", ids.size * units,
-                                 (table.data, i64(table.row_bytes), i32(units), i32(ids.size), ids, out))
+        out = self.device.cupy.empty((ids.size, table.cols), self.device.cupy.float32)
+        self.device.elementwise(f"gather_rows_f32_{table.kind}", ids.size * units,
+                                (table.data, i64(table.row_bytes), i32(units), i32(ids.size), ids, out))
         return out
 
     def rms_norm(self, x: Any, weight: Any) -> Any:
         """A few rows are written in 8-bit planes too, for the GEMVs that read them next."""
-        x = self.cupy.ascontiguousarray(x)      # the kernel reads whole rows: a column slice is copied
-        out = self.cupy.empty_like(x)
+        x = self.device.cupy.ascontiguousarray(x)      # the kernel reads whole rows: a column slice is copied
+        out = self.device.cupy.empty_like(x)
         width = x.shape[-1]
         q, ds = self._planes_for(out)
-        self.kernels.launch("rms_norm", (x.size // width,), (NORM_BLOCK,),
-                                 (x, weight, out, i32(width), np.float32(self.spec.rms_eps), pointer(q), pointer(ds)))
+        self.device.launch("rms_norm", (x.size // width,), (NORM_BLOCK,),
+                           (x, weight, out, i32(width), np.float32(self.spec.rms_eps), pointer(q), pointer(ds)))
         return out
 
     def linear(self, x: Any, weight: DeviceMatrix, bias: Any | None = None, residual: Any | None = None) -> Any:
         """x [T, K] · weight [N, K]ᵀ (+ bias [N]) (+ residual [T, N]) -> [T, N] f32"""
-        n_tokens = x.shape[0]
-        x = self.cupy.ascontiguousarray(x)
+        n_tokens, cupy, kernels = x.shape[0], self.device.cupy, self.device.kernels
+        x = cupy.ascontiguousarray(x)
         if n_tokens <= MAX_GEMV_TOKENS and weight.kind in INT_KINDS:
-            y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
+            y = cupy.empty((n_tokens, weight.rows), cupy.float32)
             q, ds = self.q8_of(x)
-            self.kernels.rows(f"gemv_q8_{weight.kind}", (weight.rows + 1) // 2, weight.cols // UNIT, 1,  # rows in pairs
-                              (weight.data, i64(weight.row_bytes), q, ds, i32(weight.cols), y, i32(weight.rows),
-                               i32(n_tokens), pointer(residual)), UNITS_PER_LANE, staged_bytes=2 * weight.row_bytes)
+            kernels.rows(f"gemv_q8_{weight.kind}", (weight.rows + 1) // 2, weight.cols // UNIT, 1,  # rows in pairs
+                         (weight.data, i64(weight.row_bytes), q, ds, i32(weight.cols), y, i32(weight.rows),
+                          i32(n_tokens), pointer(residual)), UNITS_PER_LANE, staged_bytes=2 * weight.row_bytes)
         elif n_tokens <= MAX_GEMV_TOKENS and weight.rows <= FEW_ROWS:
-            y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
+            y = cupy.empty((n_tokens, weight.rows), cupy.float32)
             stride = stage_stride(weight.row_bytes, 1)
-            self.kernels.launch(f"gemv_few_rows_{weight.kind}", (weight.rows,), (FEW_ROWS_THREADS,),
-                                (weight.data, i64(weight.row_bytes), x, i32(weight.cols), y, i32(weight.rows),
-                                 i32(n_tokens), pointer(residual), i32(stride)), stride)
+            self.device.launch(f"gemv_few_rows_{weight.kind}", (weight.rows,), (FEW_ROWS_THREADS,),
+                               (weight.data, i64(weight.row_bytes), x, i32(weight.cols), y, i32(weight.rows),
+                                i32(n_tokens), pointer(residual), i32(stride)), stride)
         elif n_tokens <= MAX_GEMV_TOKENS:
-            y = self.cupy.empty((n_tokens, weight.rows), self.cupy.float32)
-            self.kernels.rows(f"gemv_{weight.kind}", weight.rows, weight.cols // UNIT, 1,
-                              (weight.data, i64(weight.row_bytes), x, i32(weight.cols), y, i32(weight.rows),
-                               i32(n_tokens), pointer(residual)))
+            y = cupy.empty((n_tokens, weight.rows), cupy.float32)
+            kernels.rows(f"gemv_{weight.kind}", weight.rows, weight.cols // UNIT, 1,
+                         (weight.data, i64(weight.row_bytes), x, i32(weight.cols), y, i32(weight.rows),
+                          i32(n_tokens), pointer(residual)))
         elif weight.kind == "f32":          # kept in f32 (routers): exact products
-            y = self.blas.matmul(x[None], weight.data.view(self.cupy.float32).reshape(1, *weight.shape), residual)[0]
+            y = self.blas.matmul(x[None], weight.data.view(cupy.float32).reshape(1, *weight.shape), residual)[0]
         else:
             y = self.blas.matmul(self._f16_of(x)[None], self.dequantize_f16(weight)[None], residual)[0]
         if bias is not None:
@@ -371,16 +337,16 @@ class GpuBackend:
             x, norm = self.rms_norm(x, norm), None
         if not fused:
             return tuple(self.linear(x, weight, bias) for weight, bias in zip(weights, biases))
-        x = self.cupy.ascontiguousarray(x)
+        x = self.device.cupy.ascontiguousarray(x)
         q, ds = (NULL, NULL) if norm is not None else self.q8_of(x)
-        outs = tuple(self.cupy.empty((n_tokens, w.rows), self.cupy.float32) for w in weights)
+        outs = tuple(self.device.cupy.empty((n_tokens, w.rows), self.device.cupy.float32) for w in weights)
         segments = [arg for w, y in zip(weights, outs)
                     for arg in (w.data, i64(w.row_bytes), i32(INT_KINDS.index(w.kind)), i32(w.rows), y)]
         segments += [NULL, i64(0), i32(0), i32(0), NULL] * (3 - len(weights))
-        self.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), width // UNIT, 1,
-                          (*segments, q, ds, x, pointer(norm), np.float32(self.spec.rms_eps), i32(width),
-                           i32(n_tokens)), UNITS_PER_LANE, staged_bytes=max(w.row_bytes for w in weights),
-                          shared_after=0 if norm is None else planes_bytes)
+        self.device.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), width // UNIT, 1,
+                                 (*segments, q, ds, x, pointer(norm), np.float32(self.spec.rms_eps), i32(width),
+                                  i32(n_tokens)), UNITS_PER_LANE, staged_bytes=max(w.row_bytes for w in weights),
+                                 shared_after=0 if norm is None else planes_bytes)
         for y, bias in zip(outs, biases):
             if bias is not None:
                 y += bias
@@ -392,8 +358,8 @@ class GpuBackend:
         n_tokens = q.shape[0]
         # The kernel reads rows of NH*D, NKV*D and NKV*Dv floats and rotates q in place: column
         # slices of a fused qkv [T, N] are copied out when T > 1 (one row is contiguous already).
-        q, k, v = (self.cupy.ascontiguousarray(a) for a in (q, k, v))
-        self.kernels.launch(
+        q, k, v = (self.device.cupy.ascontiguousarray(a) for a in (q, k, v))
+        self.device.launch(
             f"qk_norm_rope_append_{self.kv_dtype}",
             (n_tokens, spec.n_heads + spec.n_kv_heads), (spec.head_dim_k // 2,),
             (q, k, v, pointer(q_norm), pointer(k_norm), np.float32(spec.rms_eps), positions, self.inv_freq,
@@ -412,14 +378,14 @@ class GpuBackend:
     def _split_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
         """Each token's positions [0, pos] in equal shares over a fixed number of splits per head,
         the count from the capacity, so a captured step serves every position."""
-        spec, cupy = self.spec, self.cupy
+        spec, cupy = self.spec, self.device.cupy
         n_tokens = q.shape[0]
         span = cache.capacity
         partial = f"attention_partial_{self.kv_dtype}"
-        splits = attention_splits(span, n_tokens * spec.n_heads, self.kernels.wave(partial))
+        splits = attention_splits(span, n_tokens * spec.n_heads, self.device.kernels.wave(partial))
         acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)    # [T, NH, splits, Dv]
         max_sum = cupy.empty((n_tokens, spec.n_heads, splits, 2), cupy.float32)
-        self.kernels.launch(
+        self.device.launch(
             partial,
             (n_tokens, spec.n_heads, splits), (BLOCK,),
             (q, cache.k[layer], cache.v[layer], positions, i32(spec.n_heads), i32(spec.n_kv_heads),
@@ -427,7 +393,7 @@ class GpuBackend:
              acc, max_sum))
         out = cupy.empty((n_tokens, spec.n_heads * spec.head_dim_v), cupy.float32)
         q, ds = self._planes_for(out) if spec.head_dim_v % UNIT == 0 else (None, None)
-        self.kernels.launch("attention_combine", (n_tokens, spec.n_heads), (128,),
+        self.device.launch("attention_combine", (n_tokens, spec.n_heads), (128,),
                                           (acc, max_sum, i32(splits), i32(spec.n_heads), i32(spec.head_dim_v), out,
                                            pointer(q), pointer(ds)))
         return out
@@ -435,7 +401,7 @@ class GpuBackend:
     def _prefill_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
         """scores [NH, T, S] = q·kᵀ per head, causal softmax, then ·v (TF32 products); K/V expanded
         per query head."""
-        spec, cupy, blas = self.spec, self.cupy, self.blas
+        spec, cupy, blas = self.spec, self.device.cupy, self.blas
         n_tokens, n_heads, d, dv = q.shape[0], spec.n_heads, spec.head_dim_k, spec.head_dim_v
         span = cache.length + n_tokens
         keys, values = (self._expand_heads(cache.k[layer], span, d), self._expand_heads(cache.v[layer], span, dv))
@@ -443,7 +409,7 @@ class GpuBackend:
         blas.gemm(transpose_a=True, transpose_b=False, m=span, n=n_tokens, k=d,
                   a=keys, lda=d, stride_a=span * d, b=q, ldb=n_heads * d, stride_b=d,
                   c=scores, ldc=span, stride_c=n_tokens * span, batch=n_heads, tf32=True)
-        self.kernels.launch("causal_softmax", (n_heads * n_tokens,), (BLOCK,),
+        self.device.launch("causal_softmax", (n_heads * n_tokens,), (BLOCK,),
                                        (scores, positions, i32(n_tokens), i32(span), np.float32(1.0 / math.sqrt(d))))
         out = cupy.empty((n_tokens, n_heads * dv), cupy.float32)
         blas.gemm(transpose_a=False, transpose_b=False, m=dv, n=n_tokens, k=span,
@@ -454,53 +420,54 @@ class GpuBackend:
     def _expand_heads(self, cache: Any, span: int, head_dim: int) -> Any:
         """Cache rows [S, NKV, D] -> [NH, S, D] f32."""
         spec = self.spec
-        out = self.cupy.empty((spec.n_heads, span, head_dim), self.cupy.float32)
-        self.kernels.elementwise(f"expand_kv_heads_{self.kv_dtype}", out.size // 4,
-                                 (cache, i32(span), i32(spec.n_kv_heads), i32(spec.n_heads), i32(head_dim), out))
+        out = self.device.cupy.empty((spec.n_heads, span, head_dim), self.device.cupy.float32)
+        self.device.elementwise(f"expand_kv_heads_{self.kv_dtype}", out.size // 4,
+                                (cache, i32(span), i32(spec.n_kv_heads), i32(spec.n_heads), i32(head_dim), out))
         return out
 
     def route(self, x: Any, norm: Any, router: DeviceMatrix) -> tuple[Any, Any, Any]:
         """h = rms_norm(x, norm), its logits and top-K: one launch (route_normed) for a few tokens
         through a float router of few rows, else the norm, the product and route_top_k."""
-        cupy, spec, k = self.cupy, self.spec, self.spec.n_experts_used
+        cupy, spec, k = self.device.cupy, self.spec, self.spec.n_experts_used
         x = cupy.ascontiguousarray(x)
         n_tokens, width = x.shape
         ids, weights = cupy.empty((n_tokens, k), cupy.int32), cupy.empty((n_tokens, k), cupy.float32)
         renormalize = i32(spec.rule.renormalize_topk)
         row_threads = max(ROUTE_THREADS, -(-width // (ROUTE_VALUES * 32)) * 32)        # route_normed's blocks
         if (n_tokens > MAX_GEMV_TOKENS or router.kind in INT_KINDS or router.rows > FEW_ROWS or width % UNIT
-                or row_threads > 1024):
+            or row_threads > 1024):
             h = self.rms_norm(x, norm)
             logits = self.linear(h, router)                                               # [T, E]
             expert_threads = min(1024, -(-router.rows // 32) * 32)                        # a thread per expert
-            self.kernels.launch("route_top_k", (n_tokens,), (expert_threads,),
-                                (logits, i32(router.rows), i32(k), renormalize, ids, weights))
+            self.device.launch("route_top_k", (n_tokens,), (expert_threads,),
+                               (logits, i32(router.rows), i32(k), renormalize, ids, weights))
             return h, ids, weights
         h = cupy.empty_like(x)
         hq, hds = self._planes_for(h)
         logits = cupy.empty((n_tokens, router.rows), cupy.float32)
         stride = stage_stride(router.row_bytes, 1)
-        self.kernels.launch(f"route_normed_{router.kind}", (router.rows,), (row_threads,),
-                            (x, norm, np.float32(spec.rms_eps), i32(width), i32(n_tokens), router.data,
-                             i64(router.row_bytes), i32(stride), logits, i32(router.rows), i32(k), renormalize,
-                             h, pointer(hq), pointer(hds), self._route_done, ids, weights), stride)
+        self.device.launch(f"route_normed_{router.kind}", (router.rows,), (row_threads,),
+                           (x, norm, np.float32(spec.rms_eps), i32(width), i32(n_tokens), router.data,
+                            i64(router.row_bytes), i32(stride), logits, i32(router.rows), i32(k), renormalize,
+                            h, pointer(hq), pointer(hds), self._route_done, ids, weights), stride)
         return h, ids, weights
 
     def silu_mul(self, gate: Any, up: Any) -> Any:
-        out = self.cupy.empty_like(gate)
-        self.kernels.elementwise("silu_mul", gate.size, (gate, up, out, i64(gate.size)))
+        out = self.device.cupy.empty_like(gate)
+        self.device.elementwise("silu_mul", gate.size, (gate, up, out, i64(gate.size)))
         return out
 
     def query_gate(self, q_gate: Any) -> tuple[Any, Any]:
         """q_gate [T, NH*2D], each head's query then its gate -> q, gate [T, NH*D]"""
         spec = self.spec
         heads = q_gate.reshape(q_gate.shape[0], spec.n_heads, 2, spec.head_dim_k)
-        return tuple(self.cupy.ascontiguousarray(heads[:, :, part]).reshape(q_gate.shape[0], -1) for part in (0, 1))
+        return tuple(self.device.cupy.ascontiguousarray(heads[:, :, part]).reshape(q_gate.shape[0], -1)
+                     for part in (0, 1))
 
     def sigmoid_gate(self, x: Any, gate: Any) -> Any:
         """x · sigmoid(gate), both [T, N]"""
-        out = self.cupy.empty_like(x)
-        self.kernels.elementwise("sigmoid_gate", out.size, (x, gate, out, i64(out.size)))
+        out = self.device.cupy.empty_like(x)
+        self.device.elementwise("sigmoid_gate", out.size, (x, gate, out, i64(out.size)))
         return out
 
     def delta_net(self, channels: Any, z: Any, beta: Any, alpha: Any, weights: tuple[Any, Any, Any, Any],
@@ -509,33 +476,33 @@ class GpuBackend:
         layer's conv state, then the gated delta rule over its recurrent state, each head's
         output RMS-normed times silu(z) -> [T, HV*DV]."""
         conv_weight, a, dt, norm = weights
-        shape, cupy = self.spec.delta_net, self.cupy
+        shape, cupy = self.spec.delta_net, self.device.cupy
         n_tokens = channels.shape[0]
         channels, z, beta, alpha = (cupy.ascontiguousarray(x) for x in (channels, z, beta, alpha))
         mixed = cupy.empty((n_tokens, shape.channels), cupy.float32)                   # [T, C]
-        self.kernels.elementwise("delta_conv", n_tokens * shape.channels, (
+        self.device.elementwise("delta_conv", n_tokens * shape.channels, (
             channels, conv_weight, cache.conv[layer], mixed, i32(n_tokens), i32(shape.channels),
             i32(shape.conv_kernel)))
-        self.kernels.elementwise("delta_conv_state", shape.channels, (
+        self.device.elementwise("delta_conv_state", shape.channels, (
             channels, cache.conv[layer], i32(n_tokens), i32(shape.channels), i32(shape.conv_kernel)))
         eps = np.float32(self.spec.rms_eps)
         heads = (i32(shape.key_heads), i32(shape.value_heads), i32(shape.key_dim), i32(shape.value_dim))
         block = (-(-max(shape.key_dim, shape.value_dim) // 32) * 32,)                # whole warps over DK and DV
         gates = cupy.empty((n_tokens, shape.value_heads, 2), cupy.float32)             # [T, HV, (g, β)]
-        self.kernels.launch("delta_prepare", (n_tokens, shape.key_heads + shape.value_heads), block,
-                            (mixed, beta, alpha, a, dt, gates, *heads, eps))
+        self.device.launch("delta_prepare", (n_tokens, shape.key_heads + shape.value_heads), block,
+                           (mixed, beta, alpha, a, dt, gates, *heads, eps))
         out = cupy.empty((n_tokens, shape.value_heads * shape.value_dim), cupy.float32)   # [T, HV*DV]
-        self.kernels.launch("delta_rule", (shape.value_heads, -(-shape.value_dim // DELTA_COLUMNS)),
-                            (DELTA_COLUMNS, DELTA_GROUPS),
-                            (mixed, gates, cache.ssm[layer], out, i32(n_tokens), *heads))
-        self.kernels.launch("delta_gate_norm", (n_tokens, shape.value_heads), block,
-                            (out, z, norm, i32(shape.value_heads), i32(shape.value_dim), eps))
+        self.device.launch("delta_rule", (shape.value_heads, -(-shape.value_dim // DELTA_COLUMNS)),
+                           (DELTA_COLUMNS, DELTA_GROUPS),
+                           (mixed, gates, cache.ssm[layer], out, i32(n_tokens), *heads))
+        self.device.launch("delta_gate_norm", (n_tokens, shape.value_heads), block,
+                           (out, z, norm, i32(shape.value_heads), i32(shape.value_dim), eps))
         return out
 
     def add(self, x: Any, y: Any, gate_logit: Any | None = None) -> Any:
         """x + y, or x + sigmoid(gate_logit [T, 1]) · y"""
-        out = self.cupy.empty_like(x)
-        self.kernels.elementwise("add_gated", out.size, (x, y, pointer(gate_logit), i32(x.shape[-1]), i64(x.size), out))
+        out = self.device.cupy.empty_like(x)
+        self.device.elementwise("add_gated", out.size, (x, y, pointer(gate_logit), i32(x.shape[-1]), i64(x.size), out))
         return out
 
     # -- activation forms
@@ -549,11 +516,11 @@ class GpuBackend:
     def quantize_q8(self, x: Any) -> tuple[Any, Any]:
         q, ds = self._planes(x)
         n_units = x.size // UNIT
-        self.kernels.elementwise("quantize_q8", n_units, (x, i64(n_units), q, ds))
+        self.device.elementwise("quantize_q8", n_units, (x, i64(n_units), q, ds))
         return q, ds
 
     def _planes(self, x: Any) -> tuple[Any, Any]:
-        cupy = self.cupy
+        cupy = self.device.cupy
         return (cupy.empty((*x.shape[:-1], 2 * x.shape[-1]), cupy.int8),
                 cupy.empty((*x.shape[:-1], x.shape[-1] // UNIT, 2), cupy.float32))
 
@@ -573,14 +540,14 @@ class GpuBackend:
         return self._last_f16[1]
 
     def to_f16(self, x: Any) -> Any:
-        out = self.cupy.empty(x.shape, self.cupy.float16)
-        self.kernels.elementwise("to_f16", x.size, (x, out, i64(x.size)))
+        out = self.device.cupy.empty(x.shape, self.device.cupy.float16)
+        self.device.elementwise("to_f16", x.size, (x, out, i64(x.size)))
         return out
 
     def dequantize_f16(self, weight: DeviceMatrix) -> Any:
         """weight [N, K] -> f16 [N, K]"""
         units = weight.cols // UNIT
-        out = self.cupy.empty((weight.rows, weight.cols), self.cupy.float16)
-        self.kernels.elementwise(f"dequant_f16_{weight.kind}", weight.rows * units,
-                                 (weight.data, i64(weight.row_bytes), i32(units), i64(weight.rows), out))
+        out = self.device.cupy.empty((weight.rows, weight.cols), self.device.cupy.float16)
+        self.device.elementwise(f"dequant_f16_{weight.kind}", weight.rows * units,
+                                (weight.data, i64(weight.row_bytes), i32(units), i64(weight.rows), out))
         return out

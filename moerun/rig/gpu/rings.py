@@ -21,12 +21,11 @@ import time
 
 import numpy as np
 
-from moerun.backends.gpu_constants import DAEMON_WORDS
-from moerun.backends.gpu_graphs import StepRetry
+from moerun.backends.gpu import DAEMON_WORDS, StepRetry
 from moerun.ipc import protocol as p
 from moerun.ipc import shm
 from moerun.ipc.protocol import ProtocolError
-from moerun.rig.gpu_channels import ArenaChannel, RemoteCall
+from moerun.rig.gpu.channels import ArenaChannel, RemoteCall
 
 IDS, FAILURES, WAIT_NS, COMPUTE_NS = range(DAEMON_WORDS)
 LIVENESS_EVERY_S = 0.001       # how often a finishing step looks at the daemons' processes
@@ -36,7 +35,7 @@ class DeviceRings:
     def __init__(self, backend, rig):
         self.backend, self.rig = backend, rig
         self.timeout_ns = int(rig.config.daemon_timeout_s * 1e9)
-        cupy, n_words = backend.cupy, 1 + DAEMON_WORDS * len(rig.links)              # [0] abort
+        cupy, n_words = backend.device.cupy, 1 + DAEMON_WORDS * len(rig.links)              # [0] abort
         runtime = cupy.cuda.runtime
         self._memory = cupy.cuda.PinnedMemory(8 * n_words, runtime.hostAllocMapped | runtime.hostAllocPortable)
         self.words = np.frombuffer(cupy.cuda.PinnedMemoryPointer(self._memory, 0), np.uint64, n_words)
@@ -53,7 +52,7 @@ class DeviceRings:
     def ring(self, call: RemoteCall) -> None:
         """After the pack kernel: the request's header and sequence word, from the device."""
         spec = self.backend.spec
-        self.backend.kernels.launch("ring_slot", (1,), (1,), (
+        self.backend.device.launch("ring_slot", (1,), (1,), (
             np.uint64(call.channel.arena.slots[call.slot].address), self.address, np.int32(call.link.index),
             np.int32(p.PROTOCOL_VERSION), np.int32(call.layer), np.int32(call.channel.payload_code),
             np.int32(call.tokens), np.int32(spec.n_experts_used), np.int32(spec.hidden)))
@@ -61,7 +60,7 @@ class DeviceRings:
 
     def await_reply(self, call: RemoteCall) -> None:
         """Before the reply is added: the parent's stream waits for it."""
-        self.backend.kernels.launch("await_slot", (1,), (1,), (
+        self.backend.device.launch("await_slot", (1,), (1,), (
             np.uint64(call.channel.arena.slots[call.slot].address), self.address, np.int32(call.link.index),
             np.uint64(self.timeout_ns)))
 
@@ -79,7 +78,7 @@ class DeviceRings:
         """After the step's last launch: wait for it while watching the daemons' processes (a
         dead one aborts the device's waits), add its counts to the links' counters, and
         raise StepRetry when a daemon failed (now marked down)."""
-        self._finished.record(self.backend.stream)
+        self._finished.record(self.backend.device.stream)
         dead: set[int] = set()
         next_look = 0.0
         while not self._finished.done:

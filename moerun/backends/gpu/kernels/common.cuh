@@ -5,11 +5,11 @@
 #pragma once
 
 // The numbers the launching Python agrees on (UNIT, MAX_GEMV_TOKENS, MAX_EXPERTS, MAX_TOP_K, ...) come
-// as -D defines from moerun/backends/gpu_constants.py, the one place they are written.
+// as -D defines from moerun/backends/gpu/constants.py, the one place they are written.
 #if !defined(UNIT) || !defined(MAX_GEMV_TOKENS) || !defined(MAX_EXPERTS) || !defined(MAX_TOP_K) || \
     !defined(ROUTE_VALUES) || !defined(NORM_VALUES) || !defined(MM_THREADS) || !defined(DAEMON_WORDS) || \
     !defined(MAX_KEY_DIM) || !defined(MAX_CONV_WIDTH) || !defined(DELTA_COLUMNS) || !defined(DELTA_GROUPS)
-#error "build the kernels with the defines of moerun/backends/gpu_constants.py (defines())"
+#error "build the kernels with the defines of moerun/backends/gpu/constants.py (defines())"
 #endif
 
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
@@ -29,7 +29,7 @@ typedef unsigned int u32;
 typedef signed char i8;
 
 // Programmatic dependent launch (sm_90 and later, kernels launched with the attribute, see
-// gpu_kernels.py): a kernel may be scheduled while the one before it on the stream still runs.
+// library.py): a kernel may be scheduled while the one before it on the stream still runs.
 // Every kernel calls this first: it waits until the previous kernel has finished and its
 // writes are visible (so, transitively, every kernel before it), then lets the next kernel be
 // scheduled. Elsewhere (HIP, older GPUs, plain launches) it does nothing.

@@ -3,15 +3,15 @@
 A kernel maps the routed ids to the parent's own experts (-1: on a daemon) and counts the
 pairs; for every daemon a kernel packs its request (x in the payload dtype, the ids as
 that daemon's local ids, -1: not there) straight where its channel wants it
-(moerun.rig.gpu_channels), and a host action posts it. The parent's hot experts run
+(moerun.rig.gpu.channels), and a host action posts it. The parent's hot experts run
 meanwhile on its stream; the finish collects each reply and adds it in. Kernels run in the
 graph segments of a captured decode step, the posting and collecting between them; a daemon
-behind the pinned arena is rung and awaited there by kernels too (moerun.rig.gpu_rings), so a
+behind the pinned arena is rung and awaited there by kernels too (moerun.rig.gpu.rings), so a
 step with only such daemons is one graph.
 A big prefill chunk may compute the CPU daemons' experts here instead, from copies of their
-layers (moerun.rig.expert_stream), and an expert cache may hold the host-RAM experts routing
-favours now beside the hot ones (moerun.rig.expert_cache); the routing tables say where each
-expert is computed at each step (moerun.rig.routing_tables).
+layers (moerun.rig.gpu.expert_stream), and an expert cache may hold the host-RAM experts routing
+favours now beside the hot ones (moerun.rig.gpu.expert_cache); the routing tables say where each
+expert is computed at each step (moerun.rig.gpu.routing_tables).
 A daemon that fails is marked down and its pairs computed here on the CPU from the mmap
 (in a replayed step: the step runs again eagerly, which rewrites the same cache rows).
 Its counts stay on the device (a replayed step adds to them too) until counts() reads them.
@@ -25,25 +25,23 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu_experts import GpuExperts
-from moerun.backends.gpu_graphs import StepRetry
-from moerun.backends.gpu_kernels import BLOCK, pointer
+from moerun.backends.gpu import BLOCK, GpuExperts, StepRetry, pointer
 from moerun.backends.numpy_backend import CpuExperts
 from moerun.moe.executor import RemoteCounts
 from moerun.moe.placement import PARENT
-from moerun.rig.expert_cache import ExpertCache
-from moerun.rig.expert_stream import STREAMED_PAIRS, PrefillStreamer, probe_pair_seconds
-from moerun.rig.gpu_channels import (
+from moerun.rig.gpu.channels import (
     ArenaChannel,
     GpuAttachments,
     HostChannel,
     RemoteCall,
 )
-from moerun.rig.gpu_rings import DeviceRings
-from moerun.rig.host_experts import HostExperts, expert_bytes
-from moerun.rig.host_reads import READ_PAIRS, HostReads, spread
+from moerun.rig.gpu.expert_cache import ExpertCache
+from moerun.rig.gpu.expert_stream import STREAMED_PAIRS, PrefillStreamer, probe_pair_seconds
+from moerun.rig.gpu.host_experts import HostExperts, expert_bytes
+from moerun.rig.gpu.host_reads import READ_PAIRS, HostReads, spread
+from moerun.rig.gpu.rings import DeviceRings
+from moerun.rig.gpu.routing_tables import RoutingTables
 from moerun.rig.links import DaemonLink
-from moerun.rig.routing_tables import RoutingTables
 from moerun.rig.settings import AUTO
 from moerun.units import available_host_bytes, format_bytes
 
@@ -57,24 +55,28 @@ class GpuDispatcher:
     def __init__(self, backend, experts: GpuExperts, rig, gpu: GpuAttachments, fallback: CpuExperts):
         """experts: the parent's own (local ids); fallback: every expert on the CPU (global ids)."""
         self.backend, self.experts, self.rig, self.gpu, self.fallback = backend, experts, rig, gpu, fallback
-        cupy, config, placement = backend.cupy, rig.config, rig.placement
+        cupy, placement = backend.device.cupy, rig.placement
         self.held = {layer: int(np.count_nonzero(homes == PARENT)) for layer, homes in placement.homes.items()}  # hot
         self.host_links = {link.index for link in rig.links if link.client.info.get("device") == "cpu"}
         self.counters = cupy.zeros(READ_PAIRS + 1, cupy.uint64)        # see REMOTE_PAIRS..READ_PAIRS
         self.fallback_pairs = 0
         self._channels: dict[int, Any] = {}
-        self.rings = backend.step_guard = DeviceRings(backend, rig)
+        self.rings = DeviceRings(backend, rig)
         self.cache = self.streamer = self.reads = None
         host = self._host_experts()
         read_in_place = self._read_in_place(host) if host is not None else None
         self.tables = RoutingTables(backend, placement, [link.index for link in rig.links], host, read_in_place)
-        if host is None:
-            return
+        if host is not None:
+            self._use_host_experts(host, read_in_place)
+        backend.device.set_step_hooks(guard=self.rings, before_step=self.cache.before_step if self.cache else None)
+
+    def _use_host_experts(self, host: HostExperts, read_in_place: dict[int, np.ndarray] | None) -> None:
+        """Reads in place, the expert cache and prefill streaming, as the rig asks, over `host`."""
+        backend, experts, config, cupy = self.backend, self.experts, self.rig.config, self.backend.device.cupy
         if read_in_place:
             self.reads = HostReads(backend, experts, host, self.tables, self.counters)
         if config.expert_cache_bytes > 0:
             self.cache = ExpertCache(backend, experts, host, self.tables, config.expert_cache_bytes)
-            backend.before_step = self.cache.before_step
         if config.stream_tokens is not None:
             threshold = None if config.stream_tokens == AUTO else config.stream_tokens
             pair_seconds = None if threshold is not None else self._probe()
@@ -102,7 +104,8 @@ class GpuDispatcher:
             logger.warning(f"the CPU daemons' experts ({format_bytes(needed)}) would not fit twice in this host's "
                            f"available memory: no prefill streaming, expert cache or reads in place")
             return None
-        return HostExperts(backend.cupy, backend.device_index, self.rig.gguf, backend.spec, homes, self.host_links)
+        return HostExperts(backend.device.cupy, backend.device.index, self.rig.gguf, backend.spec, homes,
+                           self.host_links)
 
     def _read_in_place(self, host: HostExperts) -> dict[int, np.ndarray]:
         """Per layer, the host experts the GPU reads in place: --gpu-reads SHARE of them."""
@@ -140,7 +143,7 @@ class GpuDispatcher:
         the parent's own experts."""
         if self.rig.config.require_daemons:
             self.rig.check()
-        backend, cupy = self.backend, self.backend.cupy
+        backend, cupy = self.backend, self.backend.device.cupy
         n_tokens = ids.shape[0]
         pending = PendingRemote(self, layer, x, ids, weights, residual)
         streamed = self.streamer is not None and self.streamer.streams(layer, n_tokens)
@@ -159,16 +162,16 @@ class GpuDispatcher:
                 if outstanding is not None:       # its slot is needed again: take its reply first
                     self._collect([outstanding], pending.spill(), x, ids, weights)
                 self._pack(call, x, ids, weights)
-                if backend.recorder is not None and self.rings.serves(channel):
+                if backend.device.capturing and self.rings.serves(channel):
                     self.rings.ring(call)
                 else:
-                    backend.cut(lambda call=call: self._post(call))
+                    backend.device.cut(lambda call=call: self._post(call))
                 pending.calls.append(call)
         parent_ids = cupy.empty_like(ids)
         tables = self.tables.on_device
         host_index = tables["host_index"].get(layer)
         counts = self.cache.routed_counts(layer) if self.cache is not None else None
-        backend.kernels.launch("split_parent_ids", (1,), (BLOCK,), (
+        backend.device.launch("split_parent_ids", (1,), (BLOCK,), (
             ids, np.int32(ids.size), tables["parent"][layer], parent_ids, self.counters,
             pointer(host_index), np.int32(self.held[layer]), pointer(counts)))
         if self.experts.layers.get(layer) is not None:
@@ -196,7 +199,7 @@ class GpuDispatcher:
     def _pack(self, call: RemoteCall, x: Any, ids: Any, weights: Any) -> None:
         backend, spec = self.backend, self.backend.spec
         x_to, ids_to, weights_to = call.channel.destinations(call)
-        backend.kernels.elementwise("pack_remote", call.tokens * spec.hidden, (
+        backend.device.elementwise("pack_remote", call.tokens * spec.hidden, (
             x, ids, weights, np.int32(call.row0), np.int32(call.tokens), np.int32(spec.hidden),
             np.int32(spec.n_experts_used), self.tables.on_device["daemon"][(call.link.index, call.layer)],
             np.int32(call.channel.payload_code), np.uint64(x_to), np.uint64(ids_to), np.uint64(weights_to)))
@@ -209,7 +212,7 @@ class GpuDispatcher:
         """Each call's reply added into replies [T, H] (computed here for a failed one)."""
         on_host = [call for call in calls if not call.failed and not call.on_device]
         if on_host:
-            self.backend.cut(lambda: self._receive(on_host))
+            self.backend.device.cut(lambda: self._receive(on_host))
         spec = self.backend.spec
         for call in calls:
             call.done = True
@@ -219,7 +222,7 @@ class GpuDispatcher:
             if call.on_device:
                 self.rings.await_reply(call)
             n = call.tokens * spec.hidden
-            self.backend.kernels.elementwise("add_reply_rows", n, (
+            self.backend.device.elementwise("add_reply_rows", n, (
                 replies, np.uint64(call.channel.reply_address(call)), np.int32(call.row0), np.int32(spec.hidden),
                 np.int64(n)))
 
@@ -231,12 +234,12 @@ class GpuDispatcher:
     def _failed(self) -> None:
         """A daemon failed (now marked down); inside a recorded step the step starts over."""
         self.rig.check()
-        if self.backend.graph_step:
+        if self.backend.device.graph_step:
             raise StepRetry()
 
     def _fall_back(self, call: RemoteCall, replies: Any, x: Any, ids: Any, weights: Any) -> None:
         """The call's pairs computed here on the CPU from the mapped file."""
-        cupy = self.backend.cupy
+        cupy = self.backend.device.cupy
         rows = slice(call.row0, call.row0 + call.tokens)
         host_ids = self.backend.to_host(ids[rows])
         mask = self.tables.daemon[(call.link.index, call.layer)][host_ids] >= 0          # [T, K]
@@ -261,7 +264,7 @@ class PendingRemote:
 
     def spill(self) -> Any:
         if self.replies is None:
-            cupy = self.dispatcher.backend.cupy
+            cupy = self.dispatcher.backend.device.cupy
             self.replies = cupy.zeros((self.ids.shape[0], self.dispatcher.backend.spec.hidden), cupy.float32)
         return self.replies
 

@@ -3,10 +3,10 @@ work comes as a forward function (inputs, positions) -> logits (or a layer shard
 state), its input T <= max_tokens tokens and their positions, or a hidden state [1, H], copied
 into buffers of its own. An all-local step is one graph; a step with expert daemons is a
 chain of graph segments with host actions between them (post a layer's requests, collect
-its replies), cut where the rig's dispatcher calls `backend.cut`. A key's first step runs
+its replies), cut where the rig's dispatcher calls `backend.device.cut`. A key's first step runs
 eagerly (loading every kernel), its second is captured (and runs while it is captured,
 segment by segment), later ones replay. Each key's graphs allocate from their own memory
-pool, kept with them. A backend's `step_guard` (the rig's, when kernels talk to daemons
+pool, kept with them. The device's `step_guard` (the rig's, when kernels talk to daemons
 inside the graphs) opens each captured step before its first launch and settles it after
 its last: waits for it, and raises StepRetry when a daemon failed in it.
 """
@@ -64,11 +64,11 @@ class GraphCache:
         self.backend = backend
         self._steps: dict[tuple, CapturedStep] = {}
         self._seen: set[tuple] = set()
-        cupy = backend.cupy
+        cupy = backend.device.cupy
         self.inputs = cupy.zeros((2, max_tokens), cupy.int32)  # the step's tokens, their positions
-        self._host_inputs = backend.pinned((2, max_tokens), np.int32)   # one asynchronous copy per step
+        self._host_inputs = backend.device.pinned((2, max_tokens), np.int32)   # one asynchronous copy per step
         self.hidden = cupy.zeros((1, backend.spec.hidden), cupy.float32)   # a layer shard's step input
-        self._host_hidden = backend.pinned((1, backend.spec.hidden), np.float32)
+        self._host_hidden = backend.device.pinned((1, backend.spec.hidden), np.float32)
 
     def step(self, forward: Callable[[Any, Any], Any], inputs: Any, position: int, key: tuple) -> Any:
         """inputs: the step's tokens [T], or a layer shard's hidden state f32 [1, H] (on the host,
@@ -79,10 +79,10 @@ class GraphCache:
         n_tokens = len(inputs)
         self._host_inputs[0, :n_tokens] = 0 if hidden else inputs
         self._host_inputs[1, :n_tokens] = np.arange(position, position + n_tokens)
-        self.inputs.set(self._host_inputs, stream=backend.stream)
+        self.inputs.set(self._host_inputs, stream=backend.device.stream)
         if hidden and isinstance(inputs, np.ndarray):
             self._host_hidden[:] = inputs
-            self.hidden.set(self._host_hidden, stream=backend.stream)
+            self.hidden.set(self._host_hidden, stream=backend.device.stream)
         elif hidden:
             self.hidden[...] = inputs
         step_input = self.hidden if hidden else self.inputs[0, :n_tokens]
@@ -110,8 +110,9 @@ class GraphCache:
         return forward(step_input, positions)
 
     def _replay(self, step: CapturedStep) -> None:
-        stream, guard = self.backend.stream, self.backend.step_guard
-        self.backend.graph_step = True        # a failing action raises StepRetry instead of falling back
+        device = self.backend.device
+        stream, guard = device.stream, device.step_guard
+        device.graph_step = True        # a failing action raises StepRetry instead of falling back
         try:
             if guard is not None:
                 guard.open()
@@ -122,23 +123,24 @@ class GraphCache:
             if guard is not None:
                 guard.settle()
         finally:
-            self.backend.graph_step = False
+            device.graph_step = False
 
     def _capture(self, forward: Callable[[Any, Any], Any], step_input: Any, positions: Any) -> CapturedStep:
-        cupy, backend, guard = self.backend.cupy, self.backend, self.backend.step_guard
+        device = self.backend.device
+        cupy, guard = device.cupy, device.step_guard
         pool = cupy.cuda.MemoryPool()
-        recorder = Recorder(backend.stream)
+        recorder = Recorder(device.stream)
         if guard is not None:
             guard.open()
-        backend.recorder, backend.graph_step = recorder, True
+        device.recorder, device.graph_step = recorder, True
         with cupy.cuda.using_allocator(pool.malloc):
             recorder.start()
             try:
                 logits = forward(step_input, positions)
             finally:
-                backend.recorder, backend.graph_step = None, False
+                device.recorder, device.graph_step = None, False
                 last = recorder.stop() if recorder.capturing else None
-        last.launch(backend.stream)
+        last.launch(device.stream)
         if guard is not None:
             guard.settle()
         return CapturedStep(recorder.segments, last, logits, pool)

@@ -23,10 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu_experts import GpuExperts, layer_experts, with_room
-from moerun.backends.gpu_weights import DeviceMatrix
-from moerun.rig.host_experts import HostExperts
-from moerun.rig.routing_tables import RoutingTables
+from moerun.backends.gpu import DeviceMatrix, GpuExperts, layer_experts, with_room
+from moerun.rig.gpu.host_experts import HostExperts
+from moerun.rig.gpu.routing_tables import RoutingTables
 from moerun.units import format_bytes
 
 REFRESH_STEPS = 4
@@ -76,7 +75,7 @@ def choose_swaps(scores: np.ndarray, resident: np.ndarray) -> list[tuple[int, in
 
 class ExpertCache:
     def __init__(self, backend, experts: GpuExperts, host: HostExperts, tables: RoutingTables, budget_bytes: int):
-        cupy = backend.cupy
+        cupy = backend.device.cupy
         self.backend, self.experts, self.host, self.tables = backend, experts, host, tables
         self.slots = cache_slots(budget_bytes, {layer: h.expert_bytes for layer, h in host.layers.items()},
                                  {layer: len(h.ids) for layer, h in host.layers.items()})
@@ -90,7 +89,7 @@ class ExpertCache:
         self.scores = {layer: np.zeros(len(host.layers[layer].ids)) for layer in self.slots}
         self._rows = {layer: row for row, layer in enumerate(self.slots)}
         self.counts = cupy.zeros((max(1, len(self.slots)), backend.spec.n_experts), cupy.uint32)   # [layers, E]
-        self._host_counts = backend.pinned(self.counts.shape, np.uint32)
+        self._host_counts = backend.device.pinned(self.counts.shape, np.uint32)
         self._counted: Any = None           # event: the last snapshot of the counts is in _host_counts
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
         self._arriving: list[tuple[int, int, int]] = []     # (layer, slot, host index) being copied in
@@ -126,9 +125,9 @@ class ExpertCache:
             self._fold()
             if not self._arriving:
                 self._swap()
-        self.counts.get(stream=self.backend.stream, out=self._host_counts)
+        self.counts.get(stream=self.backend.device.stream, out=self._host_counts)
         self.counts.fill(0)
-        self._counted = self.backend.stream.record()
+        self._counted = self.backend.device.stream.record()
 
     def _fold(self) -> None:
         for layer, row in self._rows.items():
@@ -160,7 +159,7 @@ class ExpertCache:
                 self.tables.release(layer, int(self.host.layers[layer].ids[old]))
                 self.resident[layer][slot] = -1
         self.tables.upload()
-        self.copy_stream.wait_event(self.backend.stream.record())
+        self.copy_stream.wait_event(self.backend.device.stream.record())
         for layer, slot, newcomer in self._arriving:
             self.host.copy_expert(layer, newcomer, self.experts.layers[layer].stacks, self.n_hot[layer] + slot,
                                   self.copy_stream)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from moerun.backends.gpu_constants import UNIT
+from moerun.backends.gpu.constants import UNIT
 from moerun.errors import UsageError
 from moerun.gguf.quants import row_nbytes
 from moerun.gguf.reader import GGUFFile

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from moerun.backends.devices import GpuError, is_gpu_error
-from moerun.backends.gpu_constants import defines
+from moerun.backends.gpu.constants import defines
 from moerun.errors import MoerunError
 
 KERNEL_DIR = Path(__file__).parent / "kernels"

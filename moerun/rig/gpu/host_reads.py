@@ -1,5 +1,5 @@
 """Reads in place: a GPU parent multiplies a share of the host-RAM experts itself, its kernels
-reading their weights from the page-locked host copy (moerun.rig.host_experts) across the bus —
+reading their weights from the page-locked host copy (moerun.rig.gpu.host_experts) across the bus —
 no device memory, no copy first — in every step that does not stream its layer: decode steps
 (inside captured graphs too) and small prefill chunks. The CPU daemons compute the other host
 experts' pairs at the same time. Both paths read the same RAM: this gains where the CPU daemons
@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu_experts import GpuExperts, layer_experts
-from moerun.rig.host_experts import HostExperts
-from moerun.rig.routing_tables import RoutingTables
+from moerun.backends.gpu import GpuExperts, layer_experts
+from moerun.rig.gpu.host_experts import HostExperts
+from moerun.rig.gpu.routing_tables import RoutingTables
 
 READ_PAIRS = 5             # the dispatcher's counter of pairs the GPU read in place
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu_ipc import (
+from moerun.backends.gpu.ipc import (
     IPC_EVENT_FLAGS,
     ImportedBuffers,
     host_mapping_supported,
@@ -48,7 +48,7 @@ class GpuAttachments:
     @property
     def maps_arena(self) -> bool:
         """Whether this GPU's kernels reach the pinned arena at its host address."""
-        return host_mapping_supported(self.backend.cupy, self.backend.device_index)
+        return host_mapping_supported(self.backend.device.cupy, self.backend.device.index)
 
     def attach_device(self, link: DaemonLink, **layout) -> None:
         """Device-direct: raises TransportUnavailable or a daemon failure when it cannot open."""
@@ -71,7 +71,7 @@ class GpuAttachments:
         self.release_link(link)
         link.client.attach_shared(transport="shared", **layout)
         if mapped:
-            register_arena(cupy, link.client.arena, self.backend.device_index, mapped=True)
+            register_arena(cupy, link.client.arena, self.backend.device.index, mapped=True)
             self.attached[link.index] = Attached(cupy, "shared", [], None)
 
     def release(self) -> None:
@@ -80,8 +80,8 @@ class GpuAttachments:
         self.attached.clear()
 
     def _use_device(self):
-        cupy = self.backend.cupy
-        cupy.cuda.Device(self.backend.device_index).use()      # this may run on a watcher thread
+        cupy = self.backend.device.cupy
+        cupy.cuda.Device(self.backend.device.index).use()      # this may run on a watcher thread
         return cupy
 
     def release_link(self, link: DaemonLink) -> None:
@@ -119,7 +119,7 @@ class RemoteCall:
     link: Any = None             # the DaemonLink it goes to
     request: int | None = None
     failed: bool = False         # the daemon failed it, or was down: computed on the parent
-    on_device: bool = False      # rung and awaited by the parent's kernels (moerun.rig.gpu_rings)
+    on_device: bool = False      # rung and awaited by the parent's kernels (moerun.rig.gpu.rings)
     done: bool = False           # its reply (or the parent's stand-in) is in
     staging: tuple = ()          # "stream": the packed request on the device
     landing: Any = None          # "stream": the reply copied back to the device
@@ -188,7 +188,7 @@ class ArenaChannel(Channel):
         return self.arena.slots[call.slot].frame_addresses()[0]
 
     def post(self, call: RemoteCall) -> bool:
-        cupy, stream = self.backend.cupy, self.backend.stream
+        cupy, stream = self.backend.device.cupy, self.backend.device.stream
         if self.device:
             record(cupy, self.attached.incoming[call.slot], stream)
         else:
@@ -200,7 +200,7 @@ class ArenaChannel(Channel):
         ok = self._talk(call, lambda: self.link.client.collect(call.request, self.timeout_s, self.link.alive))
         self.outstanding.pop(call.slot, None)
         if ok and self.device:
-            wait(self.backend.cupy, self.backend.stream, self.attached.imported.outgoing[call.slot])
+            wait(self.backend.device.cupy, self.backend.device.stream, self.attached.imported.outgoing[call.slot])
         return ok
 
 
@@ -218,7 +218,7 @@ class HostChannel(Channel):
         return 0, None                   # ZeroMQ queues any number of requests
 
     def destinations(self, call: RemoteCall) -> tuple[int, int, int]:
-        cupy, spec = self.backend.cupy, self.backend.spec
+        cupy, spec = self.backend.device.cupy, self.backend.spec
         call.staging = (cupy.empty((call.tokens, spec.hidden), cupy.float32),
                         cupy.empty((call.tokens, spec.n_experts_used), cupy.int32),
                         cupy.empty((call.tokens, spec.n_experts_used), cupy.float32))
@@ -229,7 +229,7 @@ class HostChannel(Channel):
         return call.landing.data.ptr
 
     def post(self, call: RemoteCall) -> bool:
-        x, ids, weights = (array.get(stream=self.backend.stream) for array in call.staging)
+        x, ids, weights = (array.get(stream=self.backend.device.stream) for array in call.staging)
         present = ids >= 0                                                   # [T, K]
         return self._talk(call, lambda: setattr(call, "request", self.link.client.submit(
             call.layer, x, present.sum(axis=1), ids[present], weights[present], self.dtype)))
@@ -237,5 +237,5 @@ class HostChannel(Channel):
     def collect(self, call: RemoteCall) -> bool:
         def receive():
             reply = self.link.client.wait(call.request, self.timeout_s, self.link.alive)
-            call.landing.set(np.ascontiguousarray(reply), stream=self.backend.stream)
+            call.landing.set(np.ascontiguousarray(reply), stream=self.backend.device.stream)
         return self._talk(call, receive)

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu_constants import MAX_EXPERTS, MAX_GEMV_TOKENS, MAX_TOP_K, MM_THREADS, UNIT
-from moerun.backends.gpu_kernels import (
+from moerun.backends.gpu.constants import MAX_EXPERTS, MAX_GEMV_TOKENS, MAX_TOP_K, MM_THREADS, UNIT
+from moerun.backends.gpu.library import (
     BLOCK,
     FULL_OCCUPANCY_BYTES,
     INT_KINDS,
@@ -29,7 +29,7 @@ from moerun.backends.gpu_kernels import (
     row_group,
     stage_stride,
 )
-from moerun.backends.gpu_weights import DeviceMatrix, Uploader
+from moerun.backends.gpu.weights import DeviceMatrix, Uploader
 from moerun.errors import UsageError
 from moerun.models.spec import ModelSpec
 
@@ -106,8 +106,8 @@ class GpuExperts:
                         residual: Any | None) -> Any:
         """As compute_with for global ids [T, K] mapped through table [E] to positions in `experts`
         (-1: not there), counting the pairs found into the device counter `found`."""
-        mapped = self.backend.cupy.empty_like(ids)
-        self.backend.kernels.launch("map_ids", (1,), (BLOCK,), (ids, np.int32(ids.size), table, mapped, found))
+        mapped = self.backend.device.cupy.empty_like(ids)
+        self.backend.device.launch("map_ids", (1,), (BLOCK,), (ids, np.int32(ids.size), table, mapped, found))
         return self.compute_with(experts, x, mapped, weights, residual=residual)
 
     def compute_with(self, experts: LayerExperts, x: Any, ids: Any, weights: Any, out: Any | None = None,
@@ -123,7 +123,7 @@ class GpuExperts:
         then down per token over its experts, integer dot products throughout. Float experts
         (F32, F16, BF16): the same two steps in f32."""
         backend, spec = self.backend, self.spec
-        cupy, kernels = backend.cupy, backend.kernels
+        cupy, kernels = backend.device.cupy, backend.device.kernels
         n_tokens, top_k = ids.shape
         hidden, ffn = spec.hidden, spec.expert_ff
         stack, down = experts.gate_up, experts.down
@@ -162,7 +162,7 @@ class GpuExperts:
         with SwiGLU and then down straight from the stored blocks, tile by tile, then the
         weighted sum back per token."""
         backend, spec = self.backend, self.spec
-        cupy, kernels = backend.cupy, backend.kernels
+        cupy, kernels = backend.device.cupy, backend.device.kernels
         n_tokens, top_k = ids.shape
         hidden, ffn = spec.hidden, spec.expert_ff
         stack, down = experts.gate_up, experts.down
@@ -171,7 +171,7 @@ class GpuExperts:
         layout = TileLayout(backend, ids, down.experts, rows)
         xg = cupy.empty((layout.max_rows, hidden), cupy.float16)                     # [R, H]
         kernels.elementwise("gather_rows_f16", xg.size // 8, (x, layout.token_rows, np.int32(hidden),
-                                                         np.int64(layout.max_rows), xg))
+                                                              np.int64(layout.max_rows), xg))
         act = cupy.empty((layout.max_rows, ffn), cupy.float16)                       # [R, F]
         kernels.launch(f"moe_mm_gate_up_{stack.kind}_r{rows}", (-(-ffn // columns), layout.max_tiles), (MM_THREADS,), (
             stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xg, np.int32(hidden),
@@ -212,7 +212,7 @@ class TileLayout:
     per expert; tiles past the last have expert -1."""
 
     def __init__(self, backend, ids: Any, n_experts: int, rows: int):
-        cupy = backend.cupy
+        cupy = backend.device.cupy
         if n_experts > MAX_EXPERTS:
             raise UsageError(f"the GPU prefill lays out at most {MAX_EXPERTS} experts per layer (got {n_experts})")
         n_pairs = ids.size
@@ -223,7 +223,7 @@ class TileLayout:
         self.tile_row = cupy.empty(self.max_tiles, cupy.int32)
         self.token_rows = cupy.empty(self.max_rows, cupy.int32)                       # [R]
         self.pair_rows = cupy.empty(n_pairs, cupy.int32)                              # [P]
-        backend.kernels.launch("layout_pairs", (1,), (1024,), (
+        backend.device.launch("layout_pairs", (1,), (1024,), (
             ids, np.int32(n_pairs), np.int32(ids.shape[1]), np.int32(n_experts), np.int32(rows),
             np.int32(self.max_tiles), np.int32(self.max_rows), self.counts, self.tile_expert, self.tile_row,
             self.token_rows, self.pair_rows))

@@ -1,8 +1,8 @@
 """A GPU parent's copy of the experts that live in host RAM (those homed on CPU daemons), in
 page-locked memory mapped for the GPU and in its stored layout, so that the copy engine brings a
-layer's set (prefill streaming, moerun.rig.expert_stream) or one expert (the expert cache,
-moerun.rig.expert_cache) to the device at the bus's full speed, and the GPU's kernels read any of
-them in place (moerun.rig.host_reads).
+layer's set (prefill streaming, moerun.rig.gpu.expert_stream) or one expert (the expert cache,
+moerun.rig.gpu.expert_cache) to the device at the bus's full speed, and the GPU's kernels read any of
+them in place (moerun.rig.gpu.host_reads).
 
 A layer's host experts are stacked in ascending global id; an expert's position in that stack
 is its host index. Shape legend: E experts, N host experts of a layer.
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu_weights import KERNEL_TYPES, DeviceMatrix, device_view, mapped_pinned, stored_tensor
+from moerun.backends.gpu import KERNEL_TYPES, DeviceMatrix, device_view, mapped_pinned, stored_tensor
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 from moerun.units import format_bytes

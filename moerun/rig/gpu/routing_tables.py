@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from moerun.moe.placement import PARENT, Placement
-from moerun.rig.host_experts import HostExperts
+from moerun.rig.gpu.host_experts import HostExperts
 
 
 class RoutingTables:
@@ -37,7 +37,7 @@ class RoutingTables:
             for (index, at), local in self.daemon.items():
                 if at == layer:
                     local[experts] = -1
-        self._host, self._device, self.on_device = self._gathered(backend.cupy)
+        self._host, self._device, self.on_device = self._gathered(backend.device.cupy)
         self._staged: list[np.ndarray] = []         # page-locked copies of the tables being uploaded
         self._uploaded = None                       # event: the last upload is done
 
@@ -80,10 +80,10 @@ class RoutingTables:
     def upload(self) -> None:
         """Every table to the device in one copy, after the work already queued on the backend's
         stream, from a page-locked copy (a copy from pageable memory would wait for the stream first)."""
-        stream = self.backend.stream
+        stream = self.backend.device.stream
         if self._uploaded is not None and self._uploaded.done:
             self._staged.clear()
-        staged = self.backend.pinned(self._host.shape, self._host.dtype)
+        staged = self.backend.device.pinned(self._host.shape, self._host.dtype)
         staged[:] = self._host
         self._device.set(staged, stream=stream)
         self._staged.append(staged)

@@ -1,6 +1,6 @@
 """Prefill streaming: for a big enough prefill chunk a GPU parent computes the experts in host
 RAM itself instead of sending the chunk's tokens to the CPU daemons. A layer's host experts
-(moerun.rig.host_experts) are copied into one of two device buffers on a copy stream, the next
+(moerun.rig.gpu.host_experts) are copied into one of two device buffers on a copy stream, the next
 layer's while this one computes, and multiplied like the hot ones (every token that chose an
 expert against that expert's copy, tile by tile); the CPU daemons get no call for that layer.
 The experts the expert cache holds are computed from the cache and not copied. A copied expert
@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu_experts import GpuExperts, layer_experts
+from moerun.backends.gpu import GpuExperts, layer_experts
 from moerun.ipc.protocol import DaemonDied, DaemonError, DaemonTimeout
-from moerun.rig.host_experts import HostExperts
+from moerun.rig.gpu.host_experts import HostExperts
+from moerun.rig.gpu.routing_tables import RoutingTables
 from moerun.rig.links import DaemonLink
-from moerun.rig.routing_tables import RoutingTables
 
 PROBE_TOKENS = 64          # tokens of the probe request to a CPU daemon
 PROBE_ROUNDS = 5           # the first ones pay the daemon's page faults: the fastest counts
@@ -78,7 +78,7 @@ class PrefillStreamer:
     def __init__(self, backend, experts: GpuExperts, host: HostExperts, tables: RoutingTables, counters: Any,
                  threshold: int | None, pair_seconds: float | None):
         """threshold: tokens for every layer (None: auto, from pair_seconds; without it, never)."""
-        cupy = backend.cupy
+        cupy = backend.device.cupy
         self.backend, self.experts, self.host, self.tables, self.counters = backend, experts, host, tables, counters
         self.order = sorted(host.layers)
         widths = [max(layer.stacks[i].data.nbytes for layer in host.layers.values())
@@ -98,7 +98,7 @@ class PrefillStreamer:
 
     def _measure(self) -> float:
         """Bytes per second of copying the largest layer whole (twice; the second counts); it stays copied."""
-        cupy = self.backend.cupy
+        cupy = self.backend.device.cupy
         layer = max(self.order, key=lambda layer: self.host.layers[layer].nbytes)
         every = np.ones(len(self.host.layers[layer].ids), bool)
         for _ in range(2):
@@ -129,9 +129,7 @@ class PrefillStreamer:
         """Whether this chunk's `layer` computes its host experts from a copy (never in a decode step
         being captured or replayed)."""
         threshold = self.tokens.get(layer)
-        backend = self.backend
-        return (threshold is not None and n_tokens >= threshold and backend.recorder is None
-                and not backend.graph_step)
+        return threshold is not None and n_tokens >= threshold and not self.backend.device.graph_step
 
     def prefetch(self, layer: int) -> None:
         """`layer` and the next host layer (the first after the last) copied or being copied."""
@@ -166,10 +164,10 @@ class PrefillStreamer:
         streamed experts' share, queued on the backend's stream after the layer's copy."""
         backend = self.backend
         buffer = self._holds.index(layer)
-        backend.stream.wait_event(self._copied[buffer])
+        backend.device.stream.wait_event(self._copied[buffer])
         stacks = layer_experts(self.host.device_stacks(layer, self._buffers[buffer]), backend.spec.expert_ff)
         out = self.experts.compute_through(stacks, self.tables.on_device["streamed"][layer],
                                            self.counters[STREAMED_PAIRS:], x, ids, weights, hot)
-        self._free[buffer] = backend.stream.record()
+        self._free[buffer] = backend.device.stream.record()
         self.layers_streamed += 1
         return out

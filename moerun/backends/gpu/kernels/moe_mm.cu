@@ -5,7 +5,7 @@
 // NVIDIA GPUs and on AMD. Each expert's weights are read in their stored type once per tile,
 // never written back dequantized. gate and up share the staged rows and end in SwiGLU.
 //
-// Three tile shapes (TILE_SHAPES in gpu_experts.py): tiles of more rows dequantize each weight
+// Three tile shapes (TILE_SHAPES in experts.py): tiles of more rows dequantize each weight
 // for more tokens (Mixtral's 8 experts get ~128 rows each of a 512-token chunk; Qwen3's 128
 // experts ~32), and take fewer output columns and a shallower stage to stay in 48 KB of
 // shared memory.

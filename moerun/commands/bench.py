@@ -4,6 +4,7 @@
     moerun bench -m model.gguf -p 128,512 -n 32 -r 3    # comma lists run one test per size
     moerun bench -m model.gguf -o json                  # the same fields, plus every sample
     moerun bench -m model.gguf -p 512 -n 0              # a size of 0 skips that kind of test
+    moerun bench -m model.gguf -d 0,16384               # each test also after 16384 tokens of context
 
 Every flag that `moerun run` takes for the runtime (--device, --daemon, --ubatch, --config, ...)
 applies too; a --config file may name the model.
@@ -12,11 +13,15 @@ applies too; a --config file may name the model.
   position only, as generation does); t/s = N / seconds.
 - tg<N>: after a 1-token prompt, N greedy single-token decode steps, timed as RunStats times
   decode (forward passes only, not sampling); t/s = N / seconds.
+- at a depth D (-d, llama-bench's --n-depth; the test shows as `pp512 @ d16384`): the test goes
+  on from D random tokens already in the sequence. They are prefilled once per test, untimed,
+  and their KV cache restored before each run (with layer shards, whose caches keep no
+  snapshots: prefilled again before each run, untimed too).
 
 Each test runs once untimed first (experts load lazily and kernels compile on first use),
 then -r timed repetitions; t/s is their mean ± sample standard deviation. Token ids come
 from a fixed seed, so two runs feed the model the same tokens. Without --ctx the context is
-what the largest test needs.
+what the largest test needs, its depth included.
 
 Each test also reports the peak memory of the parent's device from loading through the end of
 that test (column peak MiB, JSON peak_device_bytes): on a GPU the memory in use on the whole device,
@@ -50,7 +55,7 @@ from moerun.commands.options import (
     open_runtime,
     runtime_options,
 )
-from moerun.engine.runtime import RequestError, RunStats, Runtime
+from moerun.engine.runtime import Context, RequestError, RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.reader import GGUFFile
 from moerun.rig.links import DAEMON_FAILURES
@@ -69,30 +74,44 @@ class TokenCounts(click.ParamType):
     name = "N[,N...]"
 
     def convert(self, value, param, ctx) -> tuple[int, ...]:
-        if isinstance(value, tuple):
-            return value
-        try:
-            counts = tuple(int(part) for part in str(value).split(","))
-        except ValueError:
-            self.fail(f"expected token counts separated by commas, like 128,512; got {value!r}", param, ctx)
-        if min(counts) < 0:
-            self.fail(f"token counts cannot be negative; got {value!r}", param, ctx)
-        return tuple(n for n in counts if n)
+        return tuple(n for n in _comma_counts(self, value, param, ctx, "token counts", "128,512") if n)
+
+
+class Depths(click.ParamType):
+    """A context depth or a comma list of them: 0 or 0,16384 (0: an empty context), each once."""
+    name = "D[,D...]"
+
+    def convert(self, value, param, ctx) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(_comma_counts(self, value, param, ctx, "depths", "0,16384")))
+
+
+def _comma_counts(kind: click.ParamType, value, param, ctx, what: str, example: str) -> tuple[int, ...]:
+    if isinstance(value, tuple):
+        return value
+    try:
+        counts = tuple(int(part) for part in str(value).split(","))
+    except ValueError:
+        kind.fail(f"expected {what} separated by commas, like {example}; got {value!r}", param, ctx)
+    if min(counts) < 0:
+        kind.fail(f"{what} cannot be negative; got {value!r}", param, ctx)
+    return counts
 
 
 @dataclass(frozen=True)
 class BenchTest:
     kind: str      # pp | tg
     tokens: int
+    depth: int = 0   # tokens in the sequence before the test's
 
     @property
     def name(self) -> str:
-        return f"{self.kind}{self.tokens}"
+        return f"{self.kind}{self.tokens}" + (f" @ d{self.depth}" if self.depth else "")
 
     @property
     def positions(self) -> int:
-        """KV positions the test fills: the prompt, or the 1-token prompt and every decoded token."""
-        return self.tokens if self.kind == "pp" else self.tokens + 1
+        """KV positions the test fills: its depth, then the prompt, or the 1-token prompt and
+        every decoded token."""
+        return self.depth + (self.tokens if self.kind == "pp" else self.tokens + 1)
 
 
 @dataclass(frozen=True)
@@ -109,15 +128,19 @@ class ModelFacts:
               help="Prompt tokens of each prefill test (pp<N>); 0: none.")
 @click.option("-n", "--n-gen", "gen_sizes", type=TokenCounts(), default="128", show_default=True,
               help="Decoded tokens of each generation test (tg<N>); 0: none.")
+@click.option("-d", "--n-depth", "depths", type=Depths(), default="0", show_default=True,
+              help="Tokens already in the sequence before each test (llama-bench's --n-depth); a list runs "
+                   "every test at each.")
 @click.option("-r", "--repetitions", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed runs of each test.")
 @click.option("-o", "--output", "output_format", type=click.Choice(["md", "json"]), default="md", show_default=True,
               help="md: a markdown table, row by row; json: a list with one object per test.")
 @runtime_options
 @friendly_errors
-def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_flags):
+def bench(model, prompt_sizes, gen_sizes, depths, repetitions, output_format, **runtime_flags):
     """Measure prefill (pp) and decode (tg) tokens/s, printed as llama-bench prints them."""
-    tests = [BenchTest("pp", n) for n in prompt_sizes] + [BenchTest("tg", n) for n in gen_sizes]
+    tests = [BenchTest(kind, n, depth) for depth in depths
+             for kind, sizes in (("pp", prompt_sizes), ("tg", gen_sizes)) for n in sizes]
     if not tests:
         raise click.UsageError("Nothing to measure: -p and -n are both 0.")
     largest = max(tests, key=lambda t: t.positions)
@@ -139,15 +162,16 @@ def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_
         silent: set[tuple[int, int]] = set()                 # daemons that did not answer STATS
         peak_bytes = device_memory_used(runtime.backend)     # after loading
         for test in tests:
-            _measure(runtime, test, rng)     # warm-up: caches, lazily loaded experts, compiled kernels
-            seconds, daemons = _timed_runs(runtime, test, rng, repetitions, silent)
+            context = runtime.context(_token_ids(runtime, rng, test.depth)) if test.depth else None
+            _measure(runtime, test, rng, context)     # warm-up: caches, lazily loaded experts, compiled kernels
+            seconds, daemons = _timed_runs(runtime, test, rng, context, repetitions, silent)
             peak_bytes = max(peak_bytes, device_memory_used(runtime.backend))
             rates = [test.tokens / s for s in seconds]
             mean = statistics.fmean(rates)
             sd = statistics.stdev(rates) if len(rates) > 1 else 0.0
             document = {
                 "model": facts.label, "size_bytes": facts.size, "params": facts.params, "backend": facts.backend,
-                "test": test.name, "tokens_per_second": mean, "tokens_per_second_sd": sd,
+                "test": test.name, "depth": test.depth, "tokens_per_second": mean, "tokens_per_second_sd": sd,
                 "samples_tokens_per_second": rates, "samples_seconds": seconds, "peak_device_bytes": peak_bytes,
             }
             cells = _cells(facts, test.name, f"{mean:.2f} ± {sd:.2f}", peak_bytes)
@@ -161,30 +185,33 @@ def bench(model, prompt_sizes, gen_sizes, repetitions, output_format, **runtime_
             click.echo(json.dumps(documents, indent=2))
 
 
-def _measure(runtime: Runtime, test: BenchTest, rng: np.random.Generator) -> float:
-    """Seconds of one run of `test` on a fresh sequence of random token ids."""
+def _token_ids(runtime: Runtime, rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(0, runtime.spec.vocab, size=n).tolist()
+
+
+def _measure(runtime: Runtime, test: BenchTest, rng: np.random.Generator, context: Context | None) -> float:
+    """Seconds of one run of `test` on random token ids, in a fresh sequence or after `context`."""
     stats = RunStats()
     if test.kind == "pp":
-        ids = rng.integers(0, runtime.spec.vocab, size=test.tokens).tolist()
-        for _ in runtime.generate(ids, 0, GREEDY, stats=stats):
+        for _ in runtime.generate(_token_ids(runtime, rng, test.tokens), 0, GREEDY, stats=stats, context=context):
             pass
         return stats.prefill_seconds
-    ids = rng.integers(0, runtime.spec.vocab, size=1).tolist()
-    for _ in runtime.generate(ids, test.tokens + 1, GREEDY, stats=stats):   # the first token needs no decode step
+    ids = _token_ids(runtime, rng, 1)               # the first token after it needs no decode step
+    for _ in runtime.generate(ids, test.tokens + 1, GREEDY, stats=stats, context=context):
         pass
     if stats.decode_steps != test.tokens:
         raise RequestError(f"{test.name} stopped after {stats.decode_steps} decode steps (context {runtime.ctx})")
     return stats.decode_seconds
 
 
-def _timed_runs(runtime: Runtime, test: BenchTest, rng: np.random.Generator, repetitions: int,
-                silent: set[tuple[int, int]]) -> tuple[list[float], dict | None]:
+def _timed_runs(runtime: Runtime, test: BenchTest, rng: np.random.Generator, context: Context | None,
+                repetitions: int, silent: set[tuple[int, int]]) -> tuple[list[float], dict | None]:
     """Seconds of each timed run; with daemons also their work per run (_per_repetition)."""
     if runtime.rig is None:
-        return [_measure(runtime, test, rng) for _ in range(repetitions)], None
+        return [_measure(runtime, test, rng, context) for _ in range(repetitions)], None
     compute_before = _daemon_compute_seconds(runtime.rig, silent)   # STATS before the counters: its bytes don't count
     before = _rig_counts(runtime)
-    seconds = [_measure(runtime, test, rng) for _ in range(repetitions)]
+    seconds = [_measure(runtime, test, rng, context) for _ in range(repetitions)]
     after = _rig_counts(runtime)
     compute_after = _daemon_compute_seconds(runtime.rig, silent)
     return seconds, _per_repetition(before, after, compute_before, compute_after, repetitions)

@@ -3,7 +3,8 @@ every position — with their timing. It opens the backend, starts the layer sha
 and the rig when daemons are asked for (they load their experts first, all at once), loads
 the parent's weights (only its own layers and experts), builds the expert executor and hands
 it to the model. With a prefix cache, generation resumes from the longest snapshot of its
-prompt and takes new ones (engine/prefix_cache.py).
+prompt and takes new ones (engine/prefix_cache.py); given a Context, it goes on from tokens
+prefilled before (the depth of `moerun bench -d`).
 
 Shape legend: T prompt tokens, V vocab.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from moerun.backends import open_backend
-from moerun.backends.protocol import KVCache
+from moerun.backends.protocol import CacheState, KVCache
 from moerun.engine.model import MoEModel
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
@@ -71,6 +72,15 @@ class RunStats:
     def to_dict(self) -> dict:
         return {**asdict(self), "prefill_tokens_per_second": self.prefill_tokens_per_second,
                 "decode_tokens_per_second": self.decode_tokens_per_second}
+
+
+@dataclass(frozen=True)
+class Context:
+    """Tokens a sequence holds already, for generate() to go on from: their KV cache's state,
+    restored into a fresh cache each time; None where layer shards hold part of that cache
+    (theirs keep no snapshots), and the tokens are then prefilled again each time."""
+    tokens: tuple[int, ...]
+    state: CacheState | None
 
 
 class Runtime:
@@ -180,19 +190,29 @@ class Runtime:
             stats.prompt_tokens, stats.prefill_seconds = len(ids), time.perf_counter() - started
         return np.concatenate(chunks, axis=0).astype(np.float32)
 
+    def context(self, ids: Sequence[int]) -> Context:
+        """`ids` prefilled into a fresh sequence, for generate(context=...) to go on from."""
+        cache = self._prefilled(ids)
+        return Context(tuple(ids), None if self.shards is not None else cache.snapshot())
+
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                 stop_ids: frozenset[int] = frozenset(), stats: RunStats | None = None) -> Iterator[int]:
+                 stop_ids: frozenset[int] = frozenset(), stats: RunStats | None = None,
+                 context: Context | None = None) -> Iterator[int]:
         """Yield up to max_new_tokens sampled ids; a stop id ends generation and is
         not yielded. Stops early, without error, when the context is full; stats.finish says
         which of the three ended it. Time spent by the caller between tokens is not counted
-        in `stats`."""
+        in `stats`. With `context`, the prompt goes on from its tokens (at least one token of
+        it), which were prefilled before: their cache is restored before the prefill's clock starts."""
         stats = stats if stats is not None else RunStats()
         sampler = Sampler(sampling)
-        history = list(prompt)
+        if context is not None and not prompt:
+            raise RequestError("nothing to go on with after the context: give at least one token")
+        history = [*context.tokens, *prompt] if context is not None else list(prompt)
+        resumed = self._resume(context) if context is not None else None
 
         started = time.perf_counter()
-        cache, logits = self._prefill(prompt, stats)
-        stats.prompt_tokens = len(prompt)
+        cache, logits = self._prefill(history, stats, resumed)
+        stats.prompt_tokens = len(history)
         stats.prefill_seconds = time.perf_counter() - started
 
         stats.finish = "length"
@@ -222,8 +242,10 @@ class Runtime:
             logits = self._decode(token, cache, stats)
         return logits
 
-    def _prefill(self, prompt: Sequence[int], stats: RunStats) -> tuple[KVCache, np.ndarray]:
-        """The prompt's cache and the logits [1, V] after it: from the longest snapshot of its
+    def _prefill(self, prompt: Sequence[int], stats: RunStats,
+                 resumed: KVCache | None = None) -> tuple[KVCache, np.ndarray]:
+        """The prompt's cache and the logits [1, V] after it: from `resumed` (a context's
+        cache, holding the prompt's first positions), else from the longest snapshot of its
         prefix where there is one, the rest in chunks, snapshots taken every `interval`
         positions (the prompt's end waits for its first token: _sample). A snapshot read from
         a file is used while its digest is checked; before any snapshot is taken from it, and
@@ -231,8 +253,11 @@ class Runtime:
         without that snapshot."""
         self._check_prompt(prompt)
         capacity = self.kv_pool or self.ctx
-        snapshot = self.prefix_cache.longest(prompt) if self.prefix_cache is not None else None
-        if snapshot is None:
+        snapshot = None if resumed is not None or self.prefix_cache is None else self.prefix_cache.longest(prompt)
+        if resumed is not None:
+            cache, logits = resumed, None
+            stats.restored_tokens = cache.length
+        elif snapshot is None:
             cache, logits = self._new_cache(), None
         else:
             cache, logits = self.backend.restore_cache(snapshot.state, capacity), snapshot.logits[None]
@@ -254,6 +279,20 @@ class Runtime:
         """The prompt once more, its snapshot having failed its check (and gone)."""
         stats.restored_tokens = 0
         return self._prefill(prompt, stats)
+
+    def _prefilled(self, ids: Sequence[int]) -> KVCache:
+        """A fresh sequence's cache holding `ids`."""
+        self._check_prompt(ids)
+        cache = self._new_cache()
+        for chunk in self._chunks(ids, 0):
+            self.model.forward(chunk, cache, all_logits=False)
+        return cache
+
+    def _resume(self, context: Context) -> KVCache:
+        """A fresh cache holding the context's tokens: their state restored, or (layer shards) prefilled."""
+        if context.state is None:
+            return self._prefilled(context.tokens)
+        return self.backend.restore_cache(context.state, self.kv_pool or self.ctx)
 
     def _new_cache(self) -> KVCache:
         """A fresh sequence's cache; the layer shards start one too (restarting a broken shard)."""

@@ -56,6 +56,16 @@ def test_shards_give_the_all_local_logits_and_tokens(model, boundaries):
     assert transports == {"shared"}                     # shards on this host: a slot of a shared arena
 
 
+def test_a_context_goes_on_through_the_shards(model):
+    """Their caches keep no snapshots: a context's tokens are prefilled again, and the tokens
+    after it are the all-local ones."""
+    path, _, want_tokens = model
+    with Runtime(path, ubatch=UBATCH, rig=RigConfig(splits=(("cpu", 2),))) as split:
+        context = split.context(PROMPT[:3])
+        assert context.state is None
+        assert list(split.generate(PROMPT[3:5], 64, GREEDY, context=context)) == want_tokens
+
+
 def test_the_socket_transport_gives_the_same(model):
     path, want_logits, want_tokens = model
     with Runtime(path, ubatch=UBATCH, rig=RigConfig(splits=(("cpu", 1), ("cpu", 3)), transport="stream")) as split:

@@ -144,6 +144,33 @@ def test_a_size_of_0_skips_that_kind_of_test(model):
     assert [row[4] for row in table_rows(result.stdout)[2:]] == ["tg3"]
 
 
+def test_each_depth_runs_every_test_after_that_many_tokens_of_context(model, monkeypatch):
+    """-d 0,12: the tests as they are, then each after 12 tokens prefilled once per test,
+    untimed; the timed runs prefill only their own tokens."""
+    calls: list[int] = []
+    forward = MoEModel.forward
+
+    def recording_forward(self, ids, cache, all_logits):
+        calls.append(len(ids))
+        return forward(self, ids, cache, all_logits)
+
+    monkeypatch.setattr(MoEModel, "forward", recording_forward)
+    result = run_bench("-m", model, "-p", "8", "-n", "3", "-d", "0,12", "-r", "2", "-o", "json")
+    assert result.exit_code == 0, result.output
+    tests = json.loads(result.stdout)
+    assert [(t["test"], t["depth"]) for t in tests] == [("pp8", 0), ("tg3", 0), ("pp8 @ d12", 12), ("tg3 @ d12", 12)]
+    runs = 1 + 2
+    pp, tg = [8] * runs, [1] * (runs * (1 + 3))
+    assert calls == pp + tg + [12] + pp + [12] + tg
+    assert all(len(t["samples_seconds"]) == 2 for t in tests)
+
+
+def test_a_depth_is_in_the_context_the_bench_asks_for(model):
+    result = run_bench("-m", model, "-p", "8", "-n", "0", "-d", "40", "-r", "1")
+    assert result.exit_code == 0, result.output
+    assert [row[4] for row in table_rows(result.stdout)[2:]] == ["pp8 @ d40"]
+
+
 def test_without_daemons_there_is_no_daemon_field(model):
     result = run_bench("-m", model, "-p", "8", "-n", "2", "-r", "1", "-o", "json")
     assert result.exit_code == 0, result.output
@@ -213,6 +240,9 @@ def test_markdown_table_adds_daemon_columns_and_a_silent_daemon_shows_a_dash(mod
     (["-o", "xml"], "'xml' is not one of 'md', 'json'"),
     (["-r", "0"], "0 is not in the range x>=1"),
     (["-p", "16", "-n", "64", "--ctx", "32"], "32 is too small for tg64, which needs 65 positions"),
+    (["-p", "16", "-n", "0", "-d", "20", "--ctx", "32"], "32 is too small for pp16 @ d20, which needs 36 positions"),
+    (["-d", "-4"], "depths cannot be negative"),
+    (["-d", "0,deep"], "expected depths separated by commas, like 0,16384"),
 ])
 def test_bad_flags_are_refused_clearly(model, flags, message):
     result = run_bench("-m", model, *flags)

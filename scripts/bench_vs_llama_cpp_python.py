@@ -3,6 +3,7 @@ processing (pp) and generation (tg) tokens/s at the same thread count, in one ta
 
     python scripts/bench_vs_llama_cpp_python.py                       # 4-layer file, 2 threads
     python scripts/bench_vs_llama_cpp_python.py -m FILE.gguf --threads 16 -r 5
+    python scripts/bench_vs_llama_cpp_python.py -d 4096                 # after 4096 tokens of context
 
 A script for the CI machine (2 cores), not a test: nothing in the test suite runs it.
 
@@ -21,6 +22,9 @@ Both sides start from an empty context on random token ids:
 - tg<N>: after a 1-token prompt, N single-token steps (moerun: greedy decode steps;
   llama-cpp-python: one `eval` of one token each, the next token drawn at random: the
   sampling it leaves out is one argmax over the vocabulary's logits, tens of microseconds).
+At a depth D (-d): both go on from D random tokens already in the sequence, prefilled once,
+untimed, their state restored before each run (llama-cpp-python: save_state / load_state;
+moerun: `moerun bench -d D`), as llama-bench's --n-depth does.
 One warm-up run of each test, then -r timed runs; the table shows their mean.
 """
 from __future__ import annotations
@@ -43,21 +47,25 @@ def llama_side(args: argparse.Namespace) -> None:
     """Runs in the llama-cpp-python venv: prints {test: [seconds of each timed run]} as JSON."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=args.model, n_ctx=args.prompt + args.gen + 16, n_batch=args.prompt,
-                          n_ubatch=args.prompt, n_threads=args.threads, n_threads_batch=args.threads,
-                          verbose=False)
+    llm = llama_cpp.Llama(model_path=args.model, n_ctx=args.depth + args.prompt + args.gen + 16,
+                          n_batch=args.prompt, n_ubatch=args.prompt, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)
     rng = random.Random(0)
     vocab = llm.n_vocab()
+    llm.reset()
+    if args.depth:
+        llm.eval([rng.randrange(vocab) for _ in range(args.depth)])
+    context = llm.save_state()
 
     def prompt_seconds() -> float:
-        llm.reset()
+        llm.load_state(context)
         ids = [rng.randrange(vocab) for _ in range(args.prompt)]
         started = time.perf_counter()
         llm.eval(ids)
         return time.perf_counter() - started
 
     def generation_seconds() -> float:
-        llm.reset()
+        llm.load_state(context)
         llm.eval([rng.randrange(vocab)])
         started = time.perf_counter()
         for _ in range(args.gen):
@@ -67,8 +75,13 @@ def llama_side(args: argparse.Namespace) -> None:
     runs = {}
     for name, run in ((f"pp{args.prompt}", prompt_seconds), (f"tg{args.gen}", generation_seconds)):
         run()
-        runs[name] = [run() for _ in range(args.repetitions)]
+        runs[test_name(name, args.depth)] = [run() for _ in range(args.repetitions)]
     print(json.dumps(runs))
+
+
+def test_name(name: str, depth: int) -> str:
+    """As llama-bench and `moerun bench` name a test: pp512, or pp512 @ d4096 at a depth."""
+    return f"{name} @ d{depth}" if depth else name
 
 
 def llama_python(venv_dir: Path, version: str) -> Path:
@@ -94,7 +107,7 @@ def bench_model(path: Path) -> Path:
 def moerun_side(args: argparse.Namespace) -> dict[str, list[float]]:
     """{test: [tokens/s of each timed run]} from `moerun bench -o json`."""
     command = [sys.executable, "-m", "moerun", "bench", "-m", args.model, "--device", "cpu",
-               "--threads", str(args.threads), "-p", str(args.prompt), "-n", str(args.gen),
+               "--threads", str(args.threads), "-p", str(args.prompt), "-n", str(args.gen), "-d", str(args.depth),
                "-r", str(args.repetitions), "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
     return {test["test"]: test["samples_tokens_per_second"] for test in json.loads(done.stdout)}
@@ -107,6 +120,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("-p", "--prompt", type=int, default=512, help="prompt tokens (pp)")
     parser.add_argument("-n", "--gen", type=int, default=128, help="generated tokens (tg)")
+    parser.add_argument("-d", "--depth", type=int, default=0, help="tokens of context before each test")
     parser.add_argument("-r", "--repetitions", type=int, default=3)
     parser.add_argument("--venv", default=str(Path.home() / ".cache" / "moerun" / "llama-cpp-python"),
                         help="llama-cpp-python's virtual environment (made where it lacks llama_cpp)")
@@ -119,11 +133,12 @@ def main() -> None:
     args.model = str(Path(args.model) if args.model else bench_model(Path(args.model_path)))
     python = llama_python(Path(args.venv), args.llama_version)
     llama_command = [python, __file__, "--llama-side", "-m", args.model, "--threads", str(args.threads),
-                     "-p", str(args.prompt), "-n", str(args.gen), "-r", str(args.repetitions)]
+                     "-p", str(args.prompt), "-n", str(args.gen), "-d", str(args.depth), "-r", str(args.repetitions)]
     llama_seconds = json.loads(subprocess.run(llama_command, capture_output=True, text=True, check=True).stdout)
     moerun_rates = moerun_side(args)
 
-    print(f"{Path(args.model).name}, {args.threads} threads, {args.repetitions} timed runs each (mean)\n")
+    depth = f", after {args.depth} tokens of context" if args.depth else ""
+    print(f"{Path(args.model).name}, {args.threads} threads{depth}, {args.repetitions} timed runs each (mean)\n")
     print("| test | moerun t/s | llama-cpp-python t/s | moerun / llama |")
     print("|---|---:|---:|---:|")
     for test, seconds in llama_seconds.items():

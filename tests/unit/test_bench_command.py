@@ -17,7 +17,6 @@ from click.testing import CliRunner
 
 from moerun.backends.memory import device_memory_used
 from moerun.commands.bench import bench
-from moerun.engine.model import MoEModel
 from moerun.ipc.client import DaemonClient
 from moerun.ipc.protocol import DaemonTimeout
 from moerun.writers.bench_model import (
@@ -27,6 +26,7 @@ from moerun.writers.bench_model import (
     with_layers,
     write_bench_model,
 )
+from tests.support.forward_calls import record_forward_calls
 
 COLUMNS = ["model", "size", "params", "backend", "test", "t/s", "peak MiB"]
 DAEMON_COLUMNS = ["calls", "MiB", "wait ms", "daemon ms"]
@@ -117,14 +117,7 @@ def test_a_gpu_reports_what_its_whole_device_has_in_use():
 def test_each_test_runs_the_forward_passes_it_names_on_seeded_valid_tokens(model, monkeypatch):
     """pp8: one 8-token prefill per run; tg3: a 1-token prompt and 3 decode steps per run;
     every run once more untimed; the same token ids on every invocation."""
-    calls: list[list[int]] = []
-    forward = MoEModel.forward
-
-    def recording_forward(self, ids, cache, all_logits):
-        calls.append(list(ids))
-        return forward(self, ids, cache, all_logits)
-
-    monkeypatch.setattr(MoEModel, "forward", recording_forward)
+    calls = record_forward_calls(monkeypatch)
     assert run_bench("-m", model, "-p", "8", "-n", "3", "-r", "2").exit_code == 0
     runs = 1 + 2
     assert [len(ids) for ids in calls] == [8] * runs + [1] * (runs * (1 + 3))
@@ -147,21 +140,14 @@ def test_a_size_of_0_skips_that_kind_of_test(model):
 def test_each_depth_runs_every_test_after_that_many_tokens_of_context(model, monkeypatch):
     """-d 0,12: the tests as they are, then each after 12 tokens prefilled once per test,
     untimed; the timed runs prefill only their own tokens."""
-    calls: list[int] = []
-    forward = MoEModel.forward
-
-    def recording_forward(self, ids, cache, all_logits):
-        calls.append(len(ids))
-        return forward(self, ids, cache, all_logits)
-
-    monkeypatch.setattr(MoEModel, "forward", recording_forward)
+    calls = record_forward_calls(monkeypatch)
     result = run_bench("-m", model, "-p", "8", "-n", "3", "-d", "0,12", "-r", "2", "-o", "json")
     assert result.exit_code == 0, result.output
     tests = json.loads(result.stdout)
     assert [(t["test"], t["depth"]) for t in tests] == [("pp8", 0), ("tg3", 0), ("pp8 @ d12", 12), ("tg3 @ d12", 12)]
     runs = 1 + 2
     pp, tg = [8] * runs, [1] * (runs * (1 + 3))
-    assert calls == pp + tg + [12] + pp + [12] + tg
+    assert [len(ids) for ids in calls] == pp + tg + [12] + pp + [12] + tg
     assert all(len(t["samples_seconds"]) == 2 for t in tests)
 
 

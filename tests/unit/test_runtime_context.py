@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moerun.engine.model import MoEModel
 from moerun.engine.runtime import RequestError, RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.writers.bench_model import MIXES, PRESETS, with_layers, write_bench_model
+from tests.support.forward_calls import record_forward_calls
 
 GREEDY = SamplingParams(temperature=0.0)
 RNG = np.random.default_rng(5)
@@ -34,17 +34,10 @@ def test_going_on_from_a_context_gives_the_full_prefills_tokens(runtime):
 
 def test_only_the_prompt_is_prefilled_after_a_context(runtime, monkeypatch):
     context = runtime.context(DEPTH)
-    chunks: list[int] = []
-    forward = MoEModel.forward
-
-    def recording_forward(self, ids, cache, all_logits):
-        chunks.append(len(ids))
-        return forward(self, ids, cache, all_logits)
-
-    monkeypatch.setattr(MoEModel, "forward", recording_forward)
+    calls = record_forward_calls(monkeypatch)
     stats = RunStats()
     assert len(list(runtime.generate(PROMPT, 3, GREEDY, stats=stats, context=context))) == 3
-    assert chunks == [len(PROMPT), 1, 1]                       # the prompt's chunk, then two decode steps
+    assert [len(ids) for ids in calls] == [len(PROMPT), 1, 1]       # the prompt's chunk, then two decode steps
     assert (stats.restored_tokens, stats.prompt_tokens) == (len(DEPTH), len(DEPTH) + len(PROMPT))
 
 

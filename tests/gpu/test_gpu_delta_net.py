@@ -39,7 +39,7 @@ def layer_inputs(shape: DeltaNetShape, n_tokens: int, rng) -> tuple:
 @pytest.mark.parametrize("lengths", [(1, 7), (40,), (64,), (200, 77), (100, 1, 65)])
 def test_the_delta_net_matches_numpy(backends, lengths):
     reference, gpu = backends
-    shape, cupy = gpu.spec.delta_net, gpu.cupy
+    shape, cupy = gpu.spec.delta_net, gpu.device.cupy
     rng = np.random.default_rng(sum(lengths))
     weights = (rng.normal(0, 0.3, (shape.channels, shape.conv_kernel)).astype(np.float32),
                -np.array([0.05, 1.0, 8.0, 30.0], np.float32),             # a = -exp(A_log): mild to steep decay
@@ -49,9 +49,9 @@ def test_the_delta_net_matches_numpy(backends, lengths):
     for n_tokens in lengths:
         inputs = layer_inputs(shape, n_tokens, rng)
         want = reference.delta_net(*inputs, weights, want_cache, 0)
-        with gpu.stream:
+        with gpu.device.stream:
             got = gpu.delta_net(*(cupy.asarray(x) for x in inputs), tuple(cupy.asarray(w) for w in weights),
-                                got_cache, 0).get(stream=gpu.stream)
+                                got_cache, 0).get(stream=gpu.device.stream)
         assert relative_error(got, want) <= BOUND
     assert relative_error(got_cache.ssm[0].get(), want_cache.ssm[0]) <= BOUND
     assert relative_error(got_cache.conv[0].get(), want_cache.conv[0]) <= BOUND

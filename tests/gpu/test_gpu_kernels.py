@@ -9,6 +9,8 @@ The 8-bit planes are checked twice: against numpy given the same converted activ
 ~2e-5 per element, only: Q8_BOUND)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -282,20 +284,19 @@ def test_three_products_in_one_launch(backend, n_tokens, normed):
 # H100); a forced count gives shares past the 256 rows a split scores at a time (walked with the
 # running softmax) and empty splits that a large GPU's count would not. The comments give each
 # token's splits (rows [a, b)).
-ATTENTION_CASES = {
+ATTENTION_CASES = {                                     # small_spec: 4 heads over 2 KV heads of 64 dims
     "position-0": (4096, 0, 1, None),                   # 64 splits: [0, 1), 63 empty
     "small-position-many-chunks": (4096, 5, 1, None),   # 64 splits: [0, 6), 63 empty
     "uneven": (256, 133, 1, None),                      # 4 splits of 64: the third [128, 134), one empty
     "last-row": (256, 255, 1, None),                    # 4 full splits of 64
-    "uneven-3-tokens": (256, 133, 3, None),             # 3 splits; each token's third ends at its position
+    "uneven-3-tokens": (256, 133, 3, None),             # 4 splits; each token's ends at its position
     "8-tokens": (512, 500, 8, None),                    # 8 splits; each token's last ends at its position
-    "one-split-4-chunks": (1024, 1000, 1, 1),           # [0, 1001) in chunks of 256
-    "3-splits-2-chunks-each": (1024, 1000, 1, 3),       # [0, 352), [352, 704), [704, 1001)
+    "one-split-4-runs": (1024, 1000, 1, 1),             # [0, 1001), many runs of each group
+    "3-splits": (1024, 1000, 1, 3),                     # [0, 352), [352, 704), [704, 1001)
     "7-splits-5-empty": (1024, 40, 1, 7),               # [0, 32), [32, 41), 5 empty
     "last-row-5-splits": (1024, 1023, 1, 5),            # 4 of 224, then [896, 1024)
     "3-tokens-2-splits": (1024, 600, 3, 2),             # [0, 320), [320, position + 1)
 }
-
 
 @pytest.fixture(scope="module", params=["f16", "f32"])
 def kv_backend(request):
@@ -320,7 +321,32 @@ def test_decode_attention_matches_numpy(kv_backend, monkeypatch, capacity, start
     assert kv_backend.device.cupy.allclose(scales, want_scales, rtol=1e-6, atol=0)
 
 
-def attention_and_numpy(backend, capacity: int, start: int, n_tokens: int) -> tuple:
+HEAD_LAYOUTS = {                 # (NH, NKV, D): the architectures' decode attention shapes
+    "gqa-32/4-d128": (32, 4, 128),   # Qwen3-30B-A3B: 8 heads a tile
+    "gqa-64/4-d128": (64, 4, 128),   # Qwen3-235B-A22B: two tiles of 8 a group
+    "gqa-16/2-d256": (16, 2, 256),   # Qwen3.6-35B-A3B's attention layers: tiles of 4 at 8 dims a lane
+    "gqa-32/8-d128": (32, 8, 128),   # Mixtral: tiles of 4
+    "mha-16/16-d128": (16, 16, 128),  # OLMoE, Qwen1.5-MoE: one head a block
+    "gqa-8/1-d64": (8, 1, 64),       # 2 dims a lane
+}
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+@pytest.mark.parametrize("position", [1, 4096, 32768, 131071])
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS.values(), ids=list(HEAD_LAYOUTS))
+def test_decode_attention_at_depth_matches_numpy(layout, position, kv_dtype):
+    """One token at `position` over a cache of that many rows and a few more (NaN, never read),
+    for every head layout the architectures use, against numpy in f64 over the values the cache
+    holds; queries scaled so the softmax has a few hundred rows that count, not 128k alike."""
+    from moerun.backends import open_backend
+    n_heads, n_kv_heads, head_dim = layout
+    spec = replace(small_spec(), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim_k=head_dim, head_dim_v=head_dim)
+    backend = open_backend(gpu_device(), spec, kv_dtype=kv_dtype)
+    got, want = attention_and_numpy(backend, position + 8, position, 1, query_scale=2.0)
+    assert relative_error(got.get(), want) < 2e-5
+
+
+def attention_and_numpy(backend, capacity: int, start: int, n_tokens: int, query_scale: float = 1.0) -> tuple:
     """The backend's attention of random tokens at positions start.. over a cache of random rows
     (values its type holds exactly; NaN past the tokens, which must not be read), and numpy's."""
     from moerun.backends.numpy_ops import causal_attention
@@ -335,9 +361,9 @@ def attention_and_numpy(backend, capacity: int, start: int, n_tokens: int) -> tu
     cache.k[0][len(k):] = cupy.nan
     cache.v[0][len(v):] = cupy.nan
     cache.length = start
-    q = rng.normal(size=(n_tokens, spec.n_heads * spec.head_dim_k)).astype(np.float32)
+    q = rng.normal(scale=query_scale, size=(n_tokens, spec.n_heads * spec.head_dim_k)).astype(np.float32)
     positions = cupy.arange(start, start + n_tokens, dtype=cupy.int32)
-    want = causal_attention(q.reshape(n_tokens, spec.n_heads, -1), k, v, start).astype(np.float64)
+    want = causal_attention(*(a.astype(np.float64) for a in (q.reshape(n_tokens, spec.n_heads, -1), k, v)), start)
     return backend.attention(cupy.asarray(q), cache, 0, positions), want
 
 

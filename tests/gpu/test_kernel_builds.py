@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from moerun.backends.gpu.backend import DECODE_HEAD_TILES, DECODE_LANE_DIMS
 from moerun.backends.gpu.constants import defines
 from moerun.backends.gpu.experts import TILE_SHAPES
 from moerun.backends.gpu.library import INT_KINDS, KERNEL_DIR
@@ -23,7 +24,7 @@ PER_TYPE = ("moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
 PER_TYPE_AND_TILE = ("moe_mm_gate_up", "moe_mm_down")
 PER_FLOAT_TYPE = ("gemv", "gemv_few_rows")
 PER_INT_TYPE = ("gemv_q8", "moe_gate_up_q8", "moe_down_q8")
-PER_KV_TYPE = ("qk_norm_rope_append", "attention_partial", "expand_kv_heads")
+PER_KV_TYPE = ("qk_norm_rope_append", "expand_kv_heads")
 SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "attention_combine", "route_top_k", "silu_mul",
           "gather_rows_f16", "combine_rows", "add_gated", "to_f16",
           "causal_softmax", "layout_pairs", "split_parent_ids", "map_ids", "pack_remote",
@@ -60,7 +61,9 @@ def assert_defines_every_kernel(binary: bytes) -> None:
                 for rows in TILE_SHAPES]
              + [f"{family}_{kind}" for family in PER_FLOAT_TYPE for kind in float_kinds]
              + [f"{family}_{kind}" for family in PER_INT_TYPE for kind in INT_KINDS]
-             + [f"{family}_{kind}" for family in PER_KV_TYPE for kind in KV_DTYPES] + list(SHARED))
+             + [f"{family}_{kind}" for family in PER_KV_TYPE for kind in KV_DTYPES] + list(SHARED)
+             + [f"attention_decode_{kind}_{tile}_{dims}" for kind in KV_DTYPES for tile in DECODE_HEAD_TILES
+                for dims in DECODE_LANE_DIMS if (tile, dims) != (8, 8)])
     missing = [name for name in names if name.encode() not in binary]
     assert not missing
 
@@ -69,7 +72,8 @@ def assert_defines_every_kernel(binary: bytes) -> None:
 @pytest.mark.parametrize("arch", ["gfx906", "gfx1030"])
 def test_kernels_compile_for_amd(tmp_path, arch):
     env = {**os.environ, "HIP_PLATFORM": "amd"}
-    binary = compile_kernels(["hipcc", f"--offload-arch={arch}", "--cuda-device-only", "-O3"], tmp_path / "k.o", env)
+    binary = compile_kernels(["hipcc", f"--offload-arch={arch}", "--cuda-device-only", "-O3", "-std=c++17"],
+                             tmp_path / "k.o", env)
     assert_defines_every_kernel(binary)
 
 
@@ -99,7 +103,7 @@ def kernel_bodies() -> dict[str, str]:
 READ_BEFORE_WAIT = {"layers.cu:rms_norm", "gemv_q8.cu:gemv_q8_##TYPE", "gemv_q8.cu:gemv_q8_three",
                     "gemv_q8.cu:moe_down_q8_##TYPE", "gemv.cu:gemv_few_rows_##TYPE",
                     "route.cu:route_normed_##TYPE", "attention.cu:qk_norm_rope_append_##KV",
-                    "attention.cu:attention_partial_##KV"}
+                    "attention.cu:attention_decode_##KV##_##TILE##_##DPL"}
 
 
 def test_every_kernel_first_waits_for_the_previous_grid():

@@ -22,6 +22,7 @@ import numpy as np
 from moerun.backends.devices import Device
 from moerun.backends.gpu.blas import Blas
 from moerun.backends.gpu.constants import (
+    ATTENTION_THREADS,
     DELTA_COLUMNS,
     DELTA_GROUPS,
     MAX_CONV_WIDTH,
@@ -58,7 +59,10 @@ FEW_ROWS_THREADS = 64          # threads of each of those blocks
 ROUTE_THREADS = 128            # threads of each block of route_normed (a router row; the last ranks the experts) ...
 NORMED_VALUES = 8              # values of a row each thread converts when q/k/v fold the norm (q8_dot.cuh) ...
 NORMED_PLANES_LIMIT = 24 * 1024     # ... into at most this much shared memory of 8-bit planes
-DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions
+DECODE_CHUNK = 64              # decode attention takes at most one split per this many cache positions ...
+MAX_DECODE_SPLITS = 64         # ... and at most this many per row of blocks
+DECODE_LANE_DIMS = (2, 4, 8)   # a decode attention lane's dims of a row (kernels/attention.cu instantiates each)
+DECODE_HEAD_TILES = (1, 4, 8)  # query heads of a decode attention block (the same)
 
 
 def i32(value: int) -> np.int32:
@@ -70,14 +74,29 @@ def i64(value: int) -> np.int64:
 
 
 def attention_splits(span: int, heads: int, wave: int) -> int:
-    """Splits per (token, head) of decode attention over `span` cache positions, for `heads`
-    (T·NH) rows of blocks: as many as one wave of resident blocks (`wave`) holds, at most one per
-    DECODE_CHUNK positions, at least one. Each thread of a split keeps only a few loads in flight,
-    so a long position needs every block the GPU holds at once to keep its memory busy, and a
-    second wave would add a whole block's latency; a split past the token's position costs one
-    block that reads the position and writes (-inf, 0) (docs/benchmarks.md, "attention splits
-    from the position", has the measured split counts)."""
-    return max(1, min(wave // heads, math.ceil(span / DECODE_CHUNK)))
+    """Splits per row of blocks of decode attention over `span` cache positions, for `heads`
+    (T·NKV·tiles) rows of blocks: as many as one wave of resident blocks (`wave`) holds, at most
+    one per DECODE_CHUNK positions and MAX_DECODE_SPLITS in all (the combine reads every split of
+    a head), at least one. A long position needs every block the GPU holds at once to keep its
+    memory busy, and a second wave would add a whole block's latency; a split past the token's
+    position costs one block that reads the position and writes (-inf, 0)."""
+    return max(1, min(wave // heads, math.ceil(span / DECODE_CHUNK), MAX_DECODE_SPLITS))
+
+
+def decode_attention_kernel(n_heads: int, n_kv_heads: int, head_dim_k: int, head_dim_v: int) -> tuple[int, int]:
+    """(head tile, dims per lane) of attention_decode_<KV>_<TILE>_<DPL> (kernels/attention.cu) for a
+    head layout: a lane holds DPL of a row's dims (32·DPL >= the wider head, both heads whole
+    multiples of DPL), a block TILE query heads of one KV head's group (8 but with 8 dims, whose
+    registers spill, then 4; 4 for groups of 2 to 4; 1 for MHA)."""
+    widest = max(head_dim_k, head_dim_v)
+    dims = next((n for n in DECODE_LANE_DIMS if 32 * n >= widest), None)
+    if dims is None or head_dim_k % dims or head_dim_v % dims or n_heads % n_kv_heads:
+        raise UsageError(f"heads of {head_dim_k}/{head_dim_v} dims, {n_heads} query and {n_kv_heads} KV heads: "
+                         f"the GPU's decode attention takes head dims of at most {32 * DECODE_LANE_DIMS[-1]}, "
+                         f"whole multiples of {dims or DECODE_LANE_DIMS[-1]}, and query heads a multiple of KV heads")
+    group = n_heads // n_kv_heads
+    tile = 1 if group == 1 else 4 if group <= 4 or dims == 8 else 8
+    return tile, dims
 
 
 class GpuKVCache:
@@ -149,6 +168,8 @@ class GpuBackend:
         if kv_dtype not in KV_DTYPES:
             raise UsageError(f"KV cache type {kv_dtype!r}: the GPU backend keeps one of {', '.join(KV_DTYPES)}")
         self.kv_dtype = kv_dtype
+        tile, dims = decode_attention_kernel(spec.n_heads, spec.n_kv_heads, spec.head_dim_k, spec.head_dim_v)
+        self._decode_attention = (f"attention_decode_{kv_dtype}_{tile}_{dims}", tile)
         if spec.hidden > NORM_BLOCK * NORM_VALUES:
             raise UsageError(f"hidden size {spec.hidden}: the GPU backend normalises rows of at most "
                              f"{NORM_BLOCK * NORM_VALUES} values")
@@ -376,26 +397,25 @@ class GpuBackend:
         return self._split_attention(q, cache, layer, positions)
 
     def _split_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
-        """Each token's positions [0, pos] in equal shares over a fixed number of splits per head,
-        the count from the capacity, so a captured step serves every position."""
+        """Each token's positions [0, pos] in equal shares over a fixed number of splits per
+        block of heads, the count from the capacity, so a captured step serves every position."""
         spec, cupy = self.spec, self.device.cupy
         n_tokens = q.shape[0]
-        span = cache.capacity
-        partial = f"attention_partial_{self.kv_dtype}"
-        splits = attention_splits(span, n_tokens * spec.n_heads, self.device.kernels.wave(partial))
+        kernel, tile = self._decode_attention
+        blocks = spec.n_kv_heads * -(-(spec.n_heads // spec.n_kv_heads) // tile)     # NKV·tiles
+        splits = attention_splits(cache.capacity, n_tokens * blocks, self.device.kernels.wave(kernel))
         acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)    # [T, NH, splits, Dv]
         max_sum = cupy.empty((n_tokens, spec.n_heads, splits, 2), cupy.float32)
         self.device.launch(
-            partial,
-            (n_tokens, spec.n_heads, splits), (BLOCK,),
+            kernel, (n_tokens, blocks, splits), (ATTENTION_THREADS,),
             (q, cache.k[layer], cache.v[layer], positions, i32(spec.n_heads), i32(spec.n_kv_heads),
              i32(spec.head_dim_k), i32(spec.head_dim_v), np.float32(1.0 / math.sqrt(spec.head_dim_k)),
              acc, max_sum))
         out = cupy.empty((n_tokens, spec.n_heads * spec.head_dim_v), cupy.float32)
         q, ds = self._planes_for(out) if spec.head_dim_v % UNIT == 0 else (None, None)
         self.device.launch("attention_combine", (n_tokens, spec.n_heads), (128,),
-                                          (acc, max_sum, i32(splits), i32(spec.n_heads), i32(spec.head_dim_v), out,
-                                           pointer(q), pointer(ds)))
+                           (acc, max_sum, i32(splits), i32(spec.n_heads), i32(spec.head_dim_v), out,
+                            pointer(q), pointer(ds)))
         return out
 
     def _prefill_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:

@@ -19,9 +19,10 @@ MAX_KEY_DIM = 128       # a DeltaNet key head's most values
 MAX_CONV_WIDTH = 8      # a DeltaNet convolution's widest kernel
 DELTA_COLUMNS = 32      # value columns one delta_rule block keeps ...
 DELTA_GROUPS = 8        # ... by groups of state rows over a column
+ATTENTION_THREADS = 256  # threads of a decode attention block: 8 groups of 32, one cache row each at a time
 
 SHARED = ("UNIT", "MAX_GEMV_TOKENS", "MAX_EXPERTS", "MAX_TOP_K", "ROUTE_VALUES", "NORM_VALUES", "MM_THREADS",
-          "DAEMON_WORDS", "MAX_KEY_DIM", "MAX_CONV_WIDTH", "DELTA_COLUMNS", "DELTA_GROUPS")
+          "DAEMON_WORDS", "MAX_KEY_DIM", "MAX_CONV_WIDTH", "DELTA_COLUMNS", "DELTA_GROUPS", "ATTENTION_THREADS")
 
 
 def defines() -> tuple[str, ...]:

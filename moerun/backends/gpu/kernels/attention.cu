@@ -6,7 +6,6 @@
 #include "staging.cuh"
 
 #define MAX_HEAD_DIM 256
-#define ATTENTION_CHUNK 256     // cache rows a split of decode attention scores at a time
 #define ATTENTION_GRANULE 32    // a split's share of the rows is a multiple of this: one pass of 256 threads
 #define L2_LINE 128             // bytes of one line prefetch_l2 fetches
 
@@ -74,109 +73,194 @@ __device__ __forceinline__ float4 load_kv4(const __half* p) {
 
 FOR_EACH_KV_TYPE(DEFINE_QK_NORM_ROPE_APPEND)
 
-// Split-K causal attention of a few tokens, first pass. Grid (T, NH, splits), blockDim <= 256
-// (scratch holds the [strides, Dv] partial sums: 4·blockDim floats; launched with 256).
-// Token t attends to cache rows [0, positions[t]]; split c takes an equal share of them,
-// rounded up to whole ATTENTION_GRANULE rows (so the last splits may get fewer, or none),
-// and walks it ATTENTION_CHUNK rows at a time with a running max and sum. Writes the
-// split's unnormalised output acc [T, NH, splits, Dv] and its (max, sum) [T, NH, splits, 2],
-// (-inf, 0) for a split with no rows. Before the wait, the split's rows the steps before wrote
-// (all but those of this step's tokens, from positions[0]) are fetched into L2.
-#define DEFINE_ATTENTION_PARTIAL(KV)                                                                           \
-    extern "C" __global__ void attention_partial_##KV(                                                         \
+// Split-K causal attention of a few tokens, first pass (flash-decoding). Grid (T, NKV·tiles,
+// splits), blockDim ATTENTION_THREADS: a block takes one token, TILE query
+// heads of one KV head's group (GQA: the group's NH/NKV heads in `tiles` tiles, the last one
+// short) and one split of the token's cache rows [0, positions[t]], an equal share of them
+// rounded up to whole ATTENTION_GRANULE rows (so the last splits may get fewer, or none). Each
+// group of 32 threads walks every groups-th run of KEYS rows, a lane holding DPL dims of the
+// key, of the value and of each head's query, so one read of a row serves all TILE heads; it
+// keeps each head's running max, sum and output, and the block's groups meet in shared memory
+// at the end. Writes each head's unnormalised output acc [T, NH, splits, Dv] and its
+// (max, sum) [T, NH, splits, 2], (-inf, 0) for a split with no rows.
+// Before the wait, the split's rows the steps before wrote (all but those of this step's tokens,
+// from positions[0]) are fetched into L2.
+#define ATTENTION_RUN_BYTES 32      // bytes of f32 key each lane holds per run: KEYS = this / (4·DPL)
+
+__device__ __forceinline__ int2 split_rows(int length, int split, int splits) {
+    int share = (length + splits - 1) / splits;
+    share = (share + ATTENTION_GRANULE - 1) / ATTENTION_GRANULE * ATTENTION_GRANULE;
+    int begin = split * share;
+    return make_int2(begin, min(begin + share, length));
+}
+
+template <typename KV>
+__device__ __forceinline__ void prefetch_rows(const KV* k_cache, const KV* v_cache, int kv_head, int n_kv_heads,
+                                              int head_dim, int head_dim_v, int begin, int end) {
+    const int per_line = L2_LINE / sizeof(KV);                       // elements of a line
+    int lines = (head_dim + per_line - 1) / per_line, lines_v = (head_dim_v + per_line - 1) / per_line;
+    for (int l = threadIdx.x; l < (end - begin) * (lines + lines_v); l += blockDim.x) {
+        int s = begin + l / (lines + lines_v), line = l % (lines + lines_v);
+        prefetch_l2(line < lines ? k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim + per_line * line
+                                 : v_cache + ((long long)s * n_kv_heads + kv_head) * head_dim_v
+                                           + per_line * (line - lines));
+    }
+}
+
+// N (2, 4 or 8) consecutive cache elements, aligned to N of them, as floats; zeros where `live` is false.
+template <int N> __device__ __forceinline__ void load_floats(const float* p, bool live, float (&out)[N]) {
+    if constexpr (N == 2) {
+        float2 a = live ? *reinterpret_cast<const float2*>(p) : make_float2(0.f, 0.f);
+        out[0] = a.x; out[1] = a.y;
+    } else {
+#pragma unroll
+        for (int j = 0; j < N; j += 4) {
+            float4 a = live ? *reinterpret_cast<const float4*>(p + j) : make_float4(0.f, 0.f, 0.f, 0.f);
+            out[j] = a.x; out[j + 1] = a.y; out[j + 2] = a.z; out[j + 3] = a.w;
+        }
+    }
+}
+template <int N> __device__ __forceinline__ void load_floats(const __half* p, bool live, float (&out)[N]) {
+    u32 bits[N / 2];
+    if constexpr (N == 2) {
+        bits[0] = live ? *reinterpret_cast<const u32*>(p) : 0u;
+    } else if constexpr (N == 4) {
+        uint2 a = live ? *reinterpret_cast<const uint2*>(p) : make_uint2(0u, 0u);
+        bits[0] = a.x; bits[1] = a.y;
+    } else {
+        uint4 a = live ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
+        bits[0] = a.x; bits[1] = a.y; bits[2] = a.z; bits[3] = a.w;
+    }
+#pragma unroll
+    for (int j = 0; j < N / 2; j++) {
+        out[2 * j] = half_bits_to_float((u16)bits[j]);
+        out[2 * j + 1] = half_bits_to_float((u16)(bits[j] >> 16));
+    }
+}
+
+template <typename KV, int TILE, int DPL>
+__device__ __forceinline__ void attend_split(const float* __restrict__ q, const KV* __restrict__ k_cache,
+                                             const KV* __restrict__ v_cache, int t, int kv_head, int first_head,
+                                             int heads, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,
+                                             float scale, int begin, int end, float* __restrict__ acc,
+                                             float* __restrict__ max_sum) {
+    constexpr int KEYS = ATTENTION_RUN_BYTES / (4 * DPL) > 0 ? ATTENTION_RUN_BYTES / (4 * DPL) : 1;          // rows a group reads per run
+    constexpr int GROUPS = ATTENTION_THREADS / 32;
+    __shared__ float2 group_max_sum[GROUPS][TILE];                   // each group's (max, sum) per head
+    __shared__ float partial[GROUPS][32 * DPL];                      // each group's output of one head
+    int split = blockIdx.z, splits = gridDim.z;
+    int lane = threadIdx.x % 32, group = threadIdx.x / 32, groups = GROUPS, d0 = lane * DPL;
+    bool has_k = d0 < head_dim, has_v = d0 < head_dim_v;
+    float query[TILE][DPL], out[TILE][DPL], best[TILE], total[TILE];
+#pragma unroll
+    for (int i = 0; i < TILE; i++) {
+        best[i] = NEG_INF; total[i] = 0.f;
+#pragma unroll
+        for (int j = 0; j < DPL; j++) {
+            bool live = i < heads && has_k;
+            query[i][j] = live ? q[((long long)t * n_heads + first_head + i) * head_dim + d0 + j] * scale : 0.f;
+            out[i][j] = 0.f;
+        }
+    }
+    long long key_stride = (long long)n_kv_heads * head_dim, value_stride = (long long)n_kv_heads * head_dim_v;
+    const KV* keys = k_cache + (long long)kv_head * head_dim + d0;
+    const KV* values = v_cache + (long long)kv_head * head_dim_v + d0;
+    for (int run = begin + group * KEYS; run < end; run += groups * KEYS) {
+        float key[KEYS][DPL], value[KEYS][DPL];
+#pragma unroll
+        for (int u = 0; u < KEYS; u++) {
+            bool live = run + u < end;                               // rows past the end may be NaN: never read
+            load_floats<DPL>(keys + (run + u) * key_stride, live && has_k, key[u]);
+            load_floats<DPL>(values + (run + u) * value_stride, live && has_v, value[u]);
+        }
+#pragma unroll
+        for (int i = 0; i < TILE; i++) {
+            float score[KEYS], run_best = best[i];
+#pragma unroll
+            for (int u = 0; u < KEYS; u++) {
+                float dot = 0.f;
+#pragma unroll
+                for (int j = 0; j < DPL; j++) dot += query[i][j] * key[u][j];
+                dot = group_sum(dot, 32);
+                score[u] = run + u < end ? dot : NEG_INF;
+                run_best = fmaxf(run_best, score[u]);
+            }
+            float rescale = expf(best[i] - run_best);                // 0 on the first run (e^-inf)
+            best[i] = run_best;
+            total[i] *= rescale;
+#pragma unroll
+            for (int j = 0; j < DPL; j++) out[i][j] *= rescale;
+#pragma unroll
+            for (int u = 0; u < KEYS; u++) {
+                float p = expf(score[u] - run_best);
+                total[i] += p;
+#pragma unroll
+                for (int j = 0; j < DPL; j++) out[i][j] += p * value[u][j];
+            }
+        }
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < TILE; i++) group_max_sum[group][i] = make_float2(best[i], total[i]);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < TILE; i++) {                                 // the tile's heads, one at a time
+        if (i < heads) {                                             // the same for the whole block
+            float block_best = NEG_INF, block_total = 0.f;
+            for (int g = 0; g < groups; g++) block_best = fmaxf(block_best, group_max_sum[g][i].x);
+            for (int g = 0; g < groups; g++) {
+                float2 part = group_max_sum[g][i];
+                if (part.x > NEG_INF) block_total += expf(part.x - block_best) * part.y;
+            }
+            float mine = group_max_sum[group][i].x, weight = mine > NEG_INF ? expf(mine - block_best) : 0.f;
+#pragma unroll
+            for (int j = 0; j < DPL; j++) partial[group][d0 + j] = out[i][j] * weight;
+            __syncthreads();
+            long long part = ((long long)t * n_heads + first_head + i) * splits + split;
+            for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {
+                float sum = 0.f;
+                for (int g = 0; g < groups; g++) sum += partial[g][d];
+                acc[part * head_dim_v + d] = sum;
+            }
+            if (threadIdx.x == 0) { max_sum[2 * part] = block_best; max_sum[2 * part + 1] = block_total; }
+            __syncthreads();                                         // partial is rewritten by the next head
+        }
+    }
+}
+
+// One kernel per cache type, head tile (1, 4 or 8 query heads) and dims per lane (2, 4 or 8:
+// head dims up to 64, 128, 256), attention_decode_<KV>_<TILE>_<DPL>; no 8-head tile of 8 dims,
+// whose registers would spill (backend.py's decode_attention_kernel picks among these).
+#define DEFINE_ATTENTION_DECODE(KV, TILE, DPL)                                                                 \
+    extern "C" __global__ void __launch_bounds__(ATTENTION_THREADS, 2)                                         \
+    attention_decode_##KV##_##TILE##_##DPL(                                                                    \
             const float* __restrict__ q, const kv_##KV* __restrict__ k_cache, const kv_##KV* __restrict__ v_cache, \
             const int* __restrict__ positions, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,      \
             float scale, float* __restrict__ acc, float* __restrict__ max_sum) {                               \
-        __shared__ float q_shared[MAX_HEAD_DIM];                                                               \
-        __shared__ float probs[ATTENTION_CHUNK];                                                               \
-        __shared__ float scratch[1024];                                                                        \
-        int t = blockIdx.x, head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;                         \
-        int kv_head = head / (n_heads / n_kv_heads);                                                           \
-        long long part = ((long long)t * n_heads + head) * splits + split;                                     \
-        int length = load_from_l2(positions + t) + 1;                                                          \
-        int share = (length + splits - 1) / splits;                                                            \
-        share = (share + ATTENTION_GRANULE - 1) / ATTENTION_GRANULE * ATTENTION_GRANULE;                       \
-        int begin = split * share, end = min(begin + share, length);                                           \
-        int written = min(end, load_from_l2(positions));                  /* rows before this step's */        \
-        const int per_line = L2_LINE / sizeof(kv_##KV);                     /* elements of a line */           \
-        int lines = (head_dim + per_line - 1) / per_line, lines_v = (head_dim_v + per_line - 1) / per_line;    \
-        for (int l = threadIdx.x; l < (written - begin) * (lines + lines_v); l += blockDim.x) {                \
-            int s = begin + l / (lines + lines_v), line = l % (lines + lines_v);                               \
-            prefetch_l2(line < lines ? k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim + per_line * line \
-                                     : v_cache + ((long long)s * n_kv_heads + kv_head) * head_dim_v            \
-                                               + per_line * (line - lines));                                   \
-        }                                                                                                      \
+        int t = blockIdx.x, group_size = n_heads / n_kv_heads, tiles = (group_size + TILE - 1) / TILE;         \
+        int kv_head = blockIdx.y / tiles, tile_start = (blockIdx.y % tiles) * TILE;                            \
+        int first_head = kv_head * group_size + tile_start, heads = min(TILE, group_size - tile_start);        \
+        int2 rows = split_rows(load_from_l2(positions + t) + 1, blockIdx.z, gridDim.z);                        \
+        prefetch_rows(k_cache, v_cache, kv_head, n_kv_heads, head_dim, head_dim_v, rows.x,                     \
+                      min(rows.y, load_from_l2(positions)));                /* rows before this step's */      \
         wait_for_previous_grid();                                                                              \
-        if (begin >= end) {                                                                                    \
-            if (threadIdx.x == 0) { max_sum[2 * part] = NEG_INF; max_sum[2 * part + 1] = 0.f; }                \
+        if (rows.x >= rows.y) {                                                                                \
+            long long part = ((long long)t * n_heads + first_head) * gridDim.z + blockIdx.z;                   \
+            for (int i = threadIdx.x; i < heads; i += blockDim.x) {                                            \
+                max_sum[2 * (part + i * gridDim.z)] = NEG_INF; max_sum[2 * (part + i * gridDim.z) + 1] = 0.f;  \
+            }                                                                                                  \
             return;                                                                                            \
         }                                                                                                      \
-        for (int d = threadIdx.x; d < head_dim; d += blockDim.x)                                               \
-            q_shared[d] = q[((long long)t * n_heads + head) * head_dim + d];                                   \
-        __syncthreads();                                                                                       \
-        /* Scores: each group of 8 threads takes one key at a time, 4 dims per load, so a block of             \
-           256 has 32 keys' loads in flight per pass. Values: thread i takes 4 dims (column i % columns)       \
-           of every strides-th key from i / columns, kept in registers across the chunks; the strides          \
-           partial sums meet in shared memory at the end. Dv % 4 == 0, Dv / 4 <= blockDim. */                  \
-        int lane = threadIdx.x % 8, groups = blockDim.x / 8;                                                   \
-        int columns = head_dim_v / 4, strides = blockDim.x / columns, first = threadIdx.x / columns;           \
-        const kv_##KV* values = v_cache + (long long)kv_head * head_dim_v + 4 * (threadIdx.x % columns);       \
-        long long key_stride = (long long)n_kv_heads * head_dim_v;                                             \
-        float best = NEG_INF, total = 0.f;                                                                     \
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);                                                          \
-        for (int from = begin; from < end; from += ATTENTION_CHUNK) {                                          \
-            int to = min(from + ATTENTION_CHUNK, end);                                                         \
-            /* Every thread runs every pass (the shuffles need the whole warp); groups past the end add nothing. */ \
-            float local_max = NEG_INF;                                                                         \
-            for (int pass = from; pass < to; pass += groups) {                                                 \
-                int s = pass + threadIdx.x / 8;                                                                \
-                float dot = 0.f;                                                                               \
-                if (s < to) {                                                                                  \
-                    const kv_##KV* key = k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim;           \
-                    for (int d = 4 * lane; d < head_dim; d += 32) {                                            \
-                        float4 kv = load_kv4(key + d);                                                         \
-                        dot += q_shared[d] * kv.x + q_shared[d + 1] * kv.y + q_shared[d + 2] * kv.z            \
-                               + q_shared[d + 3] * kv.w;                                                       \
-                    }                                                                                          \
-                }                                                                                              \
-                dot = group_sum(dot, 8) * scale;                                                               \
-                if (s < to) {                                                                                  \
-                    if (lane == 0) probs[s - from] = dot;                                                      \
-                    local_max = fmaxf(local_max, dot);                                                         \
-                }                                                                                              \
-            }                                                                                                  \
-            /* The running max over the chunks so far; what was summed under the old one is rescaled           \
-               (by e^(-inf) = 0 on the first chunk). */                                                        \
-            float chunk_best = fmaxf(best, block_max(local_max, scratch));                                     \
-            float rescale = expf(best - chunk_best);                                                           \
-            best = chunk_best;                                                                                 \
-            float local_sum = 0.f;                                                                             \
-            for (int s = from + threadIdx.x; s < to; s += blockDim.x) {                                        \
-                float p = expf(probs[s - from] - best);                                                        \
-                probs[s - from] = p;                                                                           \
-                local_sum += p;                                                                                \
-            }                                                                                                  \
-            total = total * rescale + block_sum(local_sum, scratch);                                           \
-            sum.x *= rescale; sum.y *= rescale; sum.z *= rescale; sum.w *= rescale;                            \
-            if (first < strides)                                                                               \
-                for (int s = from + first; s < to; s += strides) {                                             \
-                    float p = probs[s - from];                                                                 \
-                    float4 v = load_kv4(values + s * key_stride);                                              \
-                    sum.x += p * v.x; sum.y += p * v.y; sum.z += p * v.z; sum.w += p * v.w;                    \
-                }                                                                                              \
-            __syncthreads();                                             /* probs is rewritten by the next chunk */ \
-        }                                                                                                      \
-        if (first < strides) reinterpret_cast<float4*>(scratch)[threadIdx.x] = sum;   /* [strides, Dv] */      \
-        __syncthreads();                                                                                       \
-        for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {                                           \
-            float value = 0.f;                                                                                 \
-            for (int r = 0; r < strides; r++) value += scratch[r * head_dim_v + d];                            \
-            acc[part * head_dim_v + d] = value;                                                                \
-        }                                                                                                      \
-        if (threadIdx.x == 0) { max_sum[2 * part] = best; max_sum[2 * part + 1] = total; }                     \
+        attend_split<kv_##KV, TILE, DPL>(q, k_cache, v_cache, t, kv_head, first_head, heads, n_heads,          \
+                                         n_kv_heads, head_dim, head_dim_v, scale, rows.x, rows.y, acc, max_sum); \
     }
 
-FOR_EACH_KV_TYPE(DEFINE_ATTENTION_PARTIAL)
+#define DEFINE_ATTENTION_DECODE_TILES(KV) \
+    DEFINE_ATTENTION_DECODE(KV, 1, 2) DEFINE_ATTENTION_DECODE(KV, 1, 4) DEFINE_ATTENTION_DECODE(KV, 1, 8) \
+    DEFINE_ATTENTION_DECODE(KV, 4, 2) DEFINE_ATTENTION_DECODE(KV, 4, 4) DEFINE_ATTENTION_DECODE(KV, 4, 8) \
+    DEFINE_ATTENTION_DECODE(KV, 8, 2) DEFINE_ATTENTION_DECODE(KV, 8, 4)
+
+FOR_EACH_KV_TYPE(DEFINE_ATTENTION_DECODE_TILES)
 
 // Second pass: out[t, h*Dv + d] = Σ_c e^(m_c - M) acc_c[d] / Σ_c e^(m_c - M) l_c over the splits
 // that saw rows (m_c > -inf), and in 8-bit planes into q, ds when q is given (Dv a multiple of 32).

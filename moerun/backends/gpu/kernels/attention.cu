@@ -74,18 +74,40 @@ __device__ __forceinline__ float4 load_kv4(const __half* p) {
 FOR_EACH_KV_TYPE(DEFINE_QK_NORM_ROPE_APPEND)
 
 // Split-K causal attention of a few tokens, first pass (flash-decoding). Grid (T, NKV·tiles,
-// splits), blockDim ATTENTION_THREADS: a block takes one token, TILE query
-// heads of one KV head's group (GQA: the group's NH/NKV heads in `tiles` tiles, the last one
-// short) and one split of the token's cache rows [0, positions[t]], an equal share of them
-// rounded up to whole ATTENTION_GRANULE rows (so the last splits may get fewer, or none). Each
-// group of 32 threads walks every groups-th run of KEYS rows, a lane holding DPL dims of the
-// key, of the value and of each head's query, so one read of a row serves all TILE heads; it
-// keeps each head's running max, sum and output, and the block's groups meet in shared memory
-// at the end. Writes each head's unnormalised output acc [T, NH, splits, Dv] and its
-// (max, sum) [T, NH, splits, 2], (-inf, 0) for a split with no rows.
+// splits), blockDim ATTENTION_THREADS: a block takes one token, TILE query heads of one KV
+// head's group (GQA: the group's NH/NKV heads in `tiles` tiles, the last one short) and one
+// split of the token's cache rows [0, positions[t]], an equal share of them rounded up to whole
+// ATTENTION_GRANULE rows (so the last splits may get fewer, or none). Each group of 32 threads
+// walks every groups-th run of KEYS rows, a lane holding DPL dims of the rows' keys and values
+// and of each head's query, so one read of a row serves all TILE heads. A run's TILE·KEYS
+// partial dot products meet in one transposing reduction (lane_sums), after which each lane
+// holds one (head, row) score and keeps its head's running max and sum; every lane then takes
+// each score's weight to update its dims of each head's output. The block's groups meet in
+// shared memory at the end. Writes each head's unnormalised output acc [T, NH, splits, Dv] and
+// its (max, sum) [T, NH, splits, 2], (-inf, 0) for a split with no rows.
 // Before the wait, the split's rows the steps before wrote (all but those of this step's tokens,
 // from positions[0]) are fetched into L2.
 #define ATTENTION_RUN_BYTES 32      // bytes of f32 key each lane holds per run: KEYS = this / (4·DPL)
+
+// The sums over a group of 32 lanes of N values each lane holds (N a power of two <= 32):
+// lane l gets the sum of value l / (32 / N). Each level of the butterfly halves the values a lane
+// still carries (it keeps one half, adds its partner's other half), so the reduction takes
+// N - 1 + log2(32 / N) shuffles instead of 5·N.
+template <int N> __device__ __forceinline__ float lane_sums(float (&values)[N], int lane) {
+    int offset = 16;
+#pragma unroll
+    for (int half = N / 2; half >= 1; half /= 2, offset /= 2) {
+        bool upper = lane & offset;
+#pragma unroll
+        for (int k = 0; k < half; k++) {
+            float send = upper ? values[k] : values[k + half], keep = upper ? values[k + half] : values[k];
+            values[k] = keep + SHFL_XOR(send, offset, 32);
+        }
+    }
+    float sum = values[0];
+    for (; offset >= 1; offset /= 2) sum += SHFL_XOR(sum, offset, 32);
+    return sum;
+}
 
 __device__ __forceinline__ int2 split_rows(int length, int split, int splits) {
     int share = (length + splits - 1) / splits;
@@ -144,29 +166,32 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, const 
                                              int heads, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,
                                              float scale, int begin, int end, float* __restrict__ acc,
                                              float* __restrict__ max_sum) {
-    constexpr int KEYS = ATTENTION_RUN_BYTES / (4 * DPL) > 0 ? ATTENTION_RUN_BYTES / (4 * DPL) : 1;          // rows a group reads per run
+    constexpr int KEYS = ATTENTION_RUN_BYTES / (4 * DPL) > 0 ? ATTENTION_RUN_BYTES / (4 * DPL) : 1;  // rows a run
+    constexpr int SCORES = TILE * KEYS, SPREAD = 32 / SCORES;        // a run's scores, lanes holding each
+    constexpr int HEAD_LANES = 32 / TILE;                            // lanes holding one head's scores
     constexpr int GROUPS = ATTENTION_THREADS / 32;
+    static_assert(SCORES <= 32 && 32 % SCORES == 0, "a run's scores spread over the 32 lanes of a group");
     __shared__ float2 group_max_sum[GROUPS][TILE];                   // each group's (max, sum) per head
-    __shared__ float partial[GROUPS][32 * DPL];                      // each group's output of one head
+    __shared__ float partial[GROUPS][TILE][32 * DPL];                // each group's output per head
     int split = blockIdx.z, splits = gridDim.z;
-    int lane = threadIdx.x % 32, group = threadIdx.x / 32, groups = GROUPS, d0 = lane * DPL;
+    int lane = threadIdx.x % 32, group = threadIdx.x / 32, d0 = lane * DPL;
+    int score_slot = lane / SPREAD, my_key = score_slot % KEYS;      // slot: head-major (head · KEYS + row)
     bool has_k = d0 < head_dim, has_v = d0 < head_dim_v;
-    float query[TILE][DPL], out[TILE][DPL], best[TILE], total[TILE];
+    float query[TILE][DPL], out[TILE][DPL];
 #pragma unroll
-    for (int i = 0; i < TILE; i++) {
-        best[i] = NEG_INF; total[i] = 0.f;
+    for (int i = 0; i < TILE; i++)
 #pragma unroll
         for (int j = 0; j < DPL; j++) {
             bool live = i < heads && has_k;
             query[i][j] = live ? q[((long long)t * n_heads + first_head + i) * head_dim + d0 + j] * scale : 0.f;
             out[i][j] = 0.f;
         }
-    }
+    float best = NEG_INF, total = 0.f;                               // of this lane's head (its slot's sum)
     long long key_stride = (long long)n_kv_heads * head_dim, value_stride = (long long)n_kv_heads * head_dim_v;
     const KV* keys = k_cache + (long long)kv_head * head_dim + d0;
     const KV* values = v_cache + (long long)kv_head * head_dim_v + d0;
-    for (int run = begin + group * KEYS; run < end; run += groups * KEYS) {
-        float key[KEYS][DPL], value[KEYS][DPL];
+    for (int run = begin + group * KEYS; run < end; run += GROUPS * KEYS) {
+        float key[KEYS][DPL], value[KEYS][DPL], dots[SCORES];
 #pragma unroll
         for (int u = 0; u < KEYS; u++) {
             bool live = run + u < end;                               // rows past the end may be NaN: never read
@@ -174,57 +199,56 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, const 
             load_floats<DPL>(values + (run + u) * value_stride, live && has_v, value[u]);
         }
 #pragma unroll
-        for (int i = 0; i < TILE; i++) {
-            float score[KEYS], run_best = best[i];
+        for (int i = 0; i < TILE; i++)
 #pragma unroll
             for (int u = 0; u < KEYS; u++) {
                 float dot = 0.f;
 #pragma unroll
                 for (int j = 0; j < DPL; j++) dot += query[i][j] * key[u][j];
-                dot = group_sum(dot, 32);
-                score[u] = run + u < end ? dot : NEG_INF;
-                run_best = fmaxf(run_best, score[u]);
+                dots[i * KEYS + u] = dot;
             }
-            float rescale = expf(best[i] - run_best);                // 0 on the first run (e^-inf)
-            best[i] = run_best;
-            total[i] *= rescale;
+        float score = lane_sums<SCORES>(dots, lane);
+        score = run + my_key < end ? score : NEG_INF;
+        float run_best = fmaxf(best, group_max(score, HEAD_LANES));  // row u = 0 is live: finite
+        float rescale = __expf(best - run_best), weight = __expf(score - run_best);   // e^-inf = 0
+        best = run_best;
+        total = total * rescale + weight;
 #pragma unroll
-            for (int j = 0; j < DPL; j++) out[i][j] *= rescale;
+        for (int i = 0; i < TILE; i++) {
+            float head_rescale = SHFL(rescale, i * HEAD_LANES, 32);
+#pragma unroll
+            for (int j = 0; j < DPL; j++) out[i][j] *= head_rescale;
 #pragma unroll
             for (int u = 0; u < KEYS; u++) {
-                float p = expf(score[u] - run_best);
-                total[i] += p;
+                float p = SHFL(weight, (i * KEYS + u) * SPREAD, 32);
 #pragma unroll
                 for (int j = 0; j < DPL; j++) out[i][j] += p * value[u][j];
             }
         }
     }
-    if (lane == 0)
+    float head_total = group_sum(lane % SPREAD == 0 ? total : 0.f, HEAD_LANES);   // each slot once
+    if (lane % HEAD_LANES == 0) group_max_sum[group][lane / HEAD_LANES] = make_float2(best, head_total);
 #pragma unroll
-        for (int i = 0; i < TILE; i++) group_max_sum[group][i] = make_float2(best[i], total[i]);
+    for (int i = 0; i < TILE; i++)
+#pragma unroll
+        for (int j = 0; j < DPL; j++) partial[group][i][d0 + j] = out[i][j];
     __syncthreads();
-#pragma unroll
-    for (int i = 0; i < TILE; i++) {                                 // the tile's heads, one at a time
-        if (i < heads) {                                             // the same for the whole block
-            float block_best = NEG_INF, block_total = 0.f;
-            for (int g = 0; g < groups; g++) block_best = fmaxf(block_best, group_max_sum[g][i].x);
-            for (int g = 0; g < groups; g++) {
-                float2 part = group_max_sum[g][i];
-                if (part.x > NEG_INF) block_total += expf(part.x - block_best) * part.y;
-            }
-            float mine = group_max_sum[group][i].x, weight = mine > NEG_INF ? expf(mine - block_best) : 0.f;
-#pragma unroll
-            for (int j = 0; j < DPL; j++) partial[group][d0 + j] = out[i][j] * weight;
-            __syncthreads();
-            long long part = ((long long)t * n_heads + first_head + i) * splits + split;
-            for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {
-                float sum = 0.f;
-                for (int g = 0; g < groups; g++) sum += partial[g][d];
-                acc[part * head_dim_v + d] = sum;
-            }
-            if (threadIdx.x == 0) { max_sum[2 * part] = block_best; max_sum[2 * part + 1] = block_total; }
-            __syncthreads();                                         // partial is rewritten by the next head
-        }
+    for (int o = threadIdx.x; o < heads * head_dim_v; o += blockDim.x) {     // each (head, dim) of the tile
+        int i = o / head_dim_v, d = o % head_dim_v;
+        float block_best = NEG_INF, sum = 0.f;
+        for (int g = 0; g < GROUPS; g++) block_best = fmaxf(block_best, group_max_sum[g][i].x);
+        for (int g = 0; g < GROUPS; g++)                             // a group that saw no rows adds nothing
+            if (group_max_sum[g][i].x > NEG_INF) sum += __expf(group_max_sum[g][i].x - block_best) * partial[g][i][d];
+        acc[(((long long)t * n_heads + first_head + i) * splits + split) * head_dim_v + d] = sum;
+    }
+    for (int i = threadIdx.x; i < heads; i += blockDim.x) {
+        float block_best = NEG_INF, block_total = 0.f;
+        for (int g = 0; g < GROUPS; g++) block_best = fmaxf(block_best, group_max_sum[g][i].x);
+        for (int g = 0; g < GROUPS; g++)
+            if (group_max_sum[g][i].x > NEG_INF) block_total += __expf(group_max_sum[g][i].x - block_best) * group_max_sum[g][i].y;
+        long long part = ((long long)t * n_heads + first_head + i) * splits + split;
+        max_sum[2 * part] = block_best;
+        max_sum[2 * part + 1] = block_total;
     }
 }
 

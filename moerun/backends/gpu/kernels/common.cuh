@@ -19,9 +19,11 @@
 #endif
 #include <hip/hip_fp16.h>
 #define SHFL_XOR(value, mask, width) __shfl_xor((value), (mask), (width))
+#define SHFL(value, source, width) __shfl((value), (source), (width))
 #else
 #include <cuda_fp16.h>
 #define SHFL_XOR(value, mask, width) __shfl_xor_sync(0xffffffffu, (value), (mask), (width))
+#define SHFL(value, source, width) __shfl_sync(0xffffffffu, (value), (source), (width))
 #endif
 
 typedef unsigned char u8;

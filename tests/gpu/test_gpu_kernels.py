@@ -305,8 +305,17 @@ def kv_backend(request):
     return open_backend(gpu_device(), small_spec(), kv_dtype=request.param)
 
 
+@pytest.fixture(params=["per-head", "grouped"])
+def decode_kernel(request, monkeypatch):
+    """Decode attention through a block per query head, or through the grouped kernel (which
+    only caches of more than GROUPED_ATTENTION_CAPACITY rows take otherwise)."""
+    from moerun.backends.gpu import backend as gpu_backend
+    monkeypatch.setattr(gpu_backend, "GROUPED_ATTENTION_CAPACITY", 1 << 30 if request.param == "per-head" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("capacity, start, n_tokens, splits", ATTENTION_CASES.values(), ids=list(ATTENTION_CASES))
-def test_decode_attention_matches_numpy(kv_backend, monkeypatch, capacity, start, n_tokens, splits):
+def test_decode_attention_matches_numpy(kv_backend, decode_kernel, monkeypatch, capacity, start, n_tokens, splits):
     """Split-K attention of tokens at positions start.. over the cache (f16 or f32), each split an
     equal share of its token's own positions, against numpy over the values the cache holds; the
     8-bit planes the combine writes are quantize_q8's of its output."""
@@ -334,7 +343,7 @@ HEAD_LAYOUTS = {                 # (NH, NKV, D): the architectures' decode atten
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
 @pytest.mark.parametrize("position", [1, 4096, 32768, 131071])
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS.values(), ids=list(HEAD_LAYOUTS))
-def test_decode_attention_at_depth_matches_numpy(layout, position, kv_dtype):
+def test_decode_attention_at_depth_matches_numpy(decode_kernel, layout, position, kv_dtype):
     """One token at `position` over a cache of that many rows and a few more (NaN, never read),
     for every head layout the architectures use, against numpy in f64 over the values the cache
     holds; queries scaled so the softmax has a few hundred rows that count, not 128k alike."""

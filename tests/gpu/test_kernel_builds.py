@@ -24,7 +24,7 @@ PER_TYPE = ("moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
 PER_TYPE_AND_TILE = ("moe_mm_gate_up", "moe_mm_down")
 PER_FLOAT_TYPE = ("gemv", "gemv_few_rows")
 PER_INT_TYPE = ("gemv_q8", "moe_gate_up_q8", "moe_down_q8")
-PER_KV_TYPE = ("qk_norm_rope_append", "expand_kv_heads")
+PER_KV_TYPE = ("qk_norm_rope_append", "attention_partial", "expand_kv_heads")
 SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "attention_combine", "route_top_k", "silu_mul",
           "gather_rows_f16", "combine_rows", "add_gated", "to_f16",
           "causal_softmax", "layout_pairs", "split_parent_ids", "map_ids", "pack_remote",
@@ -103,7 +103,7 @@ def kernel_bodies() -> dict[str, str]:
 READ_BEFORE_WAIT = {"layers.cu:rms_norm", "gemv_q8.cu:gemv_q8_##TYPE", "gemv_q8.cu:gemv_q8_three",
                     "gemv_q8.cu:moe_down_q8_##TYPE", "gemv.cu:gemv_few_rows_##TYPE",
                     "route.cu:route_normed_##TYPE", "attention.cu:qk_norm_rope_append_##KV",
-                    "attention.cu:attention_decode_##KV##_##TILE##_##DPL"}
+                    "attention.cu:attention_partial_##KV", "attention.cu:attention_decode_##KV##_##TILE##_##DPL"}
 
 
 def test_every_kernel_first_waits_for_the_previous_grid():

@@ -63,6 +63,7 @@ DECODE_CHUNK = 64              # decode attention takes at most one split per th
 MAX_DECODE_SPLITS = 64         # ... and at most this many per row of blocks
 DECODE_LANE_DIMS = (2, 4, 8)   # a decode attention lane's dims of a row (kernels/attention.cu instantiates each)
 DECODE_HEAD_TILES = (1, 4, 8)  # query heads of a decode attention block (the same)
+GROUPED_ATTENTION_CAPACITY = 8192   # caches of more rows decode with the grouped kernel, others a block per head
 
 
 def i32(value: int) -> np.int32:
@@ -169,7 +170,7 @@ class GpuBackend:
             raise UsageError(f"KV cache type {kv_dtype!r}: the GPU backend keeps one of {', '.join(KV_DTYPES)}")
         self.kv_dtype = kv_dtype
         tile, dims = decode_attention_kernel(spec.n_heads, spec.n_kv_heads, spec.head_dim_k, spec.head_dim_v)
-        self._decode_attention = (f"attention_decode_{kv_dtype}_{tile}_{dims}", tile)
+        self._grouped_attention = (f"attention_decode_{kv_dtype}_{tile}_{dims}", tile)
         if spec.hidden > NORM_BLOCK * NORM_VALUES:
             raise UsageError(f"hidden size {spec.hidden}: the GPU backend normalises rows of at most "
                              f"{NORM_BLOCK * NORM_VALUES} values")
@@ -397,12 +398,19 @@ class GpuBackend:
         return self._split_attention(q, cache, layer, positions)
 
     def _split_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
-        """Each token's positions [0, pos] in equal shares over a fixed number of splits per
-        block of heads, the count from the capacity, so a captured step serves every position."""
+        """Each token's positions [0, pos] in equal shares over a fixed number of splits per row of
+        blocks, the count from the capacity, so a captured step serves every position. A cache of
+        more than GROUPED_ATTENTION_CAPACITY rows is read once per tile of a KV head's query heads
+        (its walk is bound by memory), a shorter one by a block per query head (its walk is bound by
+        latency: on an H200 the grouped kernel decoded the 30B-A3B shape 11% slower at 600
+        positions and 32% faster at 16k; docs/benchmarks.md)."""
         spec, cupy = self.spec, self.device.cupy
         n_tokens = q.shape[0]
-        kernel, tile = self._decode_attention
-        blocks = spec.n_kv_heads * -(-(spec.n_heads // spec.n_kv_heads) // tile)     # NKV·tiles
+        if cache.capacity > GROUPED_ATTENTION_CAPACITY:
+            kernel, tile = self._grouped_attention
+            blocks = spec.n_kv_heads * -(-(spec.n_heads // spec.n_kv_heads) // tile)    # NKV·tiles
+        else:
+            kernel, blocks = f"attention_partial_{self.kv_dtype}", spec.n_heads
         splits = attention_splits(cache.capacity, n_tokens * blocks, self.device.kernels.wave(kernel))
         acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)    # [T, NH, splits, Dv]
         max_sum = cupy.empty((n_tokens, spec.n_heads, splits, 2), cupy.float32)

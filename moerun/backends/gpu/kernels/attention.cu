@@ -6,6 +6,7 @@
 #include "staging.cuh"
 
 #define MAX_HEAD_DIM 256
+#define ATTENTION_CHUNK 256     // cache rows a split of the per-head decode attention scores at a time
 #define ATTENTION_GRANULE 32    // a split's share of the rows is a multiple of this: one pass of 256 threads
 #define L2_LINE 128             // bytes of one line prefetch_l2 fetches
 
@@ -73,7 +74,127 @@ __device__ __forceinline__ float4 load_kv4(const __half* p) {
 
 FOR_EACH_KV_TYPE(DEFINE_QK_NORM_ROPE_APPEND)
 
-// Split-K causal attention of a few tokens, first pass (flash-decoding). Grid (T, NKV·tiles,
+// A split's rows: an equal share of a token's `length`, rounded up to whole ATTENTION_GRANULE rows.
+// And the L2 prefetch of rows [begin, end) of one KV head.
+__device__ __forceinline__ int2 split_rows(int length, int split, int splits) {
+    int share = (length + splits - 1) / splits;
+    share = (share + ATTENTION_GRANULE - 1) / ATTENTION_GRANULE * ATTENTION_GRANULE;
+    int begin = split * share;
+    return make_int2(begin, min(begin + share, length));
+}
+
+template <typename KV>
+__device__ __forceinline__ void prefetch_rows(const KV* k_cache, const KV* v_cache, int kv_head, int n_kv_heads,
+                                              int head_dim, int head_dim_v, int begin, int end) {
+    const int per_line = L2_LINE / sizeof(KV);                       // elements of a line
+    int lines = (head_dim + per_line - 1) / per_line, lines_v = (head_dim_v + per_line - 1) / per_line;
+    for (int l = threadIdx.x; l < (end - begin) * (lines + lines_v); l += blockDim.x) {
+        int s = begin + l / (lines + lines_v), line = l % (lines + lines_v);
+        prefetch_l2(line < lines ? k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim + per_line * line
+                                 : v_cache + ((long long)s * n_kv_heads + kv_head) * head_dim_v
+                                           + per_line * (line - lines));
+    }
+}
+
+// Split-K causal attention of a few tokens over a short cache (backend.py: at most
+// GROUPED_ATTENTION_CAPACITY rows), first pass, a block per query head: its many small blocks
+// walk a short cache sooner than the grouped kernel below, which reads each row once for a tile
+// of heads. Grid (T, NH, splits), blockDim <= 256 (scratch holds the [strides, Dv] partial sums:
+// 4·blockDim floats; launched with 256).
+// Token t attends to cache rows [0, positions[t]]; split c takes an equal share of them,
+// rounded up to whole ATTENTION_GRANULE rows (so the last splits may get fewer, or none),
+// and walks it ATTENTION_CHUNK rows at a time with a running max and sum. Writes the
+// split's unnormalised output acc [T, NH, splits, Dv] and its (max, sum) [T, NH, splits, 2],
+// (-inf, 0) for a split with no rows. Before the wait, the split's rows the steps before wrote
+// (all but those of this step's tokens, from positions[0]) are fetched into L2.
+#define DEFINE_ATTENTION_PARTIAL(KV)                                                                           \
+    extern "C" __global__ void attention_partial_##KV(                                                         \
+            const float* __restrict__ q, const kv_##KV* __restrict__ k_cache, const kv_##KV* __restrict__ v_cache, \
+            const int* __restrict__ positions, int n_heads, int n_kv_heads, int head_dim, int head_dim_v,      \
+            float scale, float* __restrict__ acc, float* __restrict__ max_sum) {                               \
+        __shared__ float q_shared[MAX_HEAD_DIM];                                                               \
+        __shared__ float probs[ATTENTION_CHUNK];                                                               \
+        __shared__ float scratch[1024];                                                                        \
+        int t = blockIdx.x, head = blockIdx.y, split = blockIdx.z, splits = gridDim.z;                         \
+        int kv_head = head / (n_heads / n_kv_heads);                                                           \
+        long long part = ((long long)t * n_heads + head) * splits + split;                                     \
+        int2 rows = split_rows(load_from_l2(positions + t) + 1, split, splits);                                \
+        int begin = rows.x, end = rows.y;                                                                      \
+        prefetch_rows(k_cache, v_cache, kv_head, n_kv_heads, head_dim, head_dim_v, begin,                      \
+                      min(end, load_from_l2(positions)));                 /* rows before this step's */        \
+        wait_for_previous_grid();                                                                              \
+        if (begin >= end) {                                                                                    \
+            if (threadIdx.x == 0) { max_sum[2 * part] = NEG_INF; max_sum[2 * part + 1] = 0.f; }                \
+            return;                                                                                            \
+        }                                                                                                      \
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x)                                               \
+            q_shared[d] = q[((long long)t * n_heads + head) * head_dim + d];                                   \
+        __syncthreads();                                                                                       \
+        /* Scores: each group of 8 threads takes one key at a time, 4 dims per load, so a block of             \
+           256 has 32 keys' loads in flight per pass. Values: thread i takes 4 dims (column i % columns)       \
+           of every strides-th key from i / columns, kept in registers across the chunks; the strides          \
+           partial sums meet in shared memory at the end. Dv % 4 == 0, Dv / 4 <= blockDim. */                  \
+        int lane = threadIdx.x % 8, groups = blockDim.x / 8;                                                   \
+        int columns = head_dim_v / 4, strides = blockDim.x / columns, first = threadIdx.x / columns;           \
+        const kv_##KV* values = v_cache + (long long)kv_head * head_dim_v + 4 * (threadIdx.x % columns);       \
+        long long key_stride = (long long)n_kv_heads * head_dim_v;                                             \
+        float best = NEG_INF, total = 0.f;                                                                     \
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);                                                          \
+        for (int from = begin; from < end; from += ATTENTION_CHUNK) {                                          \
+            int to = min(from + ATTENTION_CHUNK, end);                                                         \
+            /* Every thread runs every pass (the shuffles need the whole warp); groups past the end add nothing. */ \
+            float local_max = NEG_INF;                                                                         \
+            for (int pass = from; pass < to; pass += groups) {                                                 \
+                int s = pass + threadIdx.x / 8;                                                                \
+                float dot = 0.f;                                                                               \
+                if (s < to) {                                                                                  \
+                    const kv_##KV* key = k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim;           \
+                    for (int d = 4 * lane; d < head_dim; d += 32) {                                            \
+                        float4 kv = load_kv4(key + d);                                                         \
+                        dot += q_shared[d] * kv.x + q_shared[d + 1] * kv.y + q_shared[d + 2] * kv.z            \
+                               + q_shared[d + 3] * kv.w;                                                       \
+                    }                                                                                          \
+                }                                                                                              \
+                dot = group_sum(dot, 8) * scale;                                                               \
+                if (s < to) {                                                                                  \
+                    if (lane == 0) probs[s - from] = dot;                                                      \
+                    local_max = fmaxf(local_max, dot);                                                         \
+                }                                                                                              \
+            }                                                                                                  \
+            /* The running max over the chunks so far; what was summed under the old one is rescaled           \
+               (by e^(-inf) = 0 on the first chunk). */                                                        \
+            float chunk_best = fmaxf(best, block_max(local_max, scratch));                                     \
+            float rescale = expf(best - chunk_best);                                                           \
+            best = chunk_best;                                                                                 \
+            float local_sum = 0.f;                                                                             \
+            for (int s = from + threadIdx.x; s < to; s += blockDim.x) {                                        \
+                float p = expf(probs[s - from] - best);                                                        \
+                probs[s - from] = p;                                                                           \
+                local_sum += p;                                                                                \
+            }                                                                                                  \
+            total = total * rescale + block_sum(local_sum, scratch);                                           \
+            sum.x *= rescale; sum.y *= rescale; sum.z *= rescale; sum.w *= rescale;                            \
+            if (first < strides)                                                                               \
+                for (int s = from + first; s < to; s += strides) {                                             \
+                    float p = probs[s - from];                                                                 \
+                    float4 v = load_kv4(values + s * key_stride);                                              \
+                    sum.x += p * v.x; sum.y += p * v.y; sum.z += p * v.z; sum.w += p * v.w;                    \
+                }                                                                                              \
+            __syncthreads();                                             /* probs is rewritten by the next chunk */ \
+        }                                                                                                      \
+        if (first < strides) reinterpret_cast<float4*>(scratch)[threadIdx.x] = sum;   /* [strides, Dv] */      \
+        __syncthreads();                                                                                       \
+        for (int d = threadIdx.x; d < head_dim_v; d += blockDim.x) {                                           \
+            float value = 0.f;                                                                                 \
+            for (int r = 0; r < strides; r++) value += scratch[r * head_dim_v + d];                            \
+            acc[part * head_dim_v + d] = value;                                                                \
+        }                                                                                                      \
+        if (threadIdx.x == 0) { max_sum[2 * part] = best; max_sum[2 * part + 1] = total; }                     \
+    }
+
+FOR_EACH_KV_TYPE(DEFINE_ATTENTION_PARTIAL)
+
+// Split-K causal attention of a few tokens over a long cache, first pass (flash-decoding). Grid (T, NKV·tiles,
 // splits), blockDim ATTENTION_THREADS: a block takes one token, TILE query heads of one KV
 // head's group (GQA: the group's NH/NKV heads in `tiles` tiles, the last one short) and one
 // split of the token's cache rows [0, positions[t]], an equal share of them rounded up to whole
@@ -107,26 +228,6 @@ template <int N> __device__ __forceinline__ float lane_sums(float (&values)[N], 
     float sum = values[0];
     for (; offset >= 1; offset /= 2) sum += SHFL_XOR(sum, offset, 32);
     return sum;
-}
-
-__device__ __forceinline__ int2 split_rows(int length, int split, int splits) {
-    int share = (length + splits - 1) / splits;
-    share = (share + ATTENTION_GRANULE - 1) / ATTENTION_GRANULE * ATTENTION_GRANULE;
-    int begin = split * share;
-    return make_int2(begin, min(begin + share, length));
-}
-
-template <typename KV>
-__device__ __forceinline__ void prefetch_rows(const KV* k_cache, const KV* v_cache, int kv_head, int n_kv_heads,
-                                              int head_dim, int head_dim_v, int begin, int end) {
-    const int per_line = L2_LINE / sizeof(KV);                       // elements of a line
-    int lines = (head_dim + per_line - 1) / per_line, lines_v = (head_dim_v + per_line - 1) / per_line;
-    for (int l = threadIdx.x; l < (end - begin) * (lines + lines_v); l += blockDim.x) {
-        int s = begin + l / (lines + lines_v), line = l % (lines + lines_v);
-        prefetch_l2(line < lines ? k_cache + ((long long)s * n_kv_heads + kv_head) * head_dim + per_line * line
-                                 : v_cache + ((long long)s * n_kv_heads + kv_head) * head_dim_v
-                                           + per_line * (line - lines));
-    }
 }
 
 // N (2, 4 or 8) consecutive cache elements, aligned to N of them, as floats; zeros where `live` is false.

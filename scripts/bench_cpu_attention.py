@@ -1,7 +1,9 @@
-"""Decode attention on the CPU kernels at long positions: one token's 32 query heads over 4 kv
-heads of 128 (the Qwen3-30B-A3B shape), the median of repeated calls, against numpy.
+"""Attention on the CPU kernels at long positions: the last of T tokens (one for decode, a
+prefill chunk's 512) with 32 query heads over 4 kv heads of 128 (the Qwen3-30B-A3B shape) sees
+each number of positions; the median of repeated calls, the last token against numpy.
 
     python scripts/bench_cpu_attention.py --threads 1,2 --positions 1,100,512,4096
+    python scripts/bench_cpu_attention.py --threads 2 --tokens 512 --positions 4608,16896 --calls 3
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2", help="thread counts [default: 1,2]")
     parser.add_argument("--positions", default="1,100,512,4096", help="positions seen [default: 1,100,512,4096]")
+    parser.add_argument("--tokens", type=int, default=1, help="tokens of each call (T) [default: 1]")
     parser.add_argument("--calls", type=int, default=50, help="timed calls each [default: 50]")
     args = parser.parse_args()
     kernels = load_kernels()
@@ -39,17 +42,20 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"instruction set: {kernels.isa}; {HEADS}/{KV_HEADS} heads of {DIM}")
     print(f"{'threads':>7} {'positions':>9} {'ms':>8} {'GMAC/s/thr':>10} {'rel err':>8}")
+    n_tokens = args.tokens
     for seen in (int(s) for s in args.positions.split(",")):
+        start = seen - n_tokens
         keys, values = (rng.standard_normal((seen, KV_HEADS, DIM)).astype(np.float32) for _ in range(2))
-        q = rng.standard_normal((1, HEADS, DIM)).astype(np.float32)
-        want = reference(q[0], keys, values, shape.scale)
+        q = rng.standard_normal((n_tokens, HEADS, DIM)).astype(np.float32)
+        want = reference(q[-1], keys, values, shape.scale)
         for threads in (int(t) for t in args.threads.split(",")):
-            got = kernels.attention(shape, q, seen - 1, keys, values, threads).reshape(HEADS, DIM)
+            got = kernels.attention(shape, q, start, keys, values, threads).reshape(n_tokens, HEADS, DIM)[-1]
             error = np.abs(got - want).max() / np.abs(want).max()
-            times = call_seconds(lambda: kernels.attention(shape, q, seen - 1, keys, values, threads),
+            times = call_seconds(lambda: kernels.attention(shape, q, start, keys, values, threads),
                                  runs=args.calls, warmup=0)
             seconds = float(np.median(times))
-            rate = HEADS * seen * 2 * DIM / seconds / 1e9 / threads
+            macs = HEADS * 2 * DIM * (n_tokens * start + n_tokens * (n_tokens + 1) // 2)   # causal
+            rate = macs / seconds / 1e9 / threads
             print(f"{threads:7d} {seen:9d} {seconds * 1e3:8.3f} {rate:10.2f} {error:8.1e}", flush=True)
 
 

@@ -79,11 +79,12 @@ def test_rope_append_and_attention(kernels, monkeypatch, heads, rope_style, qk_n
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-@pytest.mark.parametrize("n_tokens", [1, 3, 15])
+@pytest.mark.parametrize("n_tokens", [1, 3, 15, 40])
 def test_attention_of_a_few_tokens_at_long_positions(kernels, monkeypatch, threads, n_tokens):
     """A few tokens after 1500 positions, one kv head: with several threads each token's positions
     are split in equal shares (4 threads, one token: 5 of 301 positions; three tokens: 3 shares
-    each), whose parts are merged; one thread takes them whole."""
+    each), whose parts are merged; one thread takes them whole. 40 tokens go as a prefill chunk,
+    by blocks over the cache packed in pieces of 512 rows."""
     spec = dataclasses.replace(small_spec(), n_heads=8, n_kv_heads=1, head_dim_k=64, head_dim_v=48, n_layers=1)
     rng = np.random.default_rng(n_tokens)
     backends = [NumpyBackend(spec, threads), reference_backend(spec, monkeypatch)]

@@ -13,13 +13,19 @@
 #define ATTENTION_BLOCK 16      // tokens of a prefill attention task
 #define BLOCK_TOKENS_LEAST 16   // chunks of at least this many tokens go by blocks
 
+#define PACK_ROWS 512           // cache rows a task of the prefill's packing copies
+
 // Floats of one thread's scratch for blocks over `seen` positions, in whole cache lines: ids
-// [R] (int64, first), keys [S, D], values [Dv, S], scores [R, S], outs [R, Dv] for
-// R = ATTENTION_BLOCK · G.
+// [R] (int64, first), scores [R, S], outs [R, Dv] for R = ATTENTION_BLOCK · G.
 static int64_t block_scratch(const struct moe_attention* shape, int64_t seen) {
     int64_t rows = ATTENTION_BLOCK * shape->n_heads / shape->n_kv_heads;
-    int64_t floats = 2 * rows + seen * (shape->head_dim_k + shape->head_dim_v + rows) + rows * shape->head_dim_v;
-    return (floats + 15) / 16 * 16;
+    return (2 * rows + seen * rows + rows * shape->head_dim_v + 15) / 16 * 16;
+}
+
+// Floats of a prefill chunk's packed cache, shared by its tasks: keys [NKV, S, D], values
+// transposed [NKV, Dv, S].
+static int64_t packed_floats(const struct moe_attention* shape, int64_t seen) {
+    return shape->n_kv_heads * seen * (shape->head_dim_k + shape->head_dim_v);
 }
 
 #define SPLIT_POSITIONS 256     // fewest positions a split of a few tokens' attention takes
@@ -49,6 +55,7 @@ struct attention_job {
     float* scores;              // each thread's scratch: few_scratch or block_scratch floats
     int64_t splits, width;      // per token and kv head (a few tokens), and the most positions of one
     float* parts;               // with splits: per task [G, 2] (max, sum), then [G, Dv] (Σ e^(s - max) · v)
+    float* packed;              // a prefill chunk's: packed_floats, the cache's rows [0, start + T)
 };
 
 // One token's G = NH/NKV query heads that read kv head `kv`, over positions [from, to): each key
@@ -155,45 +162,60 @@ static void merge_splits(const struct attention_job* job) {
         }
 }
 
+// A prefill chunk's cache rows [0, S) packed once for all its block tasks: task kv · pieces + c
+// copies rows [c · PACK_ROWS, ..) of kv head kv's keys into [S, D] and its values transposed
+// into [Dv, S] (LANES rows at a time, which stay in L1).
+VECTORIZED static void pack_task(void* context, int64_t task, int64_t next, int thread) {
+    (void)next, (void)thread;
+    const struct attention_job* job = context;
+    const struct moe_attention* shape = job->shape;
+    int64_t nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
+    int64_t seen = job->start + job->n_tokens, pieces = (seen + PACK_ROWS - 1) / PACK_ROWS;
+    int64_t kv = task / pieces, from = task % pieces * PACK_ROWS, to = from + PACK_ROWS < seen ? from + PACK_ROWS : seen;
+    float* keys = job->packed + kv * seen * dim;                                  // [S, D]
+    float* values = job->packed + nkv * seen * dim + kv * dim_v * seen;           // [Dv, S]
+    for (int64_t s = from; s < to; s++)
+        memcpy(keys + s * dim, job->keys + (s * nkv + kv) * dim, (size_t)dim * sizeof(float));
+    for (int64_t first = from; first < to; first += LANES)
+        for (int64_t i = 0; i < dim_v; i++)
+            for (int64_t s = first; s < first + LANES && s < to; s++)
+                values[i * seen + s] = job->values[(s * nkv + kv) * dim_v + i];
+}
+
 // A prefill chunk: ATTENTION_BLOCK tokens' query heads of one kv head a task, q·kᵀ and p·v as
-// products of float32 panels (the instruction set's `multiply`, as moe_matmul's): the keys the
-// block sees copied [n, D], the values transposed [Dv, n], so that the queries and then the
-// probabilities are the products' tokens. A token's scores past its position are computed
-// (within its block) and weigh nothing. Rows are the block's (token t, query head g), t·G + g.
-// Tasks take the last blocks first: they see the most positions.
+// products of float32 panels (the instruction set's `multiply`, as moe_matmul's) over the packed
+// cache (pack_task), so that the queries and then the probabilities are the products' tokens:
+// q·kᵀ over the n keys the block sees, p·v over all S rows of the transposed values (a row's
+// probabilities past its token's position are 0). Rows are the block's (token t, query head g),
+// t·G + g. Tasks take the last blocks first: they see the most positions.
 VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t next, int thread) {
     (void)next;
     const struct attention_job* job = context;
     const struct moe_attention* shape = job->shape;
     int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
     int64_t group = nh / nkv, kv = task % nkv, blocks = (job->n_tokens + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK;
-    int64_t first = (blocks - 1 - task / nkv) * ATTENTION_BLOCK;
+    int64_t first = (blocks - 1 - task / nkv) * ATTENTION_BLOCK, seen = job->start + job->n_tokens;
     int64_t tokens = job->n_tokens - first < ATTENTION_BLOCK ? job->n_tokens - first : ATTENTION_BLOCK;
     int64_t rows = tokens * group, n = job->start + first + tokens;          // the block's last token's positions
-    int64_t* ids = (int64_t*)(job->scores + thread * block_scratch(shape, job->start + job->n_tokens));
-    float* keys = (float*)(ids + rows);                                      // [n, D]; ids [R]: q rows, then 0..R-1
-    float* values = keys + n * dim;                                          // [Dv, n]
-    float* scores = values + dim_v * n;                                      // [R, n]
-    float* outs = scores + rows * n;                                         // [R, Dv]
-    for (int64_t s = 0; s < n; s++)
-        memcpy(keys + s * dim, job->keys + (s * nkv + kv) * dim, (size_t)dim * sizeof(float));
-    for (int64_t from = 0; from < n; from += LANES)                          // LANES rows at a time stay in L1
-        for (int64_t i = 0; i < dim_v; i++)
-            for (int64_t s = from; s < from + LANES && s < n; s++)
-                values[i * n + s] = job->values[(s * nkv + kv) * dim_v + i];
+    const float* keys = job->packed + kv * seen * dim;                       // [S, D]
+    const float* values = job->packed + nkv * seen * dim + kv * dim_v * seen;  // [Dv, S]
+    int64_t* ids = (int64_t*)(job->scores + thread * block_scratch(shape, seen));   // [R]: q rows, then 0..R-1
+    float* scores = (float*)(ids + rows);                                    // [R, S]
+    float* outs = scores + rows * seen;                                      // [R, Dv]
     for (int64_t r = 0; r < rows; r++) ids[r] = (first + r / group) * nh + kv * group + r % group;
     const struct isa_kernels* isa = current_isa();
-    struct panel products = {.w = keys, .rows = n, .x = job->q, .n = dim, .chunk = dim, .out = scores, .stride = n};
+    struct panel products = {.w = keys, .rows = n, .x = job->q, .n = dim, .chunk = dim, .out = scores,
+                             .stride = seen};
     isa->multiply(&products, ids, rows);
     for (int64_t r = 0; r < rows; r++) {
-        float* p = scores + r * n;
-        int64_t seen = job->start + first + r / group + 1;                   // this row's token's positions
-        float top, total = exponentiate(p, seen, shape->scale, &top);
-        for (int64_t s = 0; s < seen; s++) p[s] /= total;
-        for (int64_t s = seen; s < n; s++) p[s] = 0.f;
+        float* p = scores + r * seen;
+        int64_t mine = job->start + first + r / group + 1;                   // this row's token's positions
+        float top, total = exponentiate(p, mine, shape->scale, &top);
+        for (int64_t s = 0; s < mine; s++) p[s] /= total;
+        for (int64_t s = mine; s < seen; s++) p[s] = 0.f;
         ids[r] = r;
     }
-    products = (struct panel){.w = values, .rows = dim_v, .x = scores, .n = n, .chunk = n, .out = outs,
+    products = (struct panel){.w = values, .rows = dim_v, .x = scores, .n = seen, .chunk = seen, .out = outs,
                               .stride = dim_v};
     isa->multiply(&products, ids, rows);
     for (int64_t r = 0; r < rows; r++)
@@ -221,8 +243,9 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     int64_t pairs = n_tokens * shape->n_kv_heads, splits = blocks ? 1 : attention_splits(pairs, seen, threads);
     int64_t width = (seen + splits - 1) / splits;
     int64_t parts = splits > 1 ? pairs * splits * group * (shape->head_dim_v + 2) : 0;     // floats
+    int64_t packed = blocks ? packed_floats(shape, seen) : 0;
     int64_t per_thread = blocks ? block_scratch(shape, seen) : few_scratch(shape, width);
-    size_t wanted = ((size_t)threads * per_thread + parts) * sizeof(float);
+    size_t wanted = ((size_t)threads * per_thread + parts + packed) * sizeof(float);
     lock_kernels();
     if (wanted > scores_size) {
         free(scores);
@@ -232,8 +255,9 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     int status = scores ? MOE_OK : MOE_NO_MEMORY;
     if (scores) {
         struct attention_job job = {shape, q, n_tokens, start, keys, values, out, scores, splits, width,
-                                    scores + threads * per_thread};
+                                    scores + threads * per_thread, scores + threads * per_thread + parts};
         if (blocks) {
+            pool_run(threads, shape->n_kv_heads * ((seen + PACK_ROWS - 1) / PACK_ROWS), pack_task, &job);
             pool_run(threads, (n_tokens + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK * shape->n_kv_heads, attend_block_task,
                      &job);
         } else {

@@ -58,13 +58,51 @@ struct attention_job {
     float* packed;              // a prefill chunk's: packed_floats, the cache's rows [0, start + T)
 };
 
+#define PV_HEADS 4      // query heads whose outputs one pass of a few tokens' p·v keeps in registers ...
+#define PV_VECTORS 4    // ... PV_VECTORS · LANES dims of each
+#define PV_ROWS 32      // value rows the passes take at a time (they stay in L1)
+
+// out [G, Dv] = Σ_s probs[g, s] · values[s] over n rows `stride` floats apart, PV_ROWS rows at a
+// time: each pass over them holds PV_HEADS heads' PV_VECTORS·LANES dims in registers and reads
+// each row's dims once for them (the dims and heads left over go one at a time).
+INLINE void weigh_values(const float* probs, int64_t n, const float* values, int64_t stride, int64_t group,
+                         int64_t dim_v, float* out) {
+    const int64_t width = PV_VECTORS * LANES;
+    memset(out, 0, (size_t)(group * dim_v) * sizeof(float));
+    for (int64_t first = 0; first < n; first += PV_ROWS) {
+        int64_t last = first + PV_ROWS < n ? first + PV_ROWS : n;
+        for (int64_t g0 = 0; g0 < group; g0 += PV_HEADS)
+            for (int64_t d0 = 0; d0 < dim_v; d0 += width) {
+                if (g0 + PV_HEADS <= group && d0 + width <= dim_v) {
+                    vf acc[PV_HEADS][PV_VECTORS];
+                    for (int h = 0; h < PV_HEADS; h++) memcpy(acc[h], out + (g0 + h) * dim_v + d0, sizeof acc[h]);
+                    for (int64_t s = first; s < last; s++) {
+                        vf x[PV_VECTORS];
+                        for (int k = 0; k < PV_VECTORS; k++) load(&x[k], values + s * stride + d0 + k * LANES);
+                        for (int h = 0; h < PV_HEADS; h++) {
+                            vf weight = (vf){0} + probs[(g0 + h) * n + s];
+                            for (int k = 0; k < PV_VECTORS; k++) acc[h][k] += weight * x[k];
+                        }
+                    }
+                    for (int h = 0; h < PV_HEADS; h++) memcpy(out + (g0 + h) * dim_v + d0, acc[h], sizeof acc[h]);
+                    continue;
+                }
+                int64_t heads = group - g0 < PV_HEADS ? group - g0 : PV_HEADS;
+                int64_t to = d0 + width < dim_v ? d0 + width : dim_v;
+                for (int64_t h = g0; h < g0 + heads; h++)
+                    for (int64_t s = first; s < last; s++)
+                        for (int64_t i = d0; i < to; i++) out[h * dim_v + i] += probs[h * n + s] * values[s * stride + i];
+            }
+    }
+}
+
 // One token's G = NH/NKV query heads that read kv head `kv`, over positions [from, to): each key
 // and value row is read once for all of them. With `part` NULL (the token's whole range) the
 // softmax's output goes into out [G, Dv]; else each head's largest score and sum of e^(score -
 // largest) into part [G, 2], and the sums of e^(score - largest) · v into out. `scratch` is this
 // thread's few_scratch. q·kᵀ is the instruction set's float32 `multiply` over the keys copied
 // KEY_CHUNK at a time into a panel [KEY_CHUNK, D], the query heads its tokens (as a prefill
-// block's); p·v adds 4 value rows at a time into each head's output.
+// block's); p·v by weigh_values.
 INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv, int64_t from, int64_t to,
                          float* scratch, float* out, float* part) {
     const struct moe_attention* shape = job->shape;
@@ -96,20 +134,7 @@ INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv,
             for (int64_t s = 0; s < n; s++) p[s] /= total;
         }
     }
-    memset(out, 0, (size_t)(group * dim_v) * sizeof(float));
-    int64_t s = 0;
-    for (; s + 4 <= n; s += 4) {
-        const float* v0 = values + s * nkv * dim_v;
-        const float *v1 = v0 + nkv * dim_v, *v2 = v1 + nkv * dim_v, *v3 = v2 + nkv * dim_v;
-        for (int64_t g = 0; g < group; g++) {
-            const float* p = probs + g * n + s;
-            float* o = out + g * dim_v;
-            for (int64_t i = 0; i < dim_v; i++) o[i] += p[0] * v0[i] + p[1] * v1[i] + p[2] * v2[i] + p[3] * v3[i];
-        }
-    }
-    for (; s < n; s++)
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t i = 0; i < dim_v; i++) out[g * dim_v + i] += probs[g * n + s] * values[s * nkv * dim_v + i];
+    weigh_values(probs, n, values, nkv * dim_v, group, dim_v, out);
 }
 
 // Task (t · NKV + kv) · splits + c: token t's query heads over kv head kv, the c-th equal share

@@ -134,7 +134,12 @@ def main() -> None:
     python = llama_python(Path(args.venv), args.llama_version)
     llama_command = [python, __file__, "--llama-side", "-m", args.model, "--threads", str(args.threads),
                      "-p", str(args.prompt), "-n", str(args.gen), "-d", str(args.depth), "-r", str(args.repetitions)]
-    llama_seconds = json.loads(subprocess.run(llama_command, capture_output=True, text=True, check=True).stdout)
+    llama = subprocess.run(llama_command, capture_output=True, text=True)
+    if llama.returncode:
+        how = f"signal {-llama.returncode}" if llama.returncode < 0 else f"status {llama.returncode}"
+        raise SystemExit(f"Error: llama-cpp-python's side ended with {how} ({python}); its last output:\n"
+                         + "\n".join(llama.stderr.splitlines()[-5:]))
+    llama_seconds = json.loads(llama.stdout)
     moerun_rates = moerun_side(args)
 
     depth = f", after {args.depth} tokens of context" if args.depth else ""

@@ -170,7 +170,10 @@ class GpuBackend:
             raise UsageError(f"KV cache type {kv_dtype!r}: the GPU backend keeps one of {', '.join(KV_DTYPES)}")
         self.kv_dtype = kv_dtype
         tile, dims = decode_attention_kernel(spec.n_heads, spec.n_kv_heads, spec.head_dim_k, spec.head_dim_v)
-        self._grouped_attention = (f"attention_decode_{kv_dtype}_{tile}_{dims}", tile)
+        tiles = -(-(spec.n_heads // spec.n_kv_heads) // tile)
+        # decode attention's kernels and their rows of blocks: a tile of a KV head's heads, or a head
+        self._grouped_attention = (f"attention_decode_{kv_dtype}_{tile}_{dims}", spec.n_kv_heads * tiles)
+        self._per_head_attention = (f"attention_partial_{kv_dtype}", spec.n_heads)
         if spec.hidden > NORM_BLOCK * NORM_VALUES:
             raise UsageError(f"hidden size {spec.hidden}: the GPU backend normalises rows of at most "
                              f"{NORM_BLOCK * NORM_VALUES} values")
@@ -406,11 +409,8 @@ class GpuBackend:
         positions and 32% faster at 16k; docs/benchmarks.md)."""
         spec, cupy = self.spec, self.device.cupy
         n_tokens = q.shape[0]
-        if cache.capacity > GROUPED_ATTENTION_CAPACITY:
-            kernel, tile = self._grouped_attention
-            blocks = spec.n_kv_heads * -(-(spec.n_heads // spec.n_kv_heads) // tile)    # NKV·tiles
-        else:
-            kernel, blocks = f"attention_partial_{self.kv_dtype}", spec.n_heads
+        grouped = cache.capacity > GROUPED_ATTENTION_CAPACITY
+        kernel, blocks = self._grouped_attention if grouped else self._per_head_attention
         splits = attention_splits(cache.capacity, n_tokens * blocks, self.device.kernels.wave(kernel))
         acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)    # [T, NH, splits, Dv]
         max_sum = cupy.empty((n_tokens, spec.n_heads, splits, 2), cupy.float32)

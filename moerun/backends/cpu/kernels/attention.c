@@ -187,6 +187,17 @@ static void merge_splits(const struct attention_job* job) {
         }
 }
 
+// Pack tasks a kv head's rows [0, seen) take.
+static int64_t pack_pieces(int64_t seen) { return (seen + PACK_ROWS - 1) / PACK_ROWS; }
+
+// Kv head kv's packed keys [S, D] and values [Dv, S] for a chunk whose rows reach `seen`.
+INLINE float* packed_keys(const struct attention_job* job, int64_t kv, int64_t seen) {
+    return job->packed + kv * seen * job->shape->head_dim_k;
+}
+INLINE float* packed_values(const struct attention_job* job, int64_t kv, int64_t seen) {
+    return job->packed + (job->shape->n_kv_heads * job->shape->head_dim_k + kv * job->shape->head_dim_v) * seen;
+}
+
 // A prefill chunk's cache rows [0, S) packed once for all its block tasks: task kv · pieces + c
 // copies rows [c · PACK_ROWS, ..) of kv head kv's keys into [S, D] and its values transposed
 // into [Dv, S] (LANES rows at a time, which stay in L1).
@@ -195,10 +206,10 @@ VECTORIZED static void pack_task(void* context, int64_t task, int64_t next, int 
     const struct attention_job* job = context;
     const struct moe_attention* shape = job->shape;
     int64_t nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
-    int64_t seen = job->start + job->n_tokens, pieces = (seen + PACK_ROWS - 1) / PACK_ROWS;
+    int64_t seen = job->start + job->n_tokens, pieces = pack_pieces(seen);
     int64_t kv = task / pieces, from = task % pieces * PACK_ROWS, to = from + PACK_ROWS < seen ? from + PACK_ROWS : seen;
-    float* keys = job->packed + kv * seen * dim;                                  // [S, D]
-    float* values = job->packed + nkv * seen * dim + kv * dim_v * seen;           // [Dv, S]
+    float* keys = packed_keys(job, kv, seen);
+    float* values = packed_values(job, kv, seen);
     for (int64_t s = from; s < to; s++)
         memcpy(keys + s * dim, job->keys + (s * nkv + kv) * dim, (size_t)dim * sizeof(float));
     for (int64_t first = from; first < to; first += LANES)
@@ -222,8 +233,8 @@ VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t ne
     int64_t first = (blocks - 1 - task / nkv) * ATTENTION_BLOCK, seen = job->start + job->n_tokens;
     int64_t tokens = job->n_tokens - first < ATTENTION_BLOCK ? job->n_tokens - first : ATTENTION_BLOCK;
     int64_t rows = tokens * group, n = job->start + first + tokens;          // the block's last token's positions
-    const float* keys = job->packed + kv * seen * dim;                       // [S, D]
-    const float* values = job->packed + nkv * seen * dim + kv * dim_v * seen;  // [Dv, S]
+    const float* keys = packed_keys(job, kv, seen);                          // [S, D]
+    const float* values = packed_values(job, kv, seen);                      // [Dv, S]
     int64_t* ids = (int64_t*)(job->scores + thread * block_scratch(shape, seen));   // [R]: q rows, then 0..R-1
     float* scores = (float*)(ids + rows);                                    // [R, S]
     float* outs = scores + rows * seen;                                      // [R, Dv]
@@ -282,7 +293,7 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
         struct attention_job job = {shape, q, n_tokens, start, keys, values, out, scores, splits, width,
                                     scores + threads * per_thread, scores + threads * per_thread + parts};
         if (blocks) {
-            pool_run(threads, shape->n_kv_heads * ((seen + PACK_ROWS - 1) / PACK_ROWS), pack_task, &job);
+            pool_run(threads, shape->n_kv_heads * pack_pieces(seen), pack_task, &job);
             pool_run(threads, (n_tokens + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK * shape->n_kv_heads, attend_block_task,
                      &job);
         } else {

@@ -405,8 +405,7 @@ class GpuBackend:
         blocks, the count from the capacity, so a captured step serves every position. A cache of
         more than GROUPED_ATTENTION_CAPACITY rows is read once per tile of a KV head's query heads
         (its walk is bound by memory), a shorter one by a block per query head (its walk is bound by
-        latency: on an H200 the grouped kernel decoded the 30B-A3B shape 11% slower at 600
-        positions and 32% faster at 16k; docs/benchmarks.md)."""
+        latency; docs/benchmarks.md has the measurements)."""
         spec, cupy = self.spec, self.device.cupy
         n_tokens = q.shape[0]
         grouped = cache.capacity > GROUPED_ATTENTION_CAPACITY

@@ -1,11 +1,12 @@
 """The decode expert kernels alone (gate/up with SwiGLU, then down with the weighted sum), timed
 with caches cold: random weights for 12 layers of experts, a different layer and random experts
 each call, so that every call reads its weights from memory as a decode step does (the weights
-of one layer would stay in L2 between calls). Each kernel tree given is compiled and timed in
-turn, twice, so that two trees compare in one run on one GPU.
+of one layer would stay in L2 between calls). Each kernel tree given (with the kernels' names
+and arguments of this checkout) is compiled and timed in turn, twice, so that two trees compare
+in one run on one GPU.
 
     python scripts/bench_expert_gemv.py                              # this checkout's kernels
-    python scripts/bench_expert_gemv.py --kernels /tmp/old/moerun/backends/kernels --kernels moerun/backends/kernels
+    python scripts/bench_expert_gemv.py --hidden 4096 --ffn 14336 --experts 8 --top-k 2   # Mixtral's shape
 
 Prints µs per call (CUDA graphs of 96 calls, replayed) and the weight bytes read per µs.
 Shape legend: H hidden, F expert FFN width, E experts, K experts per token, P pairs = K at one token.
@@ -18,13 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from moerun.backends.gpu.constants import UNIT, defines
-from moerun.backends.gpu.experts import DOWN_WARPS, GATE_UP_BLOCK
-from moerun.backends.gpu.library import (
-    KERNEL_DIR,
-    UNITS_PER_LANE,
-    row_group,
-    stage_stride,
-)
+from moerun.backends.gpu.experts import DOWN_WARPS, GATE_UP_GROUP, decode_down_rows, decode_gate_up_rows
+from moerun.backends.gpu.library import KERNEL_DIR, stage_stride
 
 CALLS = 96
 LAYERS = 12
@@ -83,21 +79,24 @@ def main() -> None:
         gate_up_expert, down_expert = gate_up_row * ffn, down_row * hidden
         layers = [[cupy.random.randint(0, 255, n_experts * size, dtype=cupy.uint8)
                    for size in (gate_up_expert, gate_up_expert, down_expert)] for _ in range(LAYERS)]
-        group = row_group(ffn // UNIT, UNITS_PER_LANE)
+        gate_up_rows, (group, down_rows) = decode_gate_up_rows(hidden), decode_down_rows(ffn // UNIT)
         warps = min(top_k, DOWN_WARPS)
-        stride = stage_stride(32 // group * down_row, warps)
+        stride = stage_stride(32 // group * down_rows * down_row, warps)
 
         def gate_up(module, i):
             gate, up, _ = layers[i % LAYERS]
-            module.get_function(f"moe_gate_up_q8_{kind}")((ffn // UNIT, top_k), (GATE_UP_BLOCK,), (
-                gate, up, np.int64(gate_up_expert), np.int64(gate_up_row), xq, xds, np.int32(hidden), ids[i],
-                np.int32(top_k), aq, ads, np.int32(ffn)))
+            module.get_function(f"moe_gate_up_q8_{kind}_r{gate_up_rows}")(
+                (ffn // UNIT, top_k), (UNIT * GATE_UP_GROUP // gate_up_rows,),
+                (gate, up, np.int64(gate_up_expert), np.int64(gate_up_row), xq, xds, np.int32(hidden), ids[i],
+                 np.int32(top_k), aq, ads, np.int32(ffn), np.int32(GATE_UP_GROUP)))
 
         def down(module, i):
             _, _, stack = layers[i % LAYERS]
-            module.get_function(f"moe_down_q8_{kind}")((-(-hidden * group // 32), 1), (32 * warps,), (
-                stack, np.int64(down_expert), np.int64(down_row), aq, ads, np.int32(ffn), ids[i], weights,
-                np.int32(top_k), out, np.int32(hidden), np.int32(stride), np.int32(group)), shared_mem=stride * warps)
+            module.get_function(f"moe_down_q8_{kind}_r{down_rows}")(
+                (-(-hidden * group // (32 * down_rows)), 1), (32 * warps,),
+                (stack, np.int64(down_expert), np.int64(down_row), aq, ads, np.int32(ffn), ids[i], weights,
+                 np.int32(top_k), out, np.uint64(0), np.int32(hidden), np.int32(stride), np.int32(group)),
+                shared_mem=stride * warps)
 
         for _ in range(2):
             for tree, module in zip(trees, modules):

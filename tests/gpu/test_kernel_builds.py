@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.tools, pytest.mark.slow]   # a compile takes ~15 s
 PER_TYPE = ("moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
 PER_TYPE_AND_TILE = ("moe_mm_gate_up", "moe_mm_down")
 PER_FLOAT_TYPE = ("gemv", "gemv_few_rows")
-PER_INT_TYPE = ("gemv_q8", "moe_gate_up_q8", "moe_down_q8")
+PER_INT_TYPE = ("gemv_q8",)
+PER_INT_TYPE_AND_ROWS = {"moe_gate_up_q8": (1, 2), "moe_down_q8": (1, 2, 4)}   # rows a group (experts.py)
 PER_KV_TYPE = ("qk_norm_rope_append", "attention_partial", "expand_kv_heads")
 SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "attention_combine", "route_top_k", "silu_mul",
           "gather_rows_f16", "combine_rows", "add_gated", "to_f16",
@@ -61,6 +62,8 @@ def assert_defines_every_kernel(binary: bytes) -> None:
                 for rows in TILE_SHAPES]
              + [f"{family}_{kind}" for family in PER_FLOAT_TYPE for kind in float_kinds]
              + [f"{family}_{kind}" for family in PER_INT_TYPE for kind in INT_KINDS]
+             + [f"{family}_{kind}_r{rows}" for family, all_rows in PER_INT_TYPE_AND_ROWS.items() for kind in INT_KINDS
+                for rows in all_rows]
              + [f"{family}_{kind}" for family in PER_KV_TYPE for kind in KV_DTYPES] + list(SHARED)
              + [f"attention_decode_{kind}_{tile}_{dims}" for kind in KV_DTYPES for tile in DECODE_HEAD_TILES
                 for dims in DECODE_LANE_DIMS if (tile, dims) != (8, 8)])
@@ -101,7 +104,7 @@ def kernel_bodies() -> dict[str, str]:
 # ids too, written two launches before; rope and attention the step's positions, written before
 # its first kernel, and attention fetches earlier steps' cache rows into L2).
 READ_BEFORE_WAIT = {"layers.cu:rms_norm", "gemv_q8.cu:gemv_q8_##TYPE", "gemv_q8.cu:gemv_q8_three",
-                    "gemv_q8.cu:moe_down_q8_##TYPE", "gemv.cu:gemv_few_rows_##TYPE",
+                    "gemv_q8.cu:moe_down_q8_##TYPE##_r##R", "gemv.cu:gemv_few_rows_##TYPE",
                     "route.cu:route_normed_##TYPE", "attention.cu:qk_norm_rope_append_##KV",
                     "attention.cu:attention_partial_##KV", "attention.cu:attention_decode_##KV##_##TILE##_##DPL"}
 

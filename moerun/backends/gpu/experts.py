@@ -33,8 +33,9 @@ from moerun.backends.gpu.weights import DeviceMatrix, Uploader
 from moerun.errors import UsageError
 from moerun.models.spec import ModelSpec
 
-GATE_UP_BLOCK = 512           # threads of the quantized gate/up kernel: 32 rows of 16 threads
+GATE_UP_GROUP = 16            # threads sharing a row of the quantized gate/up kernel (32 rows a block)
 DOWN_WARPS = 8                # most warps of the quantized down kernel (one per expert slot)
+LONG_DOWN_UNITS = 256         # down rows of at least this many units: 4 rows per group of a whole warp
 TILE_SHAPES = {32: 64, 64: 64, 128: 32}   # rows per tile of an expert's tokens -> output columns per
                                           # block of its products (TileShape in moe_mm.cu)
 
@@ -132,16 +133,18 @@ class GpuExperts:
             xq, xds = backend.q8_of(x)
             aq = cupy.empty((n_tokens * top_k, 2 * ffn), cupy.int8)                 # [P, 2F]
             ads = cupy.empty((n_tokens * top_k, ffn // UNIT, 2), cupy.float32)
-            kernels.launch(f"moe_gate_up_q8_{stack.kind}", (ffn // UNIT, n_tokens * top_k), (GATE_UP_BLOCK,), (
+            gate_up_rows = decode_gate_up_rows(hidden)
+            kernels.launch(f"moe_gate_up_q8_{stack.kind}_r{gate_up_rows}", (ffn // UNIT, n_tokens * top_k),
+                           (UNIT * GATE_UP_GROUP // gate_up_rows,), (
                 stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xq, xds,
-                np.int32(hidden), ids, np.int32(top_k), aq, ads, np.int32(ffn)))
-            group, warps = row_group(ffn // UNIT, UNITS_PER_LANE), min(top_k, DOWN_WARPS)
+                np.int32(hidden), ids, np.int32(top_k), aq, ads, np.int32(ffn), np.int32(GATE_UP_GROUP)))
+            (group, rows), warps = decode_down_rows(ffn // UNIT), min(top_k, DOWN_WARPS)
             # a warp's rows of one expert, staged only where the slots leave every thread resident:
             # Mixtral's rows (14336 values) would hold 9 blocks of 2 warps a multiprocessor
-            stride = stage_stride(32 // group * down.row_bytes, warps, 32 * warps * FULL_OCCUPANCY_BYTES)
+            stride = stage_stride(32 // group * rows * down.row_bytes, warps, 32 * warps * FULL_OCCUPANCY_BYTES)
             kernels.launch(
-                f"moe_down_q8_{down.kind}",
-                (-(-hidden * group // 32), n_tokens), (32 * warps,),
+                f"moe_down_q8_{down.kind}_r{rows}",
+                (-(-hidden * group // (32 * rows)), n_tokens), (32 * warps,),
                 (down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), aq, ads, np.int32(ffn),
                  ids, weights, np.int32(top_k), out, pointer(residual), np.int32(hidden), np.int32(stride),
                  np.int32(group)),
@@ -227,3 +230,23 @@ class TileLayout:
             ids, np.int32(n_pairs), np.int32(ids.shape[1]), np.int32(n_experts), np.int32(rows),
             np.int32(self.max_tiles), np.int32(self.max_rows), self.counts, self.tile_expert, self.tile_row,
             self.token_rows, self.pair_rows))
+
+
+def decode_gate_up_rows(hidden: int) -> int:
+    """Rows of gate (and of up) each group of the quantized gate/up kernel takes: two where a
+    lane has at least 6 units of x (hidden sizes of 3584 and more: 1.2-1.5x on the H200 for
+    Mixtral's, Qwen2-57B's and Qwen3-235B's experts), so that more weight loads are in flight
+    and each unit of x serves four rows; else one (Qwen3-30B's hidden 2048: one row is faster)."""
+    return 2 if hidden // UNIT >= 6 * GATE_UP_GROUP else 1
+
+
+def decode_down_rows(units: int) -> tuple[int, int]:
+    """(threads sharing a row, rows per group) of the quantized down kernel for rows of `units`
+    units of 32: a unit of act serves two rows (four for rows of LONG_DOWN_UNITS and more, a
+    whole warp on each: Mixtral's 14336), 1.1-1.35x over one row on every preset's shape
+    (docs/benchmarks.md); at most 16 threads a row otherwise, each with two units or more."""
+    if units >= LONG_DOWN_UNITS:
+        return 32, 4
+    group = min(row_group(units, UNITS_PER_LANE), 16)
+    return group, min(2, group)
+

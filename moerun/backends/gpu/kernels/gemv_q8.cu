@@ -18,20 +18,21 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, long long n_
     ds[unit] = quantize_unit(v, q + 4 * unit);
 }
 
-// acc[r][t] += Σ over this lane's units of rows[r] · x for t < n_tokens, where token t's
-// activations start at unit first + t·token_units: each unit of activations is read once for
-// the R rows (the loads of activations, not of weights, bound these kernels otherwise).
-template <IntUnitLoader Load, int R>
+// acc[r][t] += Σ over this lane's units of rows[r] · x for t < n_tokens (at most T), where token
+// t's activations start at unit first + t·token_units: each unit of activations is read once for
+// the R rows (the loads of activations, not of weights, bound these kernels otherwise); U units of
+// a lane in flight.
+template <IntUnitLoader Load, int R, int T, int U>
 __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int units, Q8Activations x,
                                                    long long first, int token_units, int n_tokens, int lane,
-                                                   int group, float (*acc)[MAX_GEMV_TOKENS]) {
-#pragma unroll 2
+                                                   int group, float (*acc)[T]) {
+#pragma unroll U
     for (int u = lane; u < units; u += group) {
         IntUnit w[R];
 #pragma unroll
         for (int r = 0; r < R; r++) Load(rows[r], u, w[r]);
 #pragma unroll
-        for (int t = 0; t < MAX_GEMV_TOKENS; t++) {
+        for (int t = 0; t < T; t++) {
             if (t < n_tokens) {
                 ActUnit a = load_act_unit(x, first + (long long)t * token_units + u);
 #pragma unroll
@@ -60,7 +61,8 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
         float acc[2][MAX_GEMV_TOKENS] = {{0.f}};                                                                \
         if (valid) {                                                                                       \
             const u8* rows[2] = {first, first + (pair ? row_bytes : 0)};                                   \
-            accumulate_rows_q8<int_unit_##TYPE, 2>(rows, units, {xq, xds}, 0, units, n_tokens, lane, group, acc); \
+            accumulate_rows_q8<int_unit_##TYPE, 2, MAX_GEMV_TOKENS, 2>(rows, units, {xq, xds}, 0, units, n_tokens, lane, \
+                                                                     group, acc); \
         }                                                                                                  \
         for (int t = 0; t < MAX_GEMV_TOKENS; t++) {                                                             \
             if (t >= n_tokens) break;                                                                      \
@@ -75,24 +77,34 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
 // act[p, f] = silu(gate_e · x[t]) * (up_e · x[t]) for pair p = t*top_k + k, e = ids[p], written
 // quantized (aq [P, 2F] int8, ads [P, F/32]) for the down product; pairs with ids[p] < 0 (not
 // resident here) are skipped. gate/up: E experts of expert_bytes, rows of row_bytes; x [T, H] as q8.
-// Grid (F / 32, P); block 32 rows of `group` = blockDim.x / 32 threads: one unit of act each.
-#define DEFINE_MOE_GATE_UP_Q8(TYPE)                                                                        \
-    extern "C" __global__ void moe_gate_up_q8_##TYPE(                                                      \
+// Grid (F / 32, P); a block holds the 32 rows of one unit of act, in groups of `group` threads
+// that take RG consecutive rows of gate and the same of up each (U units of a lane in flight).
+#define DEFINE_MOE_GATE_UP_Q8(TYPE, RG, U)                                                                 \
+    extern "C" __global__ void moe_gate_up_q8_##TYPE##_r##RG(                                              \
             const u8* __restrict__ gate, const u8* __restrict__ up, long long expert_bytes, long long row_bytes, \
             const int4* __restrict__ xq, const float2* __restrict__ xds, int hidden,                       \
-            const int* __restrict__ ids, int top_k, int4* __restrict__ aq, float2* __restrict__ ads, int ffn) { \
+            const int* __restrict__ ids, int top_k, int4* __restrict__ aq, float2* __restrict__ ads, int ffn, \
+            int group) {                                                                                   \
         wait_for_previous_grid();                                                                          \
         __shared__ float act[UNIT];                                                                        \
         int pair = blockIdx.y, expert = ids[pair];                                                         \
         if (expert < 0) return;                                                                            \
-        int group = blockDim.x / UNIT, local_row = threadIdx.x / group, lane = threadIdx.x % group;        \
-        int row = blockIdx.x * UNIT + local_row, units = hidden / UNIT;                                    \
-        long long offset = expert * expert_bytes + row * row_bytes, first = (long long)(pair / top_k) * units; \
-        float acc[2][MAX_GEMV_TOKENS] = {{0.f}};                                                                \
-        const u8* rows[2] = {gate + offset, up + offset};                                                  \
-        accumulate_rows_q8<int_unit_##TYPE, 2>(rows, units, {xq, xds}, first, 0, 1, lane, group, acc);      \
-        float gate_sum = group_sum(acc[0][0], group), up_sum = group_sum(acc[1][0], group);                \
-        if (lane == 0) act[local_row] = silu(gate_sum) * up_sum;                                           \
+        int local_row = threadIdx.x / group * RG, lane = threadIdx.x % group, units = hidden / UNIT;        \
+        long long offset = expert * expert_bytes + (blockIdx.x * UNIT + local_row) * row_bytes;            \
+        const u8* rows[2 * RG];                                                                            \
+        _Pragma("unroll")                                                                                  \
+        for (int r = 0; r < RG; r++) {                                                                     \
+            rows[r] = gate + offset + r * row_bytes;                                                       \
+            rows[RG + r] = up + offset + r * row_bytes;                                                    \
+        }                                                                                                  \
+        float acc[2 * RG][1] = {{0.f}};                                                                    \
+        accumulate_rows_q8<int_unit_##TYPE, 2 * RG, 1, U>(rows, units, {xq, xds}, (long long)(pair / top_k) * units, \
+                                                          0, 1, lane, group, acc);                         \
+        _Pragma("unroll")                                                                                  \
+        for (int r = 0; r < RG; r++) {                                                                     \
+            float gate_sum = group_sum(acc[r][0], group), up_sum = group_sum(acc[RG + r][0], group);       \
+            if (lane == 0) act[local_row + r] = silu(gate_sum) * up_sum;                                   \
+        }                                                                                                  \
         __syncthreads();                                                                                   \
         if (threadIdx.x < UNIT) quantize_unit_of_warp(act[threadIdx.x],                                    \
                                                       (long long)pair * (ffn / UNIT) + blockIdx.x, aq, ads); \
@@ -101,39 +113,45 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
 // out[t, r] = (residual[t, r] +) Σ_k weights[p] · down_e[r, :] · act[p, :] over the token's pairs
 // p = t*top_k + k with ids[p] >= 0, summed in k order (deterministic). down: E experts of
 // expert_bytes, H rows of row_bytes; act [P, F] as q8; out, residual [T, H]. Grid (H / rows per
-// warp, T); one warp per expert slot k (looping when top_k exceeds the warps), 32 / group rows
-// per warp; each warp's rows of its first slot's expert staged (stage_rows, a slot per warp) when
-// `stride` is not 0. The ids were written before the gate/up launch that precedes this one, which
-// waited for them.
-#define DEFINE_MOE_DOWN_Q8(TYPE)                                                                           \
-    extern "C" __global__ void moe_down_q8_##TYPE(                                                         \
+// warp, T); one warp per expert slot k (looping when top_k exceeds the warps), 32 / group · R rows
+// per warp (at most 32: R <= group), R consecutive rows per group of `group` threads; each warp's
+// rows of its first slot's expert staged (stage_rows, a slot per warp) when `stride` is not 0.
+// The ids were written before the gate/up launch that precedes this one, which waited for them.
+#define DEFINE_MOE_DOWN_Q8(TYPE, R)                                                                        \
+    extern "C" __global__ void moe_down_q8_##TYPE##_r##R(                                                  \
             const u8* __restrict__ down, long long expert_bytes, long long row_bytes,                      \
             const int4* __restrict__ aq, const float2* __restrict__ ads, int ffn,                          \
             const int* __restrict__ ids, const float* __restrict__ weights, int top_k,                     \
             float* __restrict__ out, const float* __restrict__ residual, int hidden, int stride, int group) { \
         __shared__ float partial[MAX_TOP_K][32];                                                          \
-        int rows = 32 / group, token = blockIdx.y;                                                         \
-        int warp = threadIdx.x / 32, local_row = (threadIdx.x % 32) / group, lane = threadIdx.x % group;   \
-        int row = blockIdx.x * rows + local_row, units = ffn / UNIT;                                       \
-        int first_expert = warp < top_k ? load_from_l2(ids + token * top_k + warp) : -1;                   \
-        const u8* first_rows = down + first_expert * expert_bytes + blockIdx.x * rows * row_bytes;         \
-        int staged_count = first_expert < 0 ? 0 : max(0, min(rows, hidden - blockIdx.x * rows));          \
+        int rows = 32 / group * R, token = blockIdx.y, first_row = blockIdx.x * rows;                      \
+        int warp = threadIdx.x / 32, local_row = (threadIdx.x % 32) / group * R, lane = threadIdx.x % group; \
+        int units = ffn / UNIT, first_expert = warp < top_k ? load_from_l2(ids + token * top_k + warp) : -1; \
+        const u8* first_rows = down + first_expert * expert_bytes + first_row * row_bytes;                 \
+        int staged_count = first_expert < 0 ? 0 : max(0, min(rows, hidden - first_row));                   \
         stage_rows(first_rows, staged_count * row_bytes, stride, warp, threadIdx.x % 32, 32);              \
         wait_for_previous_grid();                                                                          \
         first_rows = staged_rows(first_rows, stride, warp);                                                \
         for (int k = warp; k < top_k; k += blockDim.x / 32) {                                              \
             int pair = token * top_k + k, expert = ids[pair];                                              \
-            float acc[1][MAX_GEMV_TOKENS] = {{0.f}};                                                            \
-            const u8* rows[1] = {k == warp ? first_rows + local_row * row_bytes                            \
-                                           : down + expert * expert_bytes + row * row_bytes};              \
-            if (expert >= 0 && row < hidden)                                                               \
-                accumulate_rows_q8<int_unit_##TYPE, 1>(rows, units, {aq, ads}, (long long)pair * units, 0, 1, \
-                                                       lane, group, acc);                                  \
-            float total = group_sum(acc[0][0], group);                                                     \
-            if (lane == 0) partial[k][local_row] = expert >= 0 ? weights[pair] * total : 0.f;              \
+            float acc[R][1] = {{0.f}};                                                                     \
+            const u8* base = k == warp ? first_rows : down + expert * expert_bytes;                       \
+            int origin = k == warp ? first_row : 0;                        /* the staged rows start there */ \
+            const u8* rows_of[R];                                                                          \
+            _Pragma("unroll")                                                                              \
+            for (int r = 0; r < R; r++)                       /* rows past the last: read, not written */ \
+                rows_of[r] = base + (min(first_row + local_row + r, hidden - 1) - origin) * row_bytes;     \
+            if (expert >= 0 && first_row + local_row < hidden)                                             \
+                accumulate_rows_q8<int_unit_##TYPE, R, 1, 2>(rows_of, units, {aq, ads}, (long long)pair * units, 0, 1, \
+                                                             lane, group, acc);                            \
+            _Pragma("unroll")                                                                              \
+            for (int r = 0; r < R; r++) {                                                                  \
+                float total = group_sum(acc[r][0], group);                                                 \
+                if (lane == 0) partial[k][local_row + r] = expert >= 0 ? weights[pair] * total : 0.f;      \
+            }                                                                                              \
         }                                                                                                  \
         __syncthreads();                                                                                   \
-        row = blockIdx.x * rows + threadIdx.x;                                                             \
+        int row = first_row + threadIdx.x;                                                                 \
         if (threadIdx.x < rows && row < hidden) {                                                          \
             float sum = 0.f;                                                                               \
             for (int k = 0; k < top_k; k++) sum += partial[k][threadIdx.x];                                \
@@ -142,9 +160,13 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
         }                                                                                                  \
     }
 
+// Gate/up: one row of gate and up per group, 2 units of a lane in flight, or two rows each with
+// one (wide hidden sizes, experts.py); down: 1, 2 or 4 rows per group (R <= group).
+#define DEFINE_MOE_Q8(TYPE) DEFINE_MOE_GATE_UP_Q8(TYPE, 1, 2) DEFINE_MOE_GATE_UP_Q8(TYPE, 2, 1)                \
+    DEFINE_MOE_DOWN_Q8(TYPE, 1) DEFINE_MOE_DOWN_Q8(TYPE, 2) DEFINE_MOE_DOWN_Q8(TYPE, 4)
+
 FOR_EACH_INT_TYPE(DEFINE_GEMV_Q8)
-FOR_EACH_INT_TYPE(DEFINE_MOE_GATE_UP_Q8)
-FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
+FOR_EACH_INT_TYPE(DEFINE_MOE_Q8)
 
 // Up to three matrices over the same activations in one launch (q, k and v): matrix s (a, b, c)
 // has rows_s rows of row_bytes_s in type kind_s (its place in FOR_EACH_INT_TYPE) and writes
@@ -156,14 +178,14 @@ FOR_EACH_INT_TYPE(DEFINE_MOE_DOWN_Q8)
 __device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* const* row, int units, Q8Activations x,
                                                        int n_tokens, int lane, int group, float (*acc)[MAX_GEMV_TOKENS]) {
     switch (kind) {
-        case 0: accumulate_rows_q8<int_unit_q8_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 1: accumulate_rows_q8<int_unit_q4_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 2: accumulate_rows_q8<int_unit_q4_1, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 3: accumulate_rows_q8<int_unit_q5_0, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 4: accumulate_rows_q8<int_unit_q5_1, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 5: accumulate_rows_q8<int_unit_q4_k, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 6: accumulate_rows_q8<int_unit_q5_k, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 7: accumulate_rows_q8<int_unit_q6_k, 1>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 0: accumulate_rows_q8<int_unit_q8_0, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 1: accumulate_rows_q8<int_unit_q4_0, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 2: accumulate_rows_q8<int_unit_q4_1, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 3: accumulate_rows_q8<int_unit_q5_0, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 4: accumulate_rows_q8<int_unit_q5_1, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 5: accumulate_rows_q8<int_unit_q4_k, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 6: accumulate_rows_q8<int_unit_q5_k, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 7: accumulate_rows_q8<int_unit_q6_k, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
     }
 }
 

@@ -192,6 +192,23 @@ def check_experts(types: tuple[T, T], n_tokens: int, hidden: int, ffn: int) -> N
         assert relative_error(got, expected(quantized=False)) < 1e-5
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q6_K, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows, cols", [(1001, 2048), (333, 3584), (130, 4096)])
+def test_one_token_gemv_at_model_widths(backend, ggml_type, rows, cols):
+    """The one-token kernel (gemv_q8_one: four units a lane, blocks of 128 threads) at the LM
+    head's and shared experts' widths (16 and 32 threads a row, rows not 16-byte aligned at 3584),
+    an odd last row, and the few-token kernel's result for the same token."""
+    rng = np.random.default_rng()
+    raw = random_matrix(ggml_type, rng, rows, cols)
+    reference = dequantized(raw, ggml_type).reshape(rows, cols)
+    matrix = DeviceMatrix(backend.device.cupy.asarray(raw.reshape(-1)), KERNEL_TYPES[ggml_type], rows, cols)
+    x = rng.normal(size=(2, cols)).astype(np.float32)
+    one = backend.linear(backend.device.cupy.asarray(x[:1]), matrix).get()
+    few = backend.linear(backend.device.cupy.asarray(x), matrix).get()
+    assert relative_error(one, q8_round_trip(x[:1]) @ reference.T) < 1e-5
+    np.testing.assert_allclose(one[0], few[0], rtol=1e-5, atol=1e-5 * np.abs(few[0]).max())
+
+
 def expert_stack(backend, ggml_type: T, n_experts: int, rows: int, cols: int, rng) -> tuple[DeviceMatrix, np.ndarray]:
     """A random stack [E, rows, cols] on the device and its dequantized values."""
     raw = np.concatenate([random_matrix(ggml_type, rng, rows, cols) for _ in range(n_experts)])

@@ -23,10 +23,10 @@ pytestmark = [pytest.mark.tools, pytest.mark.slow]   # a compile takes ~15 s
 PER_TYPE = ("moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
 PER_TYPE_AND_TILE = ("moe_mm_gate_up", "moe_mm_down")
 PER_FLOAT_TYPE = ("gemv", "gemv_few_rows")
-PER_INT_TYPE = ("gemv_q8",)
+PER_INT_TYPE = ("gemv_q8", "gemv_q8_one")
 PER_INT_TYPE_AND_ROWS = {"moe_gate_up_q8": (1, 2), "moe_down_q8": (1, 2, 4)}   # rows a group (experts.py)
 PER_KV_TYPE = ("qk_norm_rope_append", "attention_partial", "expand_kv_heads")
-SHARED = ("quantize_q8", "gemv_q8_three", "rms_norm", "attention_combine", "route_top_k", "silu_mul",
+SHARED = ("quantize_q8", "gemv_q8_three", "gemv_q8_three_one", "rms_norm", "attention_combine", "route_top_k", "silu_mul",
           "gather_rows_f16", "combine_rows", "add_gated", "to_f16",
           "causal_softmax", "layout_pairs", "split_parent_ids", "map_ids", "pack_remote",
           "unpack_payload", "add_reply_rows", "delta_conv", "delta_conv_state", "delta_prepare", "delta_rule",
@@ -103,7 +103,7 @@ def kernel_bodies() -> dict[str, str]:
 # These read weights, which no kernel writes, before they wait (staging.cuh; the down experts'
 # ids too, written two launches before; rope and attention the step's positions, written before
 # its first kernel, and attention fetches earlier steps' cache rows into L2).
-READ_BEFORE_WAIT = {"layers.cu:rms_norm", "gemv_q8.cu:gemv_q8_##TYPE", "gemv_q8.cu:gemv_q8_three",
+READ_BEFORE_WAIT = {"layers.cu:rms_norm", "gemv_q8.cu:NAME##_##TYPE", "gemv_q8.cu:NAME",
                     "gemv_q8.cu:moe_down_q8_##TYPE##_r##R", "gemv.cu:gemv_few_rows_##TYPE",
                     "route.cu:route_normed_##TYPE", "attention.cu:qk_norm_rope_append_##KV",
                     "attention.cu:attention_partial_##KV", "attention.cu:attention_decode_##KV##_##TILE##_##DPL"}

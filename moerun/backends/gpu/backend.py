@@ -41,6 +41,8 @@ from moerun.backends.gpu.library import (
     BLOCK,
     INT_KINDS,
     NULL,
+    ONE_TOKEN_BLOCK,
+    ONE_TOKEN_UNITS_PER_LANE,
     UNITS_PER_LANE,
     pointer,
     stage_stride,
@@ -327,9 +329,12 @@ class GpuBackend:
         if n_tokens <= MAX_GEMV_TOKENS and weight.kind in INT_KINDS:
             y = cupy.empty((n_tokens, weight.rows), cupy.float32)
             q, ds = self.q8_of(x)
-            kernels.rows(f"gemv_q8_{weight.kind}", (weight.rows + 1) // 2, weight.cols // UNIT, 1,  # rows in pairs
+            one = n_tokens == 1
+            kernels.rows(f"gemv_q8_one_{weight.kind}" if one else f"gemv_q8_{weight.kind}",
+                         (weight.rows + 1) // 2, weight.cols // UNIT, 1,  # rows in pairs
                          (weight.data, i64(weight.row_bytes), q, ds, i32(weight.cols), y, i32(weight.rows),
-                          i32(n_tokens), pointer(residual)), UNITS_PER_LANE, staged_bytes=2 * weight.row_bytes)
+                          i32(n_tokens), pointer(residual)), ONE_TOKEN_UNITS_PER_LANE if one else UNITS_PER_LANE,
+                         staged_bytes=2 * weight.row_bytes, block=ONE_TOKEN_BLOCK if one else BLOCK)
         elif n_tokens <= MAX_GEMV_TOKENS and weight.rows <= FEW_ROWS:
             y = cupy.empty((n_tokens, weight.rows), cupy.float32)
             stride = stage_stride(weight.row_bytes, 1)
@@ -368,9 +373,12 @@ class GpuBackend:
         segments = [arg for w, y in zip(weights, outs)
                     for arg in (w.data, i64(w.row_bytes), i32(INT_KINDS.index(w.kind)), i32(w.rows), y)]
         segments += [NULL, i64(0), i32(0), i32(0), NULL] * (3 - len(weights))
-        self.device.kernels.rows("gemv_q8_three", sum(w.rows for w in weights), width // UNIT, 1,
-                                 (*segments, q, ds, x, pointer(norm), np.float32(self.spec.rms_eps), i32(width),
-                                  i32(n_tokens)), UNITS_PER_LANE, staged_bytes=max(w.row_bytes for w in weights),
+        one = n_tokens == 1
+        self.device.kernels.rows("gemv_q8_three_one" if one else "gemv_q8_three", sum(w.rows for w in weights),
+                                 width // UNIT, 1, (*segments, q, ds, x, pointer(norm), np.float32(self.spec.rms_eps),
+                                                    i32(width), i32(n_tokens)),
+                                 ONE_TOKEN_UNITS_PER_LANE if one else UNITS_PER_LANE,
+                                 staged_bytes=max(w.row_bytes for w in weights),
                                  shared_after=0 if norm is None else planes_bytes)
         for y, bias in zip(outs, biases):
             if bias is not None:

@@ -44,9 +44,11 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
 
 // y[t, r] = W[r, :] · x[t, :] (+ residual[t, r]).  W: N rows of row_bytes; x [T, K_in] in planes;
 // y, residual [T, N].  Block: groups of `group` threads, two consecutive rows per group, staged
-// (stage_rows) when `stride` is not 0.
-#define DEFINE_GEMV_Q8(TYPE)                                                                               \
-    extern "C" __global__ void gemv_q8_##TYPE(const u8* __restrict__ weight, long long row_bytes,         \
+// (stage_rows) when `stride` is not 0. NAME_TYPE carries up to T tokens with U units of a lane in
+// flight: gemv_q8 a few tokens (T = MAX_GEMV_TOKENS), gemv_q8_one one (T = 1: a loop over tokens
+// that are not there costs a third of the head's time at decode, docs/benchmarks.md).
+#define DEFINE_GEMV_Q8(NAME, T, U, TYPE)                                                                   \
+    extern "C" __global__ void NAME##_##TYPE(const u8* __restrict__ weight, long long row_bytes,          \
                                               const int4* __restrict__ xq, const float2* __restrict__ xds, \
                                               int in_features, float* __restrict__ y, int out_features,    \
                                               int n_tokens, const float* __restrict__ residual, int stride, \
@@ -58,13 +60,12 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
         stage_rows(src, valid ? (pair ? 2 : 1) * row_bytes : 0, stride, threadIdx.x / group, lane, group); \
         wait_for_previous_grid();                                                                          \
         const u8* first = staged_rows(src, stride, threadIdx.x / group);                                   \
-        float acc[2][MAX_GEMV_TOKENS] = {{0.f}};                                                                \
+        float acc[2][T] = {{0.f}};                                                                         \
         if (valid) {                                                                                       \
             const u8* rows[2] = {first, first + (pair ? row_bytes : 0)};                                   \
-            accumulate_rows_q8<int_unit_##TYPE, 2, MAX_GEMV_TOKENS, 2>(rows, units, {xq, xds}, 0, units, n_tokens, lane, \
-                                                                     group, acc); \
+            accumulate_rows_q8<int_unit_##TYPE, 2, T, U>(rows, units, {xq, xds}, 0, units, n_tokens, lane, group, acc); \
         }                                                                                                  \
-        for (int t = 0; t < MAX_GEMV_TOKENS; t++) {                                                             \
+        for (int t = 0; t < T; t++) {                                                                      \
             if (t >= n_tokens) break;                                                                      \
             for (int r = 0; r < 2; r++) {                                                                  \
                 float total = group_sum(acc[r][t], group);                                                 \
@@ -73,6 +74,8 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
             }                                                                                              \
         }                                                                                                  \
     }
+#define DEFINE_GEMV_Q8_FEW(TYPE) DEFINE_GEMV_Q8(gemv_q8, MAX_GEMV_TOKENS, 2, TYPE)
+#define DEFINE_GEMV_Q8_ONE(TYPE) DEFINE_GEMV_Q8(gemv_q8_one, 1, 4, TYPE)
 
 // act[p, f] = silu(gate_e · x[t]) * (up_e · x[t]) for pair p = t*top_k + k, e = ids[p], written
 // quantized (aq [P, 2F] int8, ads [P, F/32]) for the down product; pairs with ids[p] < 0 (not
@@ -165,7 +168,8 @@ __device__ __forceinline__ void accumulate_rows_q8(const u8* const* rows, int un
 #define DEFINE_MOE_Q8(TYPE) DEFINE_MOE_GATE_UP_Q8(TYPE, 1, 2) DEFINE_MOE_GATE_UP_Q8(TYPE, 2, 1)                \
     DEFINE_MOE_DOWN_Q8(TYPE, 1) DEFINE_MOE_DOWN_Q8(TYPE, 2) DEFINE_MOE_DOWN_Q8(TYPE, 4)
 
-FOR_EACH_INT_TYPE(DEFINE_GEMV_Q8)
+FOR_EACH_INT_TYPE(DEFINE_GEMV_Q8_FEW)
+FOR_EACH_INT_TYPE(DEFINE_GEMV_Q8_ONE)
 FOR_EACH_INT_TYPE(DEFINE_MOE_Q8)
 
 // Up to three matrices over the same activations in one launch (q, k and v): matrix s (a, b, c)
@@ -175,57 +179,63 @@ FOR_EACH_INT_TYPE(DEFINE_MOE_Q8)
 // with `norm`, rms_norm(x [T, K_in], norm) converted by every block into its own planes in shared
 // memory after the staged rows (normed_planes; K_in <= 8 · blockDim.x): no norm kernel before this
 // one. Unused matrices have 0 rows.
+template <int T, int U>
 __device__ __forceinline__ void accumulate_row_of_kind(int kind, const u8* const* row, int units, Q8Activations x,
-                                                       int n_tokens, int lane, int group, float (*acc)[MAX_GEMV_TOKENS]) {
+                                                       int n_tokens, int lane, int group, float (*acc)[T]) {
     switch (kind) {
-        case 0: accumulate_rows_q8<int_unit_q8_0, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 1: accumulate_rows_q8<int_unit_q4_0, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 2: accumulate_rows_q8<int_unit_q4_1, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 3: accumulate_rows_q8<int_unit_q5_0, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 4: accumulate_rows_q8<int_unit_q5_1, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 5: accumulate_rows_q8<int_unit_q4_k, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 6: accumulate_rows_q8<int_unit_q5_k, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
-        case 7: accumulate_rows_q8<int_unit_q6_k, 1, MAX_GEMV_TOKENS, 2>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 0: accumulate_rows_q8<int_unit_q8_0, 1, T, U>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 1: accumulate_rows_q8<int_unit_q4_0, 1, T, U>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 2: accumulate_rows_q8<int_unit_q4_1, 1, T, U>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 3: accumulate_rows_q8<int_unit_q5_0, 1, T, U>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 4: accumulate_rows_q8<int_unit_q5_1, 1, T, U>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 5: accumulate_rows_q8<int_unit_q4_k, 1, T, U>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 6: accumulate_rows_q8<int_unit_q5_k, 1, T, U>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
+        case 7: accumulate_rows_q8<int_unit_q6_k, 1, T, U>(row, units, x, 0, units, n_tokens, lane, group, acc); break;
     }
 }
 
-extern "C" __global__ void gemv_q8_three(
-        const u8* __restrict__ weight_a, long long row_bytes_a, int kind_a, int rows_a, float* __restrict__ y_a,
-        const u8* __restrict__ weight_b, long long row_bytes_b, int kind_b, int rows_b, float* __restrict__ y_b,
-        const u8* __restrict__ weight_c, long long row_bytes_c, int kind_c, int rows_c, float* __restrict__ y_c,
-        const int4* __restrict__ xq, const float2* __restrict__ xds, const float* __restrict__ x,
-        const float* __restrict__ norm, float eps, int in_features, int n_tokens, int stride, int group) {
-    int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;
-    int lane = threadIdx.x % group, units = in_features / UNIT;
-    const u8* weight = weight_a;
-    long long row_bytes = row_bytes_a;
-    int kind = kind_a, rows = rows_a;
-    float* y = y_a;
-    if (row >= rows_a) {
-        row -= rows_a;
-        weight = weight_b; row_bytes = row_bytes_b; kind = kind_b; rows = rows_b; y = y_b;
-        if (row >= rows_b) {
-            row -= rows_b;
-            weight = weight_c; row_bytes = row_bytes_c; kind = kind_c; rows = rows_c; y = y_c;
-        }
+#define DEFINE_GEMV_Q8_THREE(NAME, T, U)                                                                   \
+    extern "C" __global__ void NAME(                                                                       \
+            const u8* __restrict__ weight_a, long long row_bytes_a, int kind_a, int rows_a, float* __restrict__ y_a, \
+            const u8* __restrict__ weight_b, long long row_bytes_b, int kind_b, int rows_b, float* __restrict__ y_b, \
+            const u8* __restrict__ weight_c, long long row_bytes_c, int kind_c, int rows_c, float* __restrict__ y_c, \
+            const int4* __restrict__ xq, const float2* __restrict__ xds, const float* __restrict__ x,      \
+            const float* __restrict__ norm, float eps, int in_features, int n_tokens, int stride, int group) { \
+        int row = blockIdx.x * (blockDim.x / group) + threadIdx.x / group;                                 \
+        int lane = threadIdx.x % group, units = in_features / UNIT;                                        \
+        const u8* weight = weight_a;                                                                       \
+        long long row_bytes = row_bytes_a;                                                                 \
+        int kind = kind_a, rows = rows_a;                                                                  \
+        float* y = y_a;                                                                                    \
+        if (row >= rows_a) {                                                                               \
+            row -= rows_a;                                                                                 \
+            weight = weight_b; row_bytes = row_bytes_b; kind = kind_b; rows = rows_b; y = y_b;             \
+            if (row >= rows_b) {                                                                           \
+                row -= rows_b;                                                                             \
+                weight = weight_c; row_bytes = row_bytes_c; kind = kind_c; rows = rows_c; y = y_c;         \
+            }                                                                                              \
+        }                                                                                                  \
+        bool valid = row < rows;                                                                           \
+        stage_rows(weight + row * row_bytes, valid ? row_bytes : 0, stride, threadIdx.x / group, lane, group); \
+        wait_for_previous_grid();                                                                          \
+        Q8Activations acts = {xq, xds};                                                                    \
+        if (norm) {                                                                                        \
+            __shared__ float scratch[33];                                                                  \
+            int4* planes = reinterpret_cast<int4*>(stage_slot(blockDim.x / group, stride));                \
+            float2* scales = reinterpret_cast<float2*>(planes + 4 * n_tokens * units);                     \
+            normed_planes(x, norm, in_features, n_tokens, eps, planes, scales, scratch);                   \
+            acts = {planes, scales};                                                                       \
+        }                                                                                                  \
+        float acc[1][T] = {{0.f}};                                                                         \
+        const u8* row_data[1] = {staged_rows(weight + row * row_bytes, stride, threadIdx.x / group)};      \
+        if (valid) accumulate_row_of_kind<T, U>(kind, row_data, units, acts, n_tokens, lane, group, acc);  \
+        for (int t = 0; t < T; t++) {                                                                      \
+            if (t >= n_tokens) break;                                                                      \
+            float total = group_sum(acc[0][t], group);                                                     \
+            if (lane == 0 && valid) y[t * rows + row] = total;                                             \
+        }                                                                                                  \
     }
-    bool valid = row < rows;
-    stage_rows(weight + row * row_bytes, valid ? row_bytes : 0, stride, threadIdx.x / group, lane, group);
-    wait_for_previous_grid();
-    Q8Activations acts = {xq, xds};
-    if (norm) {
-        __shared__ float scratch[33];
-        int4* planes = reinterpret_cast<int4*>(stage_slot(blockDim.x / group, stride));
-        float2* scales = reinterpret_cast<float2*>(planes + 4 * n_tokens * units);
-        normed_planes(x, norm, in_features, n_tokens, eps, planes, scales, scratch);
-        acts = {planes, scales};
-    }
-    float acc[1][MAX_GEMV_TOKENS] = {{0.f}};
-    const u8* row_data[1] = {staged_rows(weight + row * row_bytes, stride, threadIdx.x / group)};
-    if (valid) accumulate_row_of_kind(kind, row_data, units, acts, n_tokens, lane, group, acc);
-    for (int t = 0; t < MAX_GEMV_TOKENS; t++) {
-        if (t >= n_tokens) break;
-        float total = group_sum(acc[0][t], group);
-        if (lane == 0 && valid) y[t * rows + row] = total;
-    }
-}
+
+// A few tokens, and one (as gemv_q8 and gemv_q8_one).
+DEFINE_GEMV_Q8_THREE(gemv_q8_three, MAX_GEMV_TOKENS, 2)
+DEFINE_GEMV_Q8_THREE(gemv_q8_three_one, 1, 4)

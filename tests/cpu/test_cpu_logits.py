@@ -2,7 +2,7 @@
 every matrix dequantized to float32 and multiplied by numpy): every architecture (qwen35moe's
 DeltaNet projections too), every expert type (each model's three layers mix them, gate/up of one
 type and down of another), gate and up fused in one tensor (mixtral here), the dense matrices (attention, shared expert,
-LM head) in other types the kernels read; prefill in chunks and decode steps."""
+LM head, the token embedding's rows) in other types the kernels read; prefill in chunks and decode steps."""
 from __future__ import annotations
 
 import gguf
@@ -16,6 +16,7 @@ from moerun.backends.numpy_backend import (
 )
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
+from moerun.gguf.quants import RowTable
 from moerun.writers.bench_model import BLOCK_FILLERS, random_blocks
 from tests.support.gguf_edit import rewrite_gguf
 from tests.support.hf_models import ARCHS, HYBRID_ARCHS, tiny_model
@@ -85,6 +86,7 @@ def run(path, reference: bool, monkeypatch):
             assert isinstance(weights.experts.store, DequantizedExperts if reference else QuantizedExperts)
             assert isinstance(weights.output, np.ndarray if reference else StoredMatrix)
             assert isinstance(weights.layers[-1].attn_output, np.ndarray if reference else StoredMatrix)
+            assert isinstance(weights.token_embd, RowTable if reference else StoredMatrix)   # rows looked up
             logits = runtime.logits(PROMPT)
             tokens = list(runtime.generate(PROMPT[:5], 6, SamplingParams(temperature=0.0)))
     return logits, tokens

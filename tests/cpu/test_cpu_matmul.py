@@ -118,3 +118,22 @@ def test_refuses_what_it_cannot_read(kernels):
     with pytest.raises(ValueError, match="at most 8 matrices"):
         kernels.matmul([matrix(raw, T.Q8_0, 4, 64)] * 9, x, threads=1)
     assert kernels.supports(T.Q6_K) and not kernels.supports(T.IQ4_XS)
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_are_the_stored_values(kernels, ggml_type):
+    """moe_rows (a step's token embeddings): each row asked for, in that order and repeats too,
+    as gguf.quants dequantizes it, on every instruction set; an id outside the matrix is refused."""
+    rng = np.random.default_rng(int(ggml_type))
+    rows, cols = (6, 67) if ggml_type in FLOAT_TYPES else (37, 512)
+    raw = random_stored(ggml_type, rows, cols, rng)
+    want = stored_values(raw, ggml_type).reshape(rows, cols)
+    ids = np.array([rows - 1, 0, 3, 3, 1])
+    for isa in kernels.isas():
+        kernels.use_isa(isa)
+        got = kernels.rows(matrix(raw, ggml_type, rows, cols), ids)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want[ids])
+    for outside in (rows, -1):
+        with pytest.raises(ValueError, match="row"):
+            kernels.rows(matrix(raw, ggml_type, rows, cols), np.array([0, outside]))

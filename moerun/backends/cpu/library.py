@@ -76,6 +76,7 @@ class CpuKernels:
         lib.moe_ffn_padded.argtypes = [POINTER(ExpertMatrices), c_void_p, c_int64, c_void_p, c_void_p, c_int64,
                                        c_void_p, c_int64, c_void_p, c_int]
         lib.moe_matmul.argtypes = [POINTER(Matrix), c_int64, c_void_p, c_int64, c_void_p, c_int]
+        lib.moe_rows.argtypes = [POINTER(Matrix), c_void_p, c_int64, c_void_p]
         lib.moe_rms_norm.argtypes = [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_float, c_void_p]
         lib.moe_rms_norm.restype = None
         lib.moe_rope_append.argtypes = [POINTER(AttentionShape), c_int64, c_void_p, c_void_p, c_void_p, c_int64,
@@ -120,6 +121,15 @@ class CpuKernels:
         if status:
             raise kernel_error(status)
         return y
+
+    def rows(self, matrix: Matrix, ids: np.ndarray) -> np.ndarray:
+        """Rows ids [n] of the matrix (expert 0) as float32 [n, cols]."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        out = np.empty((len(ids), matrix.cols), np.float32)
+        status = self.lib.moe_rows(ctypes.byref(matrix), address(ids), len(ids), address(out))
+        if status:
+            raise kernel_error(status)
+        return out
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """x [T, n] (rows of unit stride) -> x / sqrt(mean(x²) + eps) · weight [n]"""

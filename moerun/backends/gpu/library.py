@@ -134,7 +134,8 @@ def fitting_group(group: int, n_rows: int, grid_y: int, wave: int, block: int = 
     """`group`, or half of it where that brings a grid just over one wave of resident blocks
     (`wave`) into one: the blocks of a second, partial wave would add almost a whole kernel's
     latency (q/k/v of the 30B-A3B shape, 1.2 waves: 11.6 -> 9.1 us in one)."""
-    if group > 1 and blocks_of_rows(n_rows, group, block) * grid_y > wave >= blocks_of_rows(n_rows, group // 2, block) * grid_y:
+    if group > 1 and blocks_of_rows(n_rows, group, block) * grid_y > wave >= \
+            blocks_of_rows(n_rows, group // 2, block) * grid_y:
         return group // 2
     return group
 

@@ -4,6 +4,7 @@
 // fused tile, ROWS_PER_TASK rows or fewer where that would leave a thread under TASKS_PER_THREAD
 // tasks (a router of 128 rows on 16 threads: tasks of 4 rows, not 4 tasks of 32); for more,
 // panel_rows() rows dequantized once (work.h).
+// moe_rows: rows of a matrix dequantized, one after the other on the calling thread.
 #include "pool.h"
 #include "work.h"
 
@@ -77,4 +78,14 @@ int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const floa
     }
     unlock_kernels();
     return status;
+}
+
+int moe_rows(const struct moe_matrix* m, const int64_t* ids, int64_t n, float* out) {
+    int type, status = check_matrix(m, m->rows, m->cols, &type);
+    if (status != MOE_OK) return status;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->rows) return MOE_BAD_ROW;
+    const struct isa_kernels* isa = current_isa();
+    for (int64_t i = 0; i < n; i++) isa->dequantize[type](stored_row(m, 0, ids[i]), m->cols, out + i * m->cols);
+    return MOE_OK;
 }

@@ -44,6 +44,9 @@ MOE_API int moe_ffn_padded(const struct moe_experts* experts, const float* x, in
                            float* out, int threads);
 MOE_API int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const float* x, int64_t n_tokens,
                        float* y, int threads);
+// moe_rows: out [n, cols] = rows ids [n] of a matrix (expert 0) as float32, each value as ggml
+// computes it (a step's token embeddings). MOE_BAD_ROW for an id outside [0, rows).
+MOE_API int moe_rows(const struct moe_matrix* matrix, const int64_t* ids, int64_t n, float* out);
 
 // serve.c: a CPU daemon's arena (ipc/shm.py) served here until it is idle for spin_s, its
 // doorbell changes or max_s pass. The byte offsets of the arena's words, headers and frames:

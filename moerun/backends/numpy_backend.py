@@ -54,7 +54,7 @@ from moerun.backends.numpy_ops import (
 )
 from moerun.backends.protocol import CacheState, ContextFull, Forward
 from moerun.errors import UsageError
-from moerun.gguf.quants import RowTable, T, row_nbytes
+from moerun.gguf.quants import RowTable, T, row_ids, row_nbytes
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.models.spec import ModelSpec
 
@@ -116,11 +116,11 @@ class NumpyBackend:
     def embedding(self, gguf: GGUFFile, name: str) -> StoredMatrix | RowTable:
         """[V, H] whose rows embed() looks up: as stored, dequantized by the CPU kernels a row at
         a time where they read its type (gguf.quants takes ~0.3 ms for one Q4_K row of 2048)."""
+        table = gguf.row_table(name)                     # checked: 2-D, of a type that dequantizes
         kernels = load_kernels()
-        info = gguf.tensor(name)
-        if kernels is not None and kernels.supports(info.ggml_type):
-            return StoredMatrix(kernels, gguf.raw(name), info.ggml_type, info.shape[-1], 1, name)
-        return gguf.row_table(name)
+        if kernels is None or not kernels.supports(table.ggml_type):
+            return table
+        return StoredMatrix(kernels, table.raw, table.ggml_type, gguf.tensor(name).shape[-1], threads=1, name=name)
 
     def load_experts(self, gguf: GGUFFile, held: dict[int, list[int]] | None, cache_bytes: int) -> CpuExperts:
         """Experts computed from the mmap, through one store per backend."""
@@ -349,10 +349,7 @@ class StoredMatrix:
 
     def lookup(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
         """Float32 rows [len(rows), K], as RowTable.lookup gives them."""
-        ids = np.asarray(rows, dtype=np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
-            raise IndexError(f"row ids of tensor '{self.name}' must be in [0, {self.shape[0]})")
-        return self.kernels.rows(self.struct, ids)
+        return self.kernels.rows(self.struct, row_ids(rows, self.shape[0], self.name))
 
 
 def stored_products(x: np.ndarray, matrices: Sequence[StoredMatrix]) -> np.ndarray:

@@ -68,6 +68,14 @@ def dequantize(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     return gguf_quants.dequantize(raw, ggml_type)
 
 
+def row_ids(rows: Sequence[int] | np.ndarray, n_rows: int, name: str) -> np.ndarray:
+    """Row ids [n] of tensor `name` as int64, each in [0, n_rows), else an IndexError naming it."""
+    ids = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+        raise IndexError(f"row ids of tensor '{name}' must be in [0, {n_rows})")
+    return ids
+
+
 @dataclass(frozen=True)
 class RowTable:
     """A 2-D tensor [N, K] as stored, whose rows are dequantized when looked up."""
@@ -77,7 +85,4 @@ class RowTable:
 
     def lookup(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
         """Float32 rows [len(rows), K]."""
-        ids = np.asarray(rows, dtype=np.intp)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.raw.shape[0]):
-            raise IndexError(f"row ids of tensor '{self.name}' must be in [0, {self.raw.shape[0]})")
-        return dequantize(self.raw[ids], self.ggml_type)
+        return dequantize(self.raw[row_ids(rows, self.raw.shape[0], self.name)], self.ggml_type)

@@ -10,7 +10,10 @@ A script for the CI machine (2 cores), not a test: nothing in the test suite run
 llama-cpp-python comes from `--venv` (a virtual environment of its own, so that moerun's does
 not change): where `import llama_cpp` fails there, the venv is made and llama-cpp-python
 `--llama-version` is installed into it from source with a plain CPU build
-(CMAKE_ARGS="-DGGML_NATIVE=ON": ggml built for this CPU, no GPU backend). That compiles
+(CMAKE_ARGS="-DGGML_NATIVE=ON": ggml built for this CPU, no GPU backend; on a CPU with AMX the
+instruction sets are named one by one instead, AMX left out: ggml's AMX path dies with SIGSEGV at
+its first evaluation on the 2-core CI-sized VM, also with -DGGML_NATIVE=ON and the AMX options
+off, which native builds ignore). That compiles
 llama.cpp: about 5 minutes on the 2-core dev machine (0.3.36, gcc 12), once.
 
 Without -m, the file is `scripts/make_bench_model.py --layers 4` (the Qwen3-30B-A3B shape,
@@ -40,7 +43,22 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_BUILD = "-DGGML_NATIVE=ON"
+# /proc/cpuinfo flag -> ggml's CMake option, for a build that names them (CPUs with AMX)
+GGML_ISA_OPTIONS = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2",
+                    "avx_vnni": "AVX_VNNI", "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI",
+                    "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16"}
+
+
+def cpu_build() -> str:
+    """CMAKE_ARGS of llama-cpp-python's CPU build for this machine (see the docstring above)."""
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()[2:])
+    except (OSError, StopIteration):
+        return "-DGGML_NATIVE=ON"
+    if "amx_int8" not in flags:
+        return "-DGGML_NATIVE=ON"
+    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{option}={'ON' if flag in flags else 'OFF'}"
+                                             for flag, option in GGML_ISA_OPTIONS.items()])
 
 
 def llama_side(args: argparse.Namespace) -> None:
@@ -85,15 +103,19 @@ def test_name(name: str, depth: int) -> str:
 
 
 def llama_python(venv_dir: Path, version: str) -> Path:
-    """The venv's python, llama-cpp-python installed there (built first if it is missing)."""
-    python = venv_dir / "bin" / "python"
-    if python.exists() and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+    """The venv's python, llama-cpp-python installed there (built first if it is missing or was
+    built with other CMAKE_ARGS, which the venv's BUILD_ARGS file records)."""
+    python, build, record = venv_dir / "bin" / "python", cpu_build(), venv_dir / "BUILD_ARGS"
+    if (python.exists() and record.exists() and record.read_text() == build
+            and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0):
         return python
-    print(f"building llama-cpp-python {version} (CPU, CMAKE_ARGS={CPU_BUILD}) into {venv_dir}: "
+    print(f"building llama-cpp-python {version} (CPU, CMAKE_ARGS={build}) into {venv_dir}: "
           f"about 5 minutes on 2 cores", file=sys.stderr)
     venv.create(venv_dir, with_pip=True)
-    subprocess.run([python, "-m", "pip", "install", "--no-cache-dir", f"llama-cpp-python=={version}"],
-                   env={**os.environ, "CMAKE_ARGS": CPU_BUILD}, check=True)
+    subprocess.run([python, "-m", "pip", "install", "--no-cache-dir", "--force-reinstall", "--no-deps",
+                    f"llama-cpp-python=={version}"], env={**os.environ, "CMAKE_ARGS": build}, check=True)
+    subprocess.run([python, "-m", "pip", "install", "--no-cache-dir", f"llama-cpp-python=={version}"], check=True)
+    record.write_text(build)
     return python
 
 

@@ -38,7 +38,10 @@
 
 typedef struct { vf v[16 / VL]; } v16;          // 16 consecutive values of a row
 
-struct block_state { float mul[16], plus[16]; };
+struct block_state {
+    float mul[16], plus[16];
+    uint8_t q[256];            // Q6_K: the block's values - 32 (int8), unpacked 32 bytes at a time
+};
 
 static inline uint32_t load_u32(const uint8_t* p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
@@ -78,6 +81,16 @@ ALWAYS_INLINE v16 scaled_plus(u8x16 q, float mul, float plus) {
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 ALWAYS_INLINE u8x16 shift_mask(u8x16 q, int shift, uint8_t mask) {
     return (u8x16)(shift >= 0 ? (u16x8)q << shift : (u16x8)q >> -shift) & mask;
+}
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+ALWAYS_INLINE u8x32 shift_mask32(u8x32 q, int shift, uint8_t mask) {
+    return (u8x32)(shift >= 0 ? (u16x16)q << shift : (u16x16)q >> -shift) & mask;
+}
+static inline u8x32 load_u8x32(const uint8_t* p) {
+    u8x32 v;
+    memcpy(&v, p, 32);
+    return v;
 }
 
 // The low nibbles of q (or its high ones) as floats: (k - offset)·mul and k·mul + plus. Through a
@@ -224,15 +237,25 @@ ALWAYS_INLINE v16 group_q5_k(const uint8_t* b, const struct block_state* s, int 
 // have their low 4 bits in the low (k < 2) or high (k >= 2) nibbles of ql[64h + 32(k % 2) + l]
 // and their top 2 bits in bits 2k, 2k+1 of qh[32h + l]; values 16i..16i+15 of the super-block
 // take scale i. Group g = 8h + 2k + part holds l in 16·part .. 16·part + 15.
+// prepare_q6_k unpacks the block's 256 values once, 32 bytes at a time (a quarter of the
+// operations of unpacking each group's 16 on its own), into s->q; a group reads its 16 from there.
 ALWAYS_INLINE void prepare_q6_k(const uint8_t* b, struct block_state* s) {
     store16(s->mul, signed_scaled(load_u8x16(b + 192), load_half(b + 208)));
+    for (int h = 0; h < 2; h++) {
+        u8x32 first = load_u8x32(b + 64 * h), second = load_u8x32(b + 64 * h + 32);    // ql, k % 2 = 0, 1
+        u8x32 top = load_u8x32(b + 128 + 32 * h);                                       // qh
+        u8x32 values[4] = {(first & 15) | shift_mask32(top, 4, 0x30), (second & 15) | shift_mask32(top, 2, 0x30),
+                           shift_mask32(first, -4, 15) | (top & 0x30),
+                           shift_mask32(second, -4, 15) | shift_mask32(top, -2, 0x30)};
+        for (int k = 0; k < 4; k++) {
+            u8x32 centred = values[k] - 32;
+            memcpy(s->q + 128 * h + 32 * k, &centred, 32);
+        }
+    }
 }
 ALWAYS_INLINE v16 group_q6_k(const uint8_t* b, const struct block_state* s, int g) {
-    int h = g / 8, k = g / 2 % 4, part = g % 2;
-    u8x16 low = load_u8x16(b + 64 * h + 32 * (k % 2) + 16 * part);
-    u8x16 top = load_u8x16(b + 128 + 32 * h + 16 * part);
-    u8x16 q = (k < 2 ? low & 15 : shift_mask(low, -4, 15)) | shift_mask(top, 4 - 2 * k, 0x30);
-    return signed_scaled(q - 32, s->mul[g]);
+    (void)b;
+    return signed_scaled(load_u8x16(s->q + 16 * g), s->mul[g]);
 }
 
 // ---- whole rows -----------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def test_every_blocking_gives_the_same_bits(kernels, set_blocking, ggml_type, ro
 
 def test_sizes_come_from_the_caches_unless_set(kernels, set_blocking):
     panel, chunk = sizes(kernels, 2048, 4096, 2)
-    assert 16 <= panel <= 256 and panel % 16 == 0 and chunk == 2048      # whole rows by default
+    assert 16 <= panel <= 256 and panel % 16 == 0 and chunk in (2048, 1024, 512)   # whole rows or as measured
     assert sizes(kernels, 2048, 4096, 64)[0] == 16                         # at least PANELS_PER_THREAD tasks a thread
     assert sizes(kernels, 512, 4096, 2)[0] >= panel                        # shorter rows, more of them
     set_blocking(30, 100)

@@ -62,6 +62,7 @@ int moe_matmul(const struct moe_matrix* matrices, int64_t n_matrices, const floa
     threads = threads_for(threads, (double)n_tokens * job.width * cols, weight_bytes);
     lock_kernels();
     job.isa = current_isa();
+    if (n_tokens > job.isa->fused_tokens) measure_chunk(job.isa, cols);
     job.task_rows = n_tokens <= job.isa->fused_tokens ? split_rows(job.width, 1, threads, TASKS_PER_THREAD, TILE_ROWS)
                                                       : panel_rows(cols, job.width, threads);
     for (int i = 0; i < n_matrices; i++)

@@ -3,10 +3,14 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include "pool.h"
 
 #define ALIGN 64
+
+static size_t round_up(size_t bytes) { return (bytes + ALIGN - 1) / ALIGN * ALIGN; }
 
 static pthread_mutex_t kernels_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -95,7 +99,77 @@ int64_t panel_rows(int64_t n, int64_t rows, int threads) {
     return panel < FEWEST_PANEL_ROWS ? FEWEST_PANEL_ROWS : panel > MOST_PANEL_ROWS ? MOST_PANEL_ROWS : panel;
 }
 
-int64_t chunk_values(int64_t n) { return fixed.chunk && fixed.chunk < n ? fixed.chunk : n; }
+// The chunk of each row width, measured on this CPU the first time a product of that width
+// runs as panels: whether a block of tokens' activations kept in L1 pays for the sums' loads and
+// stores depends on the core (work.h). A panel of zeros of the rows panel_rows gives that width
+// times CALIBRATION_TOKENS tokens, whole rows and each candidate chunk in turn for
+// CALIBRATION_ROUNDS rounds after one untimed pass, the fastest pass of each; a chunk must be
+// faster than whole rows by CHUNK_GAIN to be taken.
+#define CHUNK_WIDTHS 16          // widths measured at most (past them: whole rows)
+#define CALIBRATION_TOKENS 192
+#define CALIBRATION_ROUNDS 5
+#define CHUNK_GAIN 0.95
+static const int64_t CHUNK_CANDIDATES[] = {1024, 512};
+static struct { int64_t n, chunk; } measured[CHUNK_WIDTHS];
+static int n_measured;
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static double pass_seconds(const struct isa_kernels* isa, const struct panel* p, const int64_t* tokens) {
+    double start = now_seconds();
+    isa->multiply(p, tokens, CALIBRATION_TOKENS);
+    return now_seconds() - start;
+}
+
+static int64_t fastest_chunk(const struct isa_kernels* isa, int64_t n) {
+    int64_t rows = panel_rows(n, MOST_PANEL_ROWS, 1);
+    size_t panel = (size_t)rows * n, x = (size_t)CALIBRATION_TOKENS * n;
+    size_t sums = rows / TILE_ROWS * TILE_SUMS, out = (size_t)CALIBRATION_TOKENS * rows;
+    size_t bytes = round_up((panel + x + sums + out) * sizeof(float));
+    float* memory = aligned_alloc(ALIGN, bytes);
+    if (!memory) return n;
+    memset(memory, 0, bytes);                            // written: pages of their own, not the zero page
+    int64_t tokens[CALIBRATION_TOKENS];
+    for (int t = 0; t < CALIBRATION_TOKENS; t++) tokens[t] = t;
+    struct panel p = {.w = memory, .rows = rows, .x = memory + panel, .n = n, .chunk = n,
+                      .sums = memory + panel + x, .out = memory + panel + x + sums, .stride = rows};
+    int64_t chunks[] = {n, CHUNK_CANDIDATES[0], CHUNK_CANDIDATES[1]};
+    double best[3] = {1e30, 1e30, 1e30};
+    pass_seconds(isa, &p, tokens);                       // the caches and the clock warmed up
+    for (int round = 0; round < CALIBRATION_ROUNDS; round++)       // the candidates in turn, each round
+        for (int i = 0; i < 3; i++) {
+            if (chunks[i] > n) continue;
+            p.chunk = chunks[i];
+            double took = pass_seconds(isa, &p, tokens);
+            if (took < best[i]) best[i] = took;
+        }
+    free(memory);
+    int64_t chunk = n;
+    double fastest = best[0] * CHUNK_GAIN;
+    for (int i = 1; i < 3; i++)
+        if (chunks[i] < n && best[i] < fastest) fastest = best[i], chunk = chunks[i];
+    return chunk;
+}
+
+void measure_chunk(const struct isa_kernels* isa, int64_t n) {
+    if (fixed.chunk) return;
+    for (int i = 0; i < n_measured; i++)
+        if (measured[i].n == n) return;
+    if (n_measured == CHUNK_WIDTHS) return;
+    measured[n_measured].chunk = fastest_chunk(isa, n);
+    measured[n_measured++].n = n;
+}
+
+int64_t chunk_values(int64_t n) {
+    if (fixed.chunk) return fixed.chunk < n ? fixed.chunk : n;
+    for (int i = 0; i < n_measured; i++)
+        if (measured[i].n == n) return measured[i].chunk;
+    return n;
+}
 
 void moe_set_blocking(int64_t rows, int64_t chunk) {
     fixed.panel_rows = rows > 0 ? (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS : 0;
@@ -103,13 +177,15 @@ void moe_set_blocking(int64_t rows, int64_t chunk) {
 }
 
 void moe_blocking(int64_t n, int64_t rows, int threads, int64_t* panel, int64_t* chunk) {
+    lock_kernels();
+    measure_chunk(current_isa(), n);
     *panel = panel_rows(n, rows, threads);
     *chunk = chunk_values(n);
+    unlock_kernels();
 }
 
 // ---- memory -----------------------------------------------------------------------------------
 
-static size_t round_up(size_t bytes) { return (bytes + ALIGN - 1) / ALIGN * ALIGN; }
 
 void* workspace(int slot, size_t bytes) {
     static struct { void* data; size_t bytes; } buffers[N_SLOTS];

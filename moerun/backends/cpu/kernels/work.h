@@ -53,14 +53,17 @@ void tile_product(const struct isa_kernels* isa, const struct moe_matrix* m, int
 // for tiles alone). A block of tokens may go over the panel a chunk of values at a time, so
 // that the block's activations of one chunk stay in L1 while every tile of the panel reads
 // them; each tile then keeps its sums in memory between chunks. Panels come from this CPU's L2
-// unless moe_set_blocking set their rows; rows are whole unless it set a chunk (on 2 Zen 4
-// cores chunks only cost: about 100 cycles a tile's pass, -12% at 512 values, -25% at 256).
-// The results do not depend on either.
+// unless moe_set_blocking set their rows; the chunk is measured on this CPU for each row width
+// (measure_chunk, under the kernels' lock, before a job's panels) unless it set one: on 2 Zen 4
+// cores chunks only cost (about 100 cycles a tile's pass, -12% at 512 values, -25% at 256), on
+// an AVX-512 Xeon VM 1024 values ran 23% faster. The results do not depend on either.
 //   panel_rows(n, rows, threads): rows of n values a task dequantizes, out of `rows` (fewer
 //                                 where there would be under PANELS_PER_THREAD tasks a thread)
+//   measure_chunk(isa, n): times whole rows against chunks of 1024 and 512 values, once per n
 //   chunk_values(n): values of a row of n per pass over a panel (n, or a multiple of 16)
 #define PANELS_PER_THREAD 4
 int64_t panel_rows(int64_t n, int64_t rows, int threads);
+void measure_chunk(const struct isa_kernels* isa, int64_t n);
 int64_t chunk_values(int64_t n);
 // For benchmarks and tests: fixed sizes (0: from the caches), and the sizes a product of
 // `rows` rows of n values on `threads` threads uses.

@@ -109,7 +109,6 @@ int64_t panel_rows(int64_t n, int64_t rows, int threads) {
 #define CALIBRATION_TOKENS 192
 #define CALIBRATION_ROUNDS 5
 #define CHUNK_GAIN 0.95
-static const int64_t CHUNK_CANDIDATES[] = {1024, 512};
 static struct { int64_t n, chunk; } measured[CHUNK_WIDTHS];
 static int n_measured;
 
@@ -126,7 +125,7 @@ static double pass_seconds(const struct isa_kernels* isa, const struct panel* p,
 }
 
 static int64_t fastest_chunk(const struct isa_kernels* isa, int64_t n) {
-    int64_t rows = panel_rows(n, MOST_PANEL_ROWS, 1);
+    int64_t rows = panel_rows(n, MOST_PANEL_ROWS * PANELS_PER_THREAD, 1);     // a large matrix's panel
     size_t panel = (size_t)rows * n, x = (size_t)CALIBRATION_TOKENS * n;
     size_t sums = rows / TILE_ROWS * TILE_SUMS, out = (size_t)CALIBRATION_TOKENS * rows;
     size_t bytes = round_up((panel + x + sums + out) * sizeof(float));
@@ -137,12 +136,13 @@ static int64_t fastest_chunk(const struct isa_kernels* isa, int64_t n) {
     for (int t = 0; t < CALIBRATION_TOKENS; t++) tokens[t] = t;
     struct panel p = {.w = memory, .rows = rows, .x = memory + panel, .n = n, .chunk = n,
                       .sums = memory + panel + x, .out = memory + panel + x + sums, .stride = rows};
-    int64_t chunks[] = {n, CHUNK_CANDIDATES[0], CHUNK_CANDIDATES[1]};
-    double best[3] = {1e30, 1e30, 1e30};
+    enum { CANDIDATES = 3 };
+    const int64_t chunks[CANDIDATES] = {n, 1024, 512};   // whole rows, then the chunks shorter than them
+    double best[CANDIDATES] = {1e30, 1e30, 1e30};
     pass_seconds(isa, &p, tokens);                       // the caches and the clock warmed up
     for (int round = 0; round < CALIBRATION_ROUNDS; round++)       // the candidates in turn, each round
-        for (int i = 0; i < 3; i++) {
-            if (chunks[i] > n) continue;
+        for (int i = 0; i < CANDIDATES; i++) {
+            if (i > 0 && chunks[i] >= n) continue;
             p.chunk = chunks[i];
             double took = pass_seconds(isa, &p, tokens);
             if (took < best[i]) best[i] = took;
@@ -150,8 +150,8 @@ static int64_t fastest_chunk(const struct isa_kernels* isa, int64_t n) {
     free(memory);
     int64_t chunk = n;
     double fastest = best[0] * CHUNK_GAIN;
-    for (int i = 1; i < 3; i++)
-        if (chunks[i] < n && best[i] < fastest) fastest = best[i], chunk = chunks[i];
+    for (int i = 1; i < CANDIDATES; i++)
+        if (best[i] < fastest) fastest = best[i], chunk = chunks[i];
     return chunk;
 }
 
@@ -185,7 +185,6 @@ void moe_blocking(int64_t n, int64_t rows, int threads, int64_t* panel, int64_t*
 }
 
 // ---- memory -----------------------------------------------------------------------------------
-
 
 void* workspace(int slot, size_t bytes) {
     static struct { void* data; size_t bytes; } buffers[N_SLOTS];

@@ -183,6 +183,11 @@ class NumpyBackend:
             start += weight.shape[0]
         return tuple(parts)
 
+    def swiglu_ffn(self, x: np.ndarray, ffn: tuple, residual: np.ndarray | None = None) -> np.ndarray:
+        """down · (silu(gate · x) · up · x) (+ residual): gate and up in one call of the kernels"""
+        gate, up, down = ffn
+        return self.linear(self.silu_mul(*self.linears(x, (gate, up), (None, None))), down, residual=residual)
+
     def rope_append(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray | None,
                     k_norm: np.ndarray | None, cache: PagedKVCache, layer: int, positions: np.ndarray) -> np.ndarray:
         """Per-head norm (when given) and rope on q [T, NH*D] and k; k and v appended to

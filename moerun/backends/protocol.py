@@ -122,6 +122,10 @@ class Backend(Protocol):
         """x through each weight (+ its bias), as linear does: q, k and v, in one launch where it
         can; with `norm`, rms_norm(x, norm) through them (a GPU folds the norm into the product)."""
 
+    def swiglu_ffn(self, x: Array, ffn: tuple[Any, Any, Any], residual: Array | None = None) -> Array:
+        """A SwiGLU FFN (gate [F, H], up [F, H], down [H, F]): down · (silu(gate · x) · up · x)
+        (+ residual [T, H]) -> [T, H]; a shared expert, a dense layer's FFN."""
+
     def rope_append(self, q: Array, k: Array, v: Array, q_norm: Array | None, k_norm: Array | None,
                     cache: KVCache, layer: int, positions: Array) -> Array:
         """Per-head q/k norm (when given) and rope; k and v appended to the cache -> rotated q."""

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moerun.models.layer_weights import FFNWeights, LayerWeights
+from moerun.models.layer_weights import LayerWeights
 from moerun.models.spec import ModelSpec
 
 
@@ -99,7 +99,7 @@ def delta_net(step: Step, i: int, w: LayerWeights, x: Any) -> Any:
 def dense_ffn(step: Step, w: LayerWeights, x: Any) -> Any:
     """A dense layer's SwiGLU FFN of rms_norm(x, ffn_norm)."""
     h = step.backend.rms_norm(x, w.ffn_norm)
-    return step.backend.linear(_swiglu(step, h, w.ffn_dense), w.ffn_dense[2], residual=x)   # [T, H]
+    return step.backend.swiglu_ffn(h, w.ffn_dense, residual=x)                       # [T, H]
 
 
 def feed_forward(step: Step, i: int, w: LayerWeights, x: Any, experts: Callable[..., Any]) -> Any:
@@ -122,11 +122,10 @@ def routed_and_shared_experts(step: Step, i: int, w: LayerWeights, x: Any) -> An
     the routed experts' cold work is on its way to the daemons."""
     backend = step.backend
     h, ids, weights = _route(step, i, w, x)
-    pending = step.executor.begin(i, h, ids, weights)
-    shared = backend.linear(_swiglu(step, h, w.ffn_shexp), w.ffn_shexp[2])            # [T, H]
-    routed = pending.finish()                                                          # [T, H]
+    pending = step.executor.begin(i, h, ids, weights, residual=x)
+    shared = backend.swiglu_ffn(h, w.ffn_shexp)                                        # [T, H]
     gate = None if w.ffn_gate_inp_shexp is None else backend.linear(h, w.ffn_gate_inp_shexp)   # [T, 1]
-    return backend.add(x, backend.add(routed, shared, gate))
+    return backend.add(pending.finish(), shared, gate)
 
 
 def _route(step: Step, i: int, w: LayerWeights, x: Any) -> tuple[Any, Any, Any]:
@@ -136,8 +135,3 @@ def _route(step: Step, i: int, w: LayerWeights, x: Any) -> tuple[Any, Any, Any]:
     if step.routing is not None:
         step.routing.add(i, step.backend.to_host(ids))
     return h, ids, weights
-
-
-def _swiglu(step: Step, h: Any, ffn: FFNWeights) -> Any:
-    gate, up, _ = ffn
-    return step.backend.silu_mul(step.backend.linear(h, gate), step.backend.linear(h, up))

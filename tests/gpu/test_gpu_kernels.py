@@ -192,6 +192,37 @@ def check_experts(types: tuple[T, T], n_tokens: int, hidden: int, ffn: int) -> N
         assert relative_error(got, expected(quantized=False)) < 1e-5
 
 
+SWIGLU_SHAPES = [   # (hidden, ffn, gate/up type, down type): shared experts wider than the routed ones' 128
+    (3584, 2560, T.Q4_K, T.Q6_K),    # Qwen2-57B's shared expert at an eighth of its 20,480 rows
+    (768, 512, T.Q8_0, T.Q5_0),
+    (256, 1024, T.Q5_K, T.F16),      # a float down: the products at one token too
+]
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3])
+@pytest.mark.parametrize("hidden, ffn, gate_up_type, down_type", SWIGLU_SHAPES,
+                         ids=lambda value: value.name if isinstance(value, T) else None)
+def test_swiglu_ffn_matches_numpy(hidden, ffn, gate_up_type, down_type, n_tokens):
+    """A SwiGLU FFN (shared expert, dense layer) whose width is not the routed experts': one token
+    of quantized matrices through the experts' kernels as a stack of one, else the products; the
+    residual added by the last kernel."""
+    from moerun.backends import open_backend
+    spec = small_spec(hidden=hidden, expert_ff=128)
+    backend = open_backend(gpu_device(), spec)
+    rng = np.random.default_rng()
+    (gate, gate_ref), (up, up_ref) = (expert_stack(backend, gate_up_type, 1, ffn, hidden, rng) for _ in range(2))
+    down, down_ref = expert_stack(backend, down_type, 1, hidden, ffn, rng)
+    x = rng.normal(size=(n_tokens, hidden)).astype(np.float32)
+    residual = rng.normal(size=(n_tokens, hidden)).astype(np.float32)
+    cupy = backend.device.cupy
+    got = backend.swiglu_ffn(cupy.asarray(x), (gate, up, down)).get()
+    with_residual = backend.swiglu_ffn(cupy.asarray(x), (gate, up, down), residual=cupy.asarray(residual)).get()
+    np.testing.assert_allclose(with_residual, residual + got, rtol=1e-6, atol=1e-6 * np.abs(got).max())
+    g, u = x @ gate_ref[0].T, x @ up_ref[0].T
+    exact = (g / (1 + np.exp(-g)) * u) @ down_ref[0].T
+    assert 0 < relative_error(got, exact) < Q8_BOUND                 # gate/up's activations in 8-bit planes
+
+
 @pytest.mark.parametrize("ggml_type", [T.Q6_K, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows, cols", [(1001, 2048), (333, 3584), (130, 4096)])
 def test_one_token_gemv_at_model_widths(backend, ggml_type, rows, cols):

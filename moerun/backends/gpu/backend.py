@@ -35,7 +35,7 @@ from moerun.backends.gpu.constants import (
     UNIT,
 )
 from moerun.backends.gpu.device import GpuDevice
-from moerun.backends.gpu.experts import GpuExperts, load_experts
+from moerun.backends.gpu.experts import GpuExperts, LayerExperts, load_experts
 from moerun.backends.gpu.graphs import GraphCache
 from moerun.backends.gpu.library import (
     BLOCK,
@@ -191,6 +191,10 @@ class GpuBackend:
         if spec.n_experts > MAX_EXPERTS or spec.n_experts_used > MAX_TOP_K:
             raise UsageError(f"{spec.n_experts} experts, {spec.n_experts_used} per token: the GPU backend routes "
                              f"at most {MAX_EXPERTS} experts, {MAX_TOP_K} per token")
+        # one token's SwiGLU FFN as a stack of one expert through the routed experts' kernels: its
+        # id and weight
+        self._one_expert = GpuExperts(self, spec, {})
+        self._expert_zero, self._weight_one = cupy.zeros((1, 1), cupy.int32), cupy.ones((1, 1), cupy.float32)
 
     # -- loading
     def begin_loading(self, gguf: GGUFFile) -> None:
@@ -384,6 +388,19 @@ class GpuBackend:
             if bias is not None:
                 y += bias
         return outs
+
+    def swiglu_ffn(self, x: Any, ffn: tuple[DeviceMatrix, DeviceMatrix, DeviceMatrix],
+                   residual: Any | None = None) -> Any:
+        """down · (silu(gate · x) · up · x) (+ residual) [T, H]. One token of quantized matrices:
+        the FFN as a stack of one expert through the routed experts' two kernels (gate/up writing
+        the activations in 8-bit planes, down adding the residual), where the products would take
+        five launches and read the 20,480 rows of Qwen2-57B's shared expert at ~2 TB/s
+        (docs/benchmarks.md); a few tokens read each matrix once for all of them in the products."""
+        gate, up, down = ffn
+        if x.shape[0] == 1 and gate.kind == up.kind and {gate.kind, down.kind} <= set(INT_KINDS):
+            return self._one_expert.compute_with(LayerExperts(gate, up, 0, down), x, self._expert_zero,
+                                                 self._weight_one, residual=residual)
+        return self.linear(self.silu_mul(*self.linears(x, (gate, up), (None, None))), down, residual=residual)
 
     def rope_append(self, q: Any, k: Any, v: Any, q_norm: Any | None, k_norm: Any | None,
                     cache: GpuKVCache, layer: int, positions: Any) -> Any:

@@ -36,7 +36,7 @@ from moerun.models.spec import ModelSpec
 GATE_UP_GROUP = 16            # threads sharing a row of the quantized gate/up kernel (32 rows a block)
 DOWN_WARPS = 8                # most warps of the quantized down kernel (one per expert slot)
 LONG_DOWN_UNITS = 256         # down rows of at least this many units: 4 rows per group of a whole warp
-TILE_SHAPES = {32: 64, 64: 64, 128: 32}   # rows per tile of an expert's tokens -> output columns per
+TILE_SHAPES = {32: 64, 64: 64, 128: 64}   # rows per tile of an expert's tokens -> output columns per
                                           # block of its products (TileShape in moe_mm.cu)
 
 
@@ -126,7 +126,7 @@ class GpuExperts:
         backend, spec = self.backend, self.spec
         cupy, kernels = backend.device.cupy, backend.device.kernels
         n_tokens, top_k = ids.shape
-        hidden, ffn = spec.hidden, spec.expert_ff
+        hidden, ffn = spec.hidden, experts.down.cols
         stack, down = experts.gate_up, experts.down
         out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out    # [T, H]
         if stack.kind in INT_KINDS and down.kind in INT_KINDS:
@@ -167,7 +167,7 @@ class GpuExperts:
         backend, spec = self.backend, self.spec
         cupy, kernels = backend.device.cupy, backend.device.kernels
         n_tokens, top_k = ids.shape
-        hidden, ffn = spec.hidden, spec.expert_ff
+        hidden, ffn = spec.hidden, experts.down.cols
         stack, down = experts.gate_up, experts.down
         rows = tile_rows(ids.size, down.experts)
         columns = TILE_SHAPES[rows]

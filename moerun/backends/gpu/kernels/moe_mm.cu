@@ -7,8 +7,7 @@
 //
 // Three tile shapes (TILE_SHAPES in experts.py): tiles of more rows dequantize each weight
 // for more tokens (Mixtral's 8 experts get ~128 rows each of a 512-token chunk; Qwen3's 128
-// experts ~32), and take fewer output columns and a shallower stage to stay in 48 KB of
-// shared memory.
+// experts ~32), and a shallower stage to stay in 48 KB of shared memory.
 // Shape legend: R rows of the tiles, K shared width, N output columns (weight rows).
 #include "quant_blocks.cuh"
 
@@ -17,7 +16,7 @@ static_assert(MM_THREADS == 128, "the tile shapes are laid out for four warps");
 template <int Rows> struct TileShape;
 template <> struct TileShape<32> { static constexpr int cols = 64, depth = 128; };
 template <> struct TileShape<64> { static constexpr int cols = 64, depth = 64; };
-template <> struct TileShape<128> { static constexpr int cols = 32, depth = 64; };
+template <> struct TileShape<128> { static constexpr int cols = 64, depth = 64; };
 
 template <int Rows> struct Tile {
     static constexpr int cols = TileShape<Rows>::cols;             // output columns per block
@@ -51,29 +50,37 @@ template <int Rows> struct TileAcc {
     }
 };
 
-__device__ __forceinline__ u32 pair_at(const __half* p) { return *reinterpret_cast<const u32*>(p); }
+// Four 8x8 f16 matrices from shared memory, one row address per lane (lanes 8m..8m+7: matrix m).
+__device__ __forceinline__ void load_matrices(const __half* row, u32& r0, u32& r1, u32& r2, u32& r3) {
+    unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(address));
+}
 
-// acc += a [Rows, depth] · w [cols, depth]ᵀ over one stage.
+// acc += a [Rows, depth] · w [cols, depth]ᵀ over one stage. The fragments come by ldmatrix: a's
+// four matrices of 16 rows by 16 k (rows l % 16, k 8 (l / 16) for lane l: a0..a3 as mma takes
+// them), w's of two 8-column groups by 16 k (columns 8 (l / 16) + l % 8, k 8 ((l / 8) % 2): b0,
+// b1 of group j, then of j + 1). Rows of ld halves (144 bytes) keep the eight rows of a matrix on
+// distinct banks.
 template <int Rows>
 __device__ __forceinline__ void acc_stage(TileAcc<Rows>& acc, const __half* a, const __half* w) {
     using T = Tile<Rows>;
     constexpr int J = TileAcc<Rows>::J;
-    int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, row0, column0;
+    static_assert(J % 2 == 0, "w's fragments come two column groups at a time");
+    int lane = threadIdx.x % 32, row0, column0;
     TileAcc<Rows>::origin(row0, column0);
+    const __half* a_lane = a + (row0 + lane % 16) * T::ld + 8 * (lane / 16);
+    const __half* w_lane = w + (column0 + 8 * (lane / 16) + lane % 8) * T::ld + 8 * ((lane / 8) % 2);
 #pragma unroll
     for (int k = 0; k < T::depth; k += 16) {
         u32 b[J][2];
 #pragma unroll
-        for (int j = 0; j < J; j++) {
-            const __half* row = w + (column0 + 8 * j + g) * T::ld + k + 2 * t;
-            b[j][0] = pair_at(row);
-            b[j][1] = pair_at(row + 8);
-        }
+        for (int j = 0; j < J; j += 2)
+            load_matrices(w_lane + 8 * j * T::ld + k, b[j][0], b[j][1], b[j + 1][0], b[j + 1][1]);
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const __half* top = a + (row0 + 16 * i + g) * T::ld + k + 2 * t;
-            const __half* bottom = top + 8 * T::ld;
-            u32 a0 = pair_at(top), a1 = pair_at(bottom), a2 = pair_at(top + 8), a3 = pair_at(bottom + 8);
+            u32 a0, a1, a2, a3;
+            load_matrices(a_lane + 16 * i * T::ld + k, a0, a1, a2, a3);
 #pragma unroll
             for (int j = 0; j < J; j++) {
                 float* c = acc.v + 4 * (i * J + j);

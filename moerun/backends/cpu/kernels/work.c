@@ -155,20 +155,23 @@ static int64_t fastest_chunk(const struct isa_kernels* isa, int64_t n) {
     return chunk;
 }
 
-void measure_chunk(const struct isa_kernels* isa, int64_t n) {
-    if (fixed.chunk) return;
+// The entry of width n in `measured`, or -1.
+static int measured_index(int64_t n) {
     for (int i = 0; i < n_measured; i++)
-        if (measured[i].n == n) return;
-    if (n_measured == CHUNK_WIDTHS) return;
+        if (measured[i].n == n) return i;
+    return -1;
+}
+
+void measure_chunk(const struct isa_kernels* isa, int64_t n) {
+    if (fixed.chunk || measured_index(n) >= 0 || n_measured == CHUNK_WIDTHS) return;
     measured[n_measured].chunk = fastest_chunk(isa, n);
     measured[n_measured++].n = n;
 }
 
 int64_t chunk_values(int64_t n) {
     if (fixed.chunk) return fixed.chunk < n ? fixed.chunk : n;
-    for (int i = 0; i < n_measured; i++)
-        if (measured[i].n == n) return measured[i].chunk;
-    return n;
+    int i = measured_index(n);
+    return i < 0 ? n : measured[i].chunk;
 }
 
 void moe_set_blocking(int64_t rows, int64_t chunk) {

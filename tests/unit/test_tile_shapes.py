@@ -24,8 +24,9 @@ def test_tile_rows_from_the_average_load(n_pairs, n_experts, rows):
 
 def test_the_kernels_define_every_tile_shape():
     source = (KERNEL_DIR / "moe_mm.cu").read_text()
-    shapes = {int(rows): int(cols) for rows, cols in
-              re.findall(r"struct TileShape<(\d+)> \{ static constexpr int cols = (\d+)", source)}
+    shapes = {int(rows): (int(cols), int(warps)) for rows, cols, warps in
+              re.findall(r"struct TileShape<(\d+)> \{ static constexpr int cols = (\d+), depth = \d+, warps = (\d+)",
+                         source)}
     assert shapes == TILE_SHAPES
     defined = re.search(r"#define DEFINE_MOE_MM\(TYPE\) (.*)", source).group(1)
     rows = sorted(int(rows) for rows in re.findall(r"DEFINE_MOE_MM_ROWS\(TYPE, (\d+)\)", defined))

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from moerun.backends.gpu.constants import MAX_EXPERTS, MAX_GEMV_TOKENS, MAX_TOP_K, MM_THREADS, UNIT
+from moerun.backends.gpu.constants import MAX_EXPERTS, MAX_GEMV_TOKENS, MAX_TOP_K, UNIT
 from moerun.backends.gpu.library import (
     BLOCK,
     FULL_OCCUPANCY_BYTES,
@@ -36,8 +36,8 @@ from moerun.models.spec import ModelSpec
 GATE_UP_GROUP = 16            # threads sharing a row of the quantized gate/up kernel (32 rows a block)
 DOWN_WARPS = 8                # most warps of the quantized down kernel (one per expert slot)
 LONG_DOWN_UNITS = 256         # down rows of at least this many units: 4 rows per group of a whole warp
-TILE_SHAPES = {32: 64, 64: 64, 128: 64}   # rows per tile of an expert's tokens -> output columns per
-                                          # block of its products (TileShape in moe_mm.cu)
+TILE_SHAPES = {32: (64, 4), 64: (64, 4), 128: (64, 8)}   # rows per tile of an expert's tokens -> output
+                                                         # columns and warps of a block (TileShape in moe_mm.cu)
 
 
 @dataclass
@@ -170,17 +170,17 @@ class GpuExperts:
         hidden, ffn = spec.hidden, experts.down.cols
         stack, down = experts.gate_up, experts.down
         rows = tile_rows(ids.size, down.experts)
-        columns = TILE_SHAPES[rows]
+        columns, warps = TILE_SHAPES[rows]
         layout = TileLayout(backend, ids, down.experts, rows)
         xg = cupy.empty((layout.max_rows, hidden), cupy.float16)                     # [R, H]
         kernels.elementwise("gather_rows_f16", xg.size // 8, (x, layout.token_rows, np.int32(hidden),
                                                               np.int64(layout.max_rows), xg))
         act = cupy.empty((layout.max_rows, ffn), cupy.float16)                       # [R, F]
-        kernels.launch(f"moe_mm_gate_up_{stack.kind}_r{rows}", (-(-ffn // columns), layout.max_tiles), (MM_THREADS,), (
+        kernels.launch(f"moe_mm_gate_up_{stack.kind}_r{rows}", (-(-ffn // columns), layout.max_tiles), (32 * warps,), (
             stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xg, np.int32(hidden),
             layout.tile_expert, layout.tile_row, np.int32(ffn), act))
         rows_out = cupy.empty((layout.max_rows, hidden), cupy.float32)               # [R, H]
-        kernels.launch(f"moe_mm_down_{down.kind}_r{rows}", (-(-hidden // columns), layout.max_tiles), (MM_THREADS,), (
+        kernels.launch(f"moe_mm_down_{down.kind}_r{rows}", (-(-hidden // columns), layout.max_tiles), (32 * warps,), (
             down.data, np.int64(down.expert_bytes), np.int64(down.row_bytes), act, np.int32(ffn),
             layout.tile_expert, layout.tile_row, np.int32(hidden), rows_out))
         out = cupy.empty((n_tokens, hidden), cupy.float32) if out is None else out

@@ -7,7 +7,7 @@
 // The numbers the launching Python agrees on (UNIT, MAX_GEMV_TOKENS, MAX_EXPERTS, MAX_TOP_K, ...) come
 // as -D defines from moerun/backends/gpu/constants.py, the one place they are written.
 #if !defined(UNIT) || !defined(MAX_GEMV_TOKENS) || !defined(MAX_EXPERTS) || !defined(MAX_TOP_K) || \
-    !defined(ROUTE_VALUES) || !defined(NORM_VALUES) || !defined(MM_THREADS) || !defined(DAEMON_WORDS) || \
+    !defined(ROUTE_VALUES) || !defined(NORM_VALUES) || !defined(DAEMON_WORDS) || \
     !defined(MAX_KEY_DIM) || !defined(MAX_CONV_WIDTH) || !defined(DELTA_COLUMNS) || !defined(DELTA_GROUPS) || \
     !defined(ATTENTION_THREADS)
 #error "build the kernels with the defines of moerun/backends/gpu/constants.py (defines())"

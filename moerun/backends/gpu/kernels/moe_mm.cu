@@ -7,23 +7,28 @@
 //
 // Three tile shapes (TILE_SHAPES in experts.py): tiles of more rows dequantize each weight
 // for more tokens (Mixtral's 8 experts get ~128 rows each of a 512-token chunk; Qwen3's 128
-// experts ~32), and a shallower stage to stay in 48 KB of shared memory.
+// experts ~32), and a shallower stage to stay in 48 KB of shared memory. Tiles of 128 rows take
+// eight warps, two blocks a multiprocessor (gate and up's sums in four warps took 234 registers a
+// thread: one block of four warps a scheduler pair); the others four.
+// Each stage's activations come by asynchronous copies while its weights are dequantized.
 // Shape legend: R rows of the tiles, K shared width, N output columns (weight rows).
 #include "quant_blocks.cuh"
-
-static_assert(MM_THREADS == 128, "the tile shapes are laid out for four warps");
+#include "staging.cuh"
 
 template <int Rows> struct TileShape;
-template <> struct TileShape<32> { static constexpr int cols = 64, depth = 128; };
-template <> struct TileShape<64> { static constexpr int cols = 64, depth = 64; };
-template <> struct TileShape<128> { static constexpr int cols = 64, depth = 64; };
+template <> struct TileShape<32> { static constexpr int cols = 64, depth = 128, warps = 4, blocks = 5; };
+template <> struct TileShape<64> { static constexpr int cols = 64, depth = 64, warps = 4, blocks = 3; };
+template <> struct TileShape<128> { static constexpr int cols = 64, depth = 64, warps = 8, blocks = 2; };
 
 template <int Rows> struct Tile {
     static constexpr int cols = TileShape<Rows>::cols;             // output columns per block
     static constexpr int depth = TileShape<Rows>::depth;           // k per stage, whole units
+    static constexpr int warps = TileShape<Rows>::warps;
+    static constexpr int threads = 32 * warps;
+    static constexpr int blocks = TileShape<Rows>::blocks;         // resident a multiprocessor, at least
     static constexpr int ld = depth + 8;                           // halves per staged row (padded)
     static constexpr int row_warps = Rows / 32;                    // warps stacked over the rows
-    static constexpr int warp_cols = cols * row_warps / (MM_THREADS / 32);   // columns a warp owns
+    static constexpr int warp_cols = cols * row_warps / warps;     // columns a warp owns
 };
 
 #if !defined(__HIP_PLATFORM_AMD__) && !defined(__HIPCC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -37,7 +42,7 @@ template <int Rows> struct TileAcc {
     float v[2 * pairs];
 
     __device__ __forceinline__ static void origin(int& row, int& column) {
-        int warp = threadIdx.x / 32, column_warps = (MM_THREADS / 32) / Tile<Rows>::row_warps;
+        int warp = threadIdx.x / 32, column_warps = Tile<Rows>::warps / Tile<Rows>::row_warps;
         row = (warp / column_warps) * 32;
         column = (warp % column_warps) * Tile<Rows>::warp_cols;
     }
@@ -94,9 +99,9 @@ __device__ __forceinline__ void acc_stage(TileAcc<Rows>& acc, const __half* a, c
 }
 #else
 // Thread t owns 16 columns of Rows / passes rows: column 16 (t % C) of row t / C + passes · r,
-// C = cols / 16 threads per row, passes = MM_THREADS / C. Pair q: row q / 8, columns 2 (q % 8).
+// C = cols / 16 threads per row, passes = threads / C. Pair q: row q / 8, columns 2 (q % 8).
 template <int Rows> struct TileAcc {
-    static constexpr int per_row = Tile<Rows>::cols / 16, passes = MM_THREADS / per_row;
+    static constexpr int per_row = Tile<Rows>::cols / 16, passes = Tile<Rows>::threads / per_row;
     static constexpr int pairs = 8 * Rows / passes;
     float v[2 * pairs];
 
@@ -122,16 +127,17 @@ __device__ __forceinline__ void acc_stage(TileAcc<Rows>& acc, const __half* a, c
 }
 #endif
 
-// Rows k0..k0+depth of the tile's Rows rows (f16 [Rows, k]) into a; zeros past k.
+// Rows k0..k0+depth of the tile's Rows rows (f16 [Rows, k]) into a by asynchronous copies
+// (landed after wait_copies); zeros past k.
 template <int Rows>
-__device__ __forceinline__ void stage_rows(const __half* tile, int k, int k0, __half* a) {
+__device__ __forceinline__ void stage_tile_rows(const __half* tile, int k, int k0, __half* a) {
     using T = Tile<Rows>;
     constexpr int chunks = T::depth / 8;                              // 16-byte pieces per row
-    for (int i = threadIdx.x; i < Rows * chunks; i += MM_THREADS) {
+    for (int i = threadIdx.x; i < Rows * chunks; i += T::threads) {
         int row = i / chunks, column = (i % chunks) * 8;
-        uint4 value = make_uint4(0, 0, 0, 0);
-        if (k0 + column < k) value = *reinterpret_cast<const uint4*>(tile + (long long)row * k + k0 + column);
-        *reinterpret_cast<uint4*>(a + row * T::ld + column) = value;
+        __half* dst = a + row * T::ld + column;
+        if (k0 + column < k) copy_16_async(dst, tile + (long long)row * k + k0 + column);
+        else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -143,7 +149,7 @@ __device__ __forceinline__ void stage_weights(const u8* const* stacks, long long
                                               int units_per_row, __half* w) {
     using T = Tile<Rows>;
     constexpr int units = T::depth / UNIT;
-    for (int i = threadIdx.x; i < Products * T::cols * units; i += MM_THREADS) {
+    for (int i = threadIdx.x; i < Products * T::cols * units; i += T::threads) {
         int product = i / (T::cols * units), row = (i / units) % T::cols, part = i % units;
         int unit = k0 / UNIT + part;
         float v[UNIT];
@@ -176,9 +182,11 @@ __device__ void moe_mm_tile(const u8* first, const u8* second, long long expert_
     TileAcc<Rows> acc[products];
     for (TileAcc<Rows>& part : acc)
         for (float& value : part.v) value = 0.f;
+    int units_per_row = k / UNIT;
     for (int k0 = 0; k0 < k; k0 += T::depth) {
-        stage_rows<Rows>(tile, k, k0, a);
-        stage_weights<Rows, products, Dequant>(stacks, row_bytes, n0, n, k0, k / UNIT, w);
+        stage_tile_rows<Rows>(tile, k, k0, a);
+        stage_weights<Rows, products, Dequant>(stacks, row_bytes, n0, n, k0, units_per_row, w);
+        wait_copies();
         __syncthreads();
 #pragma unroll
         for (int p = 0; p < products; p++) acc_stage<Rows>(acc[p], a, w + p * T::cols * T::ld);
@@ -203,7 +211,7 @@ __device__ void moe_mm_tile(const u8* first, const u8* second, long long expert_
 // gate and up (expert e's rows at gate / up + e · expert_bytes) with SwiGLU: act [R, n] f16;
 // down: out [R, n] f32. One pair of kernels per tile shape and stored type.
 #define DEFINE_MOE_MM_ROWS(TYPE, ROWS)                                                                         \
-    extern "C" __global__ void __launch_bounds__(MM_THREADS) moe_mm_gate_up_##TYPE##_r##ROWS(                  \
+    extern "C" __global__ void __launch_bounds__(Tile<ROWS>::threads, Tile<ROWS>::blocks) moe_mm_gate_up_##TYPE##_r##ROWS(                  \
         const u8* __restrict__ gate, const u8* __restrict__ up, long long expert_bytes, long long row_bytes,   \
         const __half* __restrict__ rows, int k, const int* __restrict__ tile_expert,                           \
         const int* __restrict__ tile_row, int n, __half* __restrict__ act) {                                   \
@@ -211,7 +219,7 @@ __device__ void moe_mm_tile(const u8* first, const u8* second, long long expert_
         moe_mm_tile<ROWS, dequant_unit_##TYPE, true>(gate, up, expert_bytes, row_bytes, rows, k, tile_expert,  \
                                                      tile_row, n, nullptr, act);                               \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(MM_THREADS) moe_mm_down_##TYPE##_r##ROWS(                     \
+    extern "C" __global__ void __launch_bounds__(Tile<ROWS>::threads, Tile<ROWS>::blocks) moe_mm_down_##TYPE##_r##ROWS(                     \
         const u8* __restrict__ down, long long expert_bytes, long long row_bytes,                              \
         const __half* __restrict__ rows, int k, const int* __restrict__ tile_expert,                           \
         const int* __restrict__ tile_row, int n, float* __restrict__ out) {                                    \

@@ -8,8 +8,9 @@
 // Three tile shapes (TILE_SHAPES in experts.py): tiles of more rows dequantize each weight
 // for more tokens (Mixtral's 8 experts get ~128 rows each of a 512-token chunk; Qwen3's 128
 // experts ~32), and a shallower stage to stay in 48 KB of shared memory. Tiles of 128 rows take
-// eight warps, two blocks a multiprocessor (gate and up's sums in four warps took 234 registers a
-// thread: one block of four warps a scheduler pair); the others four.
+// eight warps, two blocks a multiprocessor (in four warps gate and up's sums took 234 registers a
+// thread: one block a multiprocessor); the others four. `blocks` bounds the registers so that
+// that many blocks stay resident.
 // Each stage's activations come by asynchronous copies while its weights are dequantized.
 // Shape legend: R rows of the tiles, K shared width, N output columns (weight rows).
 #include "quant_blocks.cuh"
@@ -182,10 +183,9 @@ __device__ void moe_mm_tile(const u8* first, const u8* second, long long expert_
     TileAcc<Rows> acc[products];
     for (TileAcc<Rows>& part : acc)
         for (float& value : part.v) value = 0.f;
-    int units_per_row = k / UNIT;
     for (int k0 = 0; k0 < k; k0 += T::depth) {
         stage_tile_rows<Rows>(tile, k, k0, a);
-        stage_weights<Rows, products, Dequant>(stacks, row_bytes, n0, n, k0, units_per_row, w);
+        stage_weights<Rows, products, Dequant>(stacks, row_bytes, n0, n, k0, k / UNIT, w);
         wait_copies();
         __syncthreads();
 #pragma unroll
@@ -211,7 +211,8 @@ __device__ void moe_mm_tile(const u8* first, const u8* second, long long expert_
 // gate and up (expert e's rows at gate / up + e · expert_bytes) with SwiGLU: act [R, n] f16;
 // down: out [R, n] f32. One pair of kernels per tile shape and stored type.
 #define DEFINE_MOE_MM_ROWS(TYPE, ROWS)                                                                         \
-    extern "C" __global__ void __launch_bounds__(Tile<ROWS>::threads, Tile<ROWS>::blocks) moe_mm_gate_up_##TYPE##_r##ROWS(                  \
+    extern "C" __global__ void __launch_bounds__(Tile<ROWS>::threads, Tile<ROWS>::blocks)                      \
+    moe_mm_gate_up_##TYPE##_r##ROWS(                                                                           \
         const u8* __restrict__ gate, const u8* __restrict__ up, long long expert_bytes, long long row_bytes,   \
         const __half* __restrict__ rows, int k, const int* __restrict__ tile_expert,                           \
         const int* __restrict__ tile_row, int n, __half* __restrict__ act) {                                   \
@@ -219,7 +220,8 @@ __device__ void moe_mm_tile(const u8* first, const u8* second, long long expert_
         moe_mm_tile<ROWS, dequant_unit_##TYPE, true>(gate, up, expert_bytes, row_bytes, rows, k, tile_expert,  \
                                                      tile_row, n, nullptr, act);                               \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(Tile<ROWS>::threads, Tile<ROWS>::blocks) moe_mm_down_##TYPE##_r##ROWS(                     \
+    extern "C" __global__ void __launch_bounds__(Tile<ROWS>::threads, Tile<ROWS>::blocks)                      \
+    moe_mm_down_##TYPE##_r##ROWS(                                                                              \
         const u8* __restrict__ down, long long expert_bytes, long long row_bytes,                              \
         const __half* __restrict__ rows, int k, const int* __restrict__ tile_expert,                           \
         const int* __restrict__ tile_row, int n, float* __restrict__ out) {                                    \

@@ -52,7 +52,7 @@ from moerun.backends.numpy_ops import (
     silu,
     softplus,
 )
-from moerun.backends.protocol import CacheState, ContextFull, Forward
+from moerun.backends.protocol import CacheState, ContextFull, Forward, swiglu_by_products
 from moerun.errors import UsageError
 from moerun.gguf.quants import RowTable, T, row_ids, row_nbytes
 from moerun.gguf.reader import GGUFError, GGUFFile
@@ -185,8 +185,7 @@ class NumpyBackend:
 
     def swiglu_ffn(self, x: np.ndarray, ffn: tuple, residual: np.ndarray | None = None) -> np.ndarray:
         """down · (silu(gate · x) · up · x) (+ residual): gate and up in one call of the kernels"""
-        gate, up, down = ffn
-        return self.linear(self.silu_mul(*self.linears(x, (gate, up), (None, None))), down, residual=residual)
+        return swiglu_by_products(self, x, ffn, residual)
 
     def rope_append(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray | None,
                     k_norm: np.ndarray | None, cache: PagedKVCache, layer: int, positions: np.ndarray) -> np.ndarray:

@@ -153,3 +153,10 @@ class Backend(Protocol):
 
     def add(self, x: Array, y: Array, gate_logit: Array | None = None) -> Array:
         """x + y, or x + sigmoid(gate_logit [T, 1]) · y"""
+
+
+def swiglu_by_products(backend: Backend, x: Array, ffn: tuple[Any, Any, Any], residual: Array | None = None) -> Array:
+    """Backend.swiglu_ffn from the backend's products: gate and up in one linears call, SwiGLU, down
+    adding the residual."""
+    gate, up, down = ffn
+    return backend.linear(backend.silu_mul(*backend.linears(x, (gate, up), (None, None))), down, residual=residual)

@@ -50,7 +50,7 @@ from moerun.backends.gpu.library import (
 from moerun.backends.gpu.weights import DeviceMatrix, Uploader
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
-from moerun.backends.protocol import KV_DTYPES, CacheState, ContextFull, Forward
+from moerun.backends.protocol import KV_DTYPES, CacheState, ContextFull, Forward, swiglu_by_products
 from moerun.errors import UsageError
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
@@ -400,7 +400,7 @@ class GpuBackend:
         if x.shape[0] == 1 and gate.kind == up.kind and {gate.kind, down.kind} <= set(INT_KINDS):
             return self._one_expert.compute_with(LayerExperts(gate, up, 0, down), x, self._expert_zero,
                                                  self._weight_one, residual=residual)
-        return self.linear(self.silu_mul(*self.linears(x, (gate, up), (None, None))), down, residual=residual)
+        return swiglu_by_products(self, x, ffn, residual)
 
     def rope_append(self, q: Any, k: Any, v: Any, q_norm: Any | None, k_norm: Any | None,
                     cache: GpuKVCache, layer: int, positions: Any) -> Any:

@@ -1,9 +1,11 @@
 // Causal attention over the KV cache for a CPU parent: a prefill chunk by blocks of tokens
-// through the instruction set's float32 products, a few tokens one task per token and kv head,
-// their positions split over the threads where there are several. The same math as
-// moerun/backends/numpy_ops.py's causal_attention, in float32.
+// through the instruction set's float32 products, over the cache a block of KEY_BLOCK positions
+// at a time (the softmax kept running: no scores of the whole context in memory), a few tokens
+// one task per token and kv head, their positions split over the threads where there are
+// several. The same math as moerun/backends/numpy_ops.py's causal_attention, in float32.
 //
-// Shape legend: T tokens, S cached positions, NH/NKV heads, G = NH/NKV, D/Dv head dims.
+// Shape legend: T tokens, S cached positions, NH/NKV heads, G = NH/NKV, D/Dv head dims,
+// R = a block's rows (its tokens' query heads of one kv head), B key positions of a block.
 #include <stdlib.h>
 
 #include "lanes.h"
@@ -13,19 +15,27 @@
 #define ATTENTION_BLOCK 16      // tokens of a prefill attention task
 #define BLOCK_TOKENS_LEAST 16   // chunks of at least this many tokens go by blocks
 
-#define PACK_ROWS 512           // cache rows a task of the prefill's packing copies
+#define KEY_BLOCK 256           // cache positions a prefill block's pass takes: its keys, values
+                                // transposed and scores (R x B) stay in L2
+#define PACK_ROWS 512           // cache rows a task of the prefill's packing copies (whole key blocks)
 
-// Floats of one thread's scratch for blocks over `seen` positions, in whole cache lines: ids
-// [R] (int64, first), scores [R, S], outs [R, Dv] for R = ATTENTION_BLOCK · G.
-static int64_t block_scratch(const struct moe_attention* shape, int64_t seen) {
+_Static_assert(PACK_ROWS % KEY_BLOCK == 0, "a packing task writes whole key blocks");
+
+// Floats of one thread's scratch for a prefill block, in whole cache lines: row pointers [3, R]
+// (first: q's rows, the scores', the sums'), scores [R, B], the running sums [R, Dv], and per row
+// the largest score so far, the sum of e^(score - largest) and the last correction [3, R].
+static int64_t block_scratch(const struct moe_attention* shape) {
     int64_t rows = ATTENTION_BLOCK * shape->n_heads / shape->n_kv_heads;
-    return (2 * rows + seen * rows + rows * shape->head_dim_v + 15) / 16 * 16;
+    return (6 * rows + KEY_BLOCK * rows + rows * shape->head_dim_v + 3 * rows + 15) / 16 * 16;
 }
 
-// Floats of a prefill chunk's packed cache, shared by its tasks: keys [NKV, S, D], values
-// transposed [NKV, Dv, S].
+INLINE int64_t round_up_lanes(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
+
+// Floats of a prefill chunk's packed cache, shared by its tasks: each kv head's keys a key block
+// at a time transposed, [NKV, S / B, D, B] (the last block's width rounded up to whole vectors),
+// then its values [NKV, S, Dv] (rows next to each other).
 static int64_t packed_floats(const struct moe_attention* shape, int64_t seen) {
-    return shape->n_kv_heads * seen * (shape->head_dim_k + shape->head_dim_v);
+    return shape->n_kv_heads * (shape->head_dim_k * round_up_lanes(seen) + shape->head_dim_v * seen);
 }
 
 #define SPLIT_POSITIONS 256     // fewest positions a split of a few tokens' attention takes
@@ -190,17 +200,25 @@ static void merge_splits(const struct attention_job* job) {
 // Pack tasks a kv head's rows [0, seen) take.
 static int64_t pack_pieces(int64_t seen) { return (seen + PACK_ROWS - 1) / PACK_ROWS; }
 
-// Kv head kv's packed keys [S, D] and values [Dv, S] for a chunk whose rows reach `seen`.
-INLINE float* packed_keys(const struct attention_job* job, int64_t kv, int64_t seen) {
-    return job->packed + kv * seen * job->shape->head_dim_k;
+// The width of the key block at `first` for a chunk whose rows reach `seen`, and where kv head
+// kv's keys of that block sit packed: [D, round_up_lanes(width)].
+INLINE int64_t key_block_width(int64_t first, int64_t seen) {
+    return seen - first < KEY_BLOCK ? seen - first : KEY_BLOCK;
+}
+INLINE float* packed_keys(const struct attention_job* job, int64_t kv, int64_t seen, int64_t first) {
+    int64_t dim = job->shape->head_dim_k;
+    return job->packed + kv * dim * round_up_lanes(seen) + first * dim;
 }
 INLINE float* packed_values(const struct attention_job* job, int64_t kv, int64_t seen) {
-    return job->packed + (job->shape->n_kv_heads * job->shape->head_dim_k + kv * job->shape->head_dim_v) * seen;
+    const struct moe_attention* shape = job->shape;
+    return job->packed + shape->n_kv_heads * shape->head_dim_k * round_up_lanes(seen) + kv * seen * shape->head_dim_v;
 }
 
 // A prefill chunk's cache rows [0, S) packed once for all its block tasks: task kv · pieces + c
-// copies rows [c · PACK_ROWS, ..) of kv head kv's keys into [S, D] and its values transposed
-// into [Dv, S] (LANES rows at a time, which stay in L1).
+// transposes rows [c · PACK_ROWS, ..) of kv head kv's keys a key block at a time into [D, width
+// rounded up to whole vectors] (zeros past the block's last row) and copies its values' rows
+// next to each other (in the cache they are NKV · Dv apart: rows 2 KiB apart fall on the same
+// few sets of L1, and a block's values would not stay there).
 VECTORIZED static void pack_task(void* context, int64_t task, int64_t next, int thread) {
     (void)next, (void)thread;
     const struct attention_job* job = context;
@@ -208,22 +226,46 @@ VECTORIZED static void pack_task(void* context, int64_t task, int64_t next, int 
     int64_t nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
     int64_t seen = job->start + job->n_tokens, pieces = pack_pieces(seen);
     int64_t kv = task / pieces, from = task % pieces * PACK_ROWS, to = from + PACK_ROWS < seen ? from + PACK_ROWS : seen;
-    float* keys = packed_keys(job, kv, seen);
     float* values = packed_values(job, kv, seen);
     for (int64_t s = from; s < to; s++)
-        memcpy(keys + s * dim, job->keys + (s * nkv + kv) * dim, (size_t)dim * sizeof(float));
-    for (int64_t first = from; first < to; first += LANES)
-        for (int64_t i = 0; i < dim_v; i++)
-            for (int64_t s = first; s < first + LANES && s < to; s++)
-                values[i * seen + s] = job->values[(s * nkv + kv) * dim_v + i];
+        memcpy(values + s * dim_v, job->values + (s * nkv + kv) * dim_v, (size_t)dim_v * sizeof(float));
+    for (int64_t block = from; block < to; block += KEY_BLOCK) {
+        int64_t width = key_block_width(block, seen), padded = round_up_lanes(width);
+        float* keys = packed_keys(job, kv, seen, block);
+        for (int64_t s = 0; s < width; s++) {
+            const float* row = job->keys + ((block + s) * nkv + kv) * dim;
+            for (int64_t i = 0; i < dim; i++) keys[i * padded + s] = row[i];
+        }
+        for (int64_t i = 0; i < dim; i++)
+            for (int64_t s = width; s < padded; s++) keys[i * padded + s] = 0.f;
+    }
 }
 
-// A prefill chunk: ATTENTION_BLOCK tokens' query heads of one kv head a task, q·kᵀ and p·v as
-// products of float32 panels (the instruction set's `multiply`, as moe_matmul's) over the packed
-// cache (pack_task), so that the queries and then the probabilities are the products' tokens:
-// q·kᵀ over the n keys the block sees, p·v over all S rows of the transposed values (a row's
-// probabilities past its token's position are 0). Rows are the block's (token t, query head g),
-// t·G + g. Tasks take the last blocks first: they see the most positions.
+// One pass of a prefill block's row over a key block: its scores p [width] of which the first
+// `valid` are positions its token sees -> e^(p·scale - largest) (0 past them), the largest and
+// the sum kept running in *top and *total; returns the factor the row's earlier sums take
+// (e^(old largest - new), 1 when nothing changes).
+INLINE float running_exponentials(float* p, int64_t valid, int64_t width, float scale, float* top, float* total) {
+    float correction = 1.f;
+    if (valid > 0) {
+        for (int64_t s = 0; s < valid; s++) p[s] *= scale;
+        float block_top = largest(p, valid), now = block_top > *top ? block_top : *top;
+        correction = *top == -INFINITY ? 0.f : expf(*top - now);
+        for (int64_t s = 0; s < valid; s++) p[s] = exp_nonpositive(p[s] - now);
+        *total = *total * correction + sum(p, valid);
+        *top = now;
+    }
+    for (int64_t s = valid > 0 ? valid : 0; s < width; s++) p[s] = 0.f;
+    return correction;
+}
+
+// A prefill chunk: ATTENTION_BLOCK tokens' query heads of one kv head a task, over the cache
+// KEY_BLOCK positions at a time: q·kᵀ over the block's keys packed transposed, p·v over its
+// values (both packed by pack_task), by the instruction set's row_products (tiles.h); the softmax
+// runs over the passes (each row's largest score so far and the sum of its exponentials; the
+// sums of earlier passes rescaled when the largest grows), and the rows are divided by their
+// sums at the end. Rows are the block's (token t, query head g), t·G + g. Tasks take the last
+// blocks first: they see the most positions.
 VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t next, int thread) {
     (void)next;
     const struct attention_job* job = context;
@@ -233,30 +275,41 @@ VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t ne
     int64_t first = (blocks - 1 - task / nkv) * ATTENTION_BLOCK, seen = job->start + job->n_tokens;
     int64_t tokens = job->n_tokens - first < ATTENTION_BLOCK ? job->n_tokens - first : ATTENTION_BLOCK;
     int64_t rows = tokens * group, n = job->start + first + tokens;          // the block's last token's positions
-    const float* keys = packed_keys(job, kv, seen);                          // [S, D]
-    const float* values = packed_values(job, kv, seen);                      // [Dv, S]
-    int64_t* ids = (int64_t*)(job->scores + thread * block_scratch(shape, seen));   // [R]: q rows, then 0..R-1
-    float* scores = (float*)(ids + rows);                                    // [R, S]
-    float* outs = scores + rows * seen;                                      // [R, Dv]
-    for (int64_t r = 0; r < rows; r++) ids[r] = (first + r / group) * nh + kv * group + r % group;
-    const struct isa_kernels* isa = current_isa();
-    struct panel products = {.w = keys, .rows = n, .x = job->q, .n = dim, .chunk = dim, .out = scores,
-                             .stride = seen};
-    isa->multiply(&products, ids, rows);
+    const float** q_rows = (const float**)(job->scores + thread * block_scratch(shape));   // [R]
+    float** score_rows = (float**)(q_rows + rows);                           // [R]
+    float** acc_rows = score_rows + rows;                                    // [R]
+    float* scores = (float*)(acc_rows + rows);                               // [R, B]
+    float* acc = scores + rows * KEY_BLOCK;                                  // [R, Dv]
+    float* top = acc + rows * dim_v;                                         // [R]
+    float* total = top + rows;                                               // [R]
+    float* correction = total + rows;                                        // [R]
     for (int64_t r = 0; r < rows; r++) {
-        float* p = scores + r * seen;
-        int64_t mine = job->start + first + r / group + 1;                   // this row's token's positions
-        float top, total = exponentiate(p, mine, shape->scale, &top);
-        for (int64_t s = 0; s < mine; s++) p[s] /= total;
-        for (int64_t s = mine; s < seen; s++) p[s] = 0.f;
-        ids[r] = r;
+        q_rows[r] = job->q + ((first + r / group) * nh + kv * group + r % group) * dim;
+        acc_rows[r] = acc + r * dim_v;
+        top[r] = -INFINITY;
+        total[r] = 0.f;
     }
-    products = (struct panel){.w = values, .rows = dim_v, .x = scores, .n = seen, .chunk = seen, .out = outs,
-                              .stride = dim_v};
-    isa->multiply(&products, ids, rows);
-    for (int64_t r = 0; r < rows; r++)
-        memcpy(job->out + ((first + r / group) * nh + kv * group + r % group) * dim_v, outs + r * dim_v,
-               (size_t)dim_v * sizeof(float));
+    memset(acc, 0, (size_t)(rows * dim_v) * sizeof(float));
+    const struct isa_kernels* isa = current_isa();
+    for (int64_t block = 0; block < n; block += KEY_BLOCK) {
+        int64_t width = key_block_width(block, seen), padded = round_up_lanes(width);
+        int64_t needed = n - block < width ? n - block : width;               // positions some row sees
+        for (int64_t r = 0; r < rows; r++) score_rows[r] = scores + r * padded;
+        isa->row_products(q_rows, rows, packed_keys(job, kv, seen, block), padded, dim, round_up_lanes(needed),
+                          score_rows, 0);
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t mine = job->start + first + r / group + 1;              // this row's token's positions
+            correction[r] = running_exponentials(score_rows[r], mine - block < needed ? mine - block : needed, width,
+                                                 shape->scale, &top[r], &total[r]);
+            for (int64_t i = 0; i < dim_v; i++) acc_rows[r][i] *= correction[r];
+        }
+        isa->row_products((const float* const*)score_rows, rows, packed_values(job, kv, seen) + block * dim_v, dim_v,
+                          width, dim_v, acc_rows, 1);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float* out = job->out + ((first + r / group) * nh + kv * group + r % group) * dim_v;
+        for (int64_t i = 0; i < dim_v; i++) out[i] = acc_rows[r][i] / total[r];
+    }
 }
 
 // Splits per token and kv head for a few tokens over `seen` positions: with several threads,
@@ -280,7 +333,7 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     int64_t width = (seen + splits - 1) / splits;
     int64_t parts = splits > 1 ? pairs * splits * group * (shape->head_dim_v + 2) : 0;     // floats
     int64_t packed = blocks ? packed_floats(shape, seen) : 0;
-    int64_t per_thread = blocks ? block_scratch(shape, seen) : few_scratch(shape, width);
+    int64_t per_thread = blocks ? block_scratch(shape) : few_scratch(shape, width);
     size_t wanted = ((size_t)threads * per_thread + parts + packed) * sizeof(float);
     lock_kernels();
     if (wanted > scores_size) {

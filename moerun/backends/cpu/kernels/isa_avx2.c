@@ -6,6 +6,8 @@ typedef __m256 vf;
 #define VL 8
 #define NT_MAX 2
 #define NT_FUSED 2
+#define ROW_MR 6
+#define ROW_NV 2
 #define FUSED_TOKENS 2
 #define ISA_NAME "avx2"
 #define ISA_TABLE isa_avx2

@@ -6,6 +6,8 @@ typedef __m512 vf;
 #define VL 16
 #define NT_MAX 6
 #define NT_FUSED 4
+#define ROW_MR 6
+#define ROW_NV 4
 #define FUSED_TOKENS 12
 #define ISA_NAME "avx512"
 #define ISA_TABLE isa_avx512

@@ -6,6 +6,8 @@ typedef float32x4_t vf;
 #define VL 4
 #define NT_MAX 4
 #define NT_FUSED 4
+#define ROW_MR 6
+#define ROW_NV 4
 #define FUSED_TOKENS 8
 #define ISA_NAME "neon"
 #define ISA_TABLE isa_neon

@@ -5,6 +5,8 @@ typedef float vf;
 #define VL 1
 #define NT_MAX 1
 #define NT_FUSED 1
+#define ROW_MR 4
+#define ROW_NV 4
 #define FUSED_TOKENS 1
 #define ISA_NAME "scalar"
 #define ISA_TABLE isa_scalar

@@ -172,6 +172,8 @@ struct isa_kernels {
     fused_fn fused[N_TYPES];
     int fused_tokens;
     void (*multiply)(const struct panel* panel, const int64_t* tokens, int64_t n_tokens);
+    void (*row_products)(const float* const* a, int64_t rows, const float* b, int64_t ldb, int64_t k, int64_t n,
+                         float* const* c, int accumulate);     // tiles.h
 };
 
 // isa.c: the kernels in use; for Python, the instruction sets usable here (best first), the

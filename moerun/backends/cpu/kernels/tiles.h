@@ -4,6 +4,8 @@
 //                          TILE_ROWS·NT_MAX accumulators, NT_MAX activation vectors, one weight vector)
 //   NT_FUSED               the same for the fused tile, whose weights take more registers
 //   FUSED_TOKENS           up to how many tokens the fused tile is faster (measured)
+//   ROW_MR, ROW_NV         rows and vectors of columns of row_products' tile (ROW_MR·ROW_NV sums,
+//                          ROW_NV vectors of b and one broadcast value in registers)
 //   ISA_NAME, ISA_TABLE    its name and the struct isa_kernels this file defines
 // then includes this file.
 //
@@ -130,6 +132,65 @@ ALWAYS_INLINE void prefetch_block(const struct stored_tile* tile, int r, int64_t
     }
 TYPES(FUSED_TILE)
 
+// row_products: c[r][0 .. n) (+)= Σ_i a[r][i] · b[i · ldb + 0 .. n) for r < rows, the other way
+// round from the tiles above: a's values broadcast, b's rows loaded VL values at a time, so that
+// no lanes are added at the end (attention's q·kᵀ over keys transposed, and p·v). ROW_CHUNK rows
+// of b at a time, each panel of them (ROW_NV vectors of columns) kept in L1 while every ROW_MR
+// rows of a pass over it; then single vectors of columns, then the last columns one by one.
+#define ROW_CHUNK 128
+#define ROW_TILE(name, nv)                                                                          \
+    ALWAYS_INLINE void name(const float* const* a, int mr, const float* b, int64_t ldb, int64_t k,  \
+                            float* const* c, int64_t j, int adding) {                              \
+        vf acc[ROW_MR][nv];                                                                         \
+        for (int r = 0; r < ROW_MR; r++)                                                            \
+            for (int v = 0; v < nv; v++) acc[r][v] = adding && r < mr ? vf_load(c[r] + j + v * VL) : vf_zero(); \
+        for (int64_t i = 0; i < k; i++) {                                                           \
+            vf w[nv];                                                                               \
+            for (int v = 0; v < nv; v++) w[v] = vf_load(b + i * ldb + j + v * VL);                  \
+            for (int r = 0; r < ROW_MR; r++) {                                                      \
+                vf x = vf_set1(a[r][i]);                                                            \
+                for (int v = 0; v < nv; v++) acc[r][v] = vf_fma(acc[r][v], x, w[v]);                \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < mr; r++)                                                                \
+            for (int v = 0; v < nv; v++) vf_store(c[r] + j + v * VL, acc[r][v]);                    \
+    }
+ROW_TILE(wide_row_tile, ROW_NV)
+ROW_TILE(narrow_row_tile, 1)
+
+static void row_products(const float* const* a, int64_t rows, const float* b, int64_t ldb, int64_t k, int64_t n,
+                         float* const* c, int accumulate) {
+    for (int64_t i0 = 0; i0 < k; i0 += ROW_CHUNK) {
+        int64_t depth = k - i0 < ROW_CHUNK ? k - i0 : ROW_CHUNK;
+        int adding = accumulate || i0 > 0;
+        const float* panel = b + i0 * ldb;
+        for (int64_t j = 0; j < n; j += ROW_NV * VL) {
+            int64_t end = n - j < ROW_NV * VL ? n : j + ROW_NV * VL;
+            for (int64_t r0 = 0; r0 < rows; r0 += ROW_MR) {
+                int mr = rows - r0 < ROW_MR ? (int)(rows - r0) : ROW_MR;
+                const float* a_tile[ROW_MR];
+                float* c_tile[ROW_MR];
+                for (int r = 0; r < ROW_MR; r++) {
+                    a_tile[r] = a[r0 + (r < mr ? r : mr - 1)] + i0;
+                    c_tile[r] = c[r0 + (r < mr ? r : mr - 1)];
+                }
+                if (end == j + ROW_NV * VL) {
+                    wide_row_tile(a_tile, mr, panel, ldb, depth, c_tile, j, adding);
+                    continue;
+                }
+                int64_t at = j;
+                for (; at + VL <= end; at += VL) narrow_row_tile(a_tile, mr, panel, ldb, depth, c_tile, at, adding);
+                for (int r = 0; r < mr; r++)
+                    for (int64_t column = at; column < end; column++) {
+                        float total = adding ? c_tile[r][column] : 0.f;
+                        for (int64_t i = 0; i < depth; i++) total += a_tile[r][i] * panel[i * ldb + column];
+                        c_tile[r][column] = total;
+                    }
+            }
+        }
+    }
+}
+
 #define TABLE_ENTRY(name, type, values, bytes) [type] = dequantize_##name,
 #define FUSED_ENTRY(name, type, values, bytes) [type] = fused_##name,
 
@@ -139,4 +200,5 @@ const struct isa_kernels ISA_TABLE = {
     .fused = {TYPES(FUSED_ENTRY)},
     .fused_tokens = FUSED_TOKENS,
     .multiply = multiply,
+    .row_products = row_products,
 };

@@ -23,10 +23,10 @@ _Static_assert(PACK_ROWS % KEY_BLOCK == 0, "a packing task writes whole key bloc
 
 // Floats of one thread's scratch for a prefill block, in whole cache lines: row pointers [3, R]
 // (first: q's rows, the scores', the sums'), scores [R, B], the running sums [R, Dv], and per row
-// the largest score so far, the sum of e^(score - largest) and the last correction [3, R].
+// the largest score so far and the sum of e^(score - largest) [2, R].
 static int64_t block_scratch(const struct moe_attention* shape) {
     int64_t rows = ATTENTION_BLOCK * shape->n_heads / shape->n_kv_heads;
-    return (6 * rows + KEY_BLOCK * rows + rows * shape->head_dim_v + 3 * rows + 15) / 16 * 16;
+    return (6 * rows + KEY_BLOCK * rows + rows * shape->head_dim_v + 2 * rows + 15) / 16 * 16;
 }
 
 INLINE int64_t round_up_lanes(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
@@ -48,10 +48,12 @@ static int64_t few_scratch(const struct moe_attention* shape, int64_t width) {
     return (2 * group + group * width + KEY_CHUNK * shape->head_dim_k + 15) / 16 * 16;
 }
 
-// Scores p [n] -> e^(p·scale - largest) in place; returns their sum, and the largest in *top.
-INLINE float exponentiate(float* p, int64_t n, float scale, float* top) {
+// Scores p [n] -> e^(p·scale - top) in place, top the largest of them and `floor` (-inf: of them
+// alone); returns their sum, and top in *top.
+INLINE float exponentiate(float* p, int64_t n, float scale, float floor, float* top) {
     for (int64_t s = 0; s < n; s++) p[s] *= scale;
-    *top = largest(p, n);
+    float here = largest(p, n);
+    *top = here > floor ? here : floor;
     for (int64_t s = 0; s < n; s++) p[s] = exp_nonpositive(p[s] - *top);
     return sum(p, n);
 }
@@ -136,7 +138,7 @@ INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv,
     }
     for (int64_t g = 0; g < group; g++) {
         float* p = probs + g * n;
-        float top, total = exponentiate(p, n, shape->scale, &top);
+        float top, total = exponentiate(p, n, shape->scale, -INFINITY, &top);
         if (part) {
             part[2 * g] = top;
             part[2 * g + 1] = total;
@@ -248,11 +250,9 @@ VECTORIZED static void pack_task(void* context, int64_t task, int64_t next, int 
 INLINE float running_exponentials(float* p, int64_t valid, int64_t width, float scale, float* top, float* total) {
     float correction = 1.f;
     if (valid > 0) {
-        for (int64_t s = 0; s < valid; s++) p[s] *= scale;
-        float block_top = largest(p, valid), now = block_top > *top ? block_top : *top;
+        float now, here = exponentiate(p, valid, scale, *top, &now);
         correction = *top == -INFINITY ? 0.f : expf(*top - now);
-        for (int64_t s = 0; s < valid; s++) p[s] = exp_nonpositive(p[s] - now);
-        *total = *total * correction + sum(p, valid);
+        *total = *total * correction + here;
         *top = now;
     }
     for (int64_t s = valid > 0 ? valid : 0; s < width; s++) p[s] = 0.f;
@@ -282,7 +282,6 @@ VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t ne
     float* acc = scores + rows * KEY_BLOCK;                                  // [R, Dv]
     float* top = acc + rows * dim_v;                                         // [R]
     float* total = top + rows;                                               // [R]
-    float* correction = total + rows;                                        // [R]
     for (int64_t r = 0; r < rows; r++) {
         q_rows[r] = job->q + ((first + r / group) * nh + kv * group + r % group) * dim;
         acc_rows[r] = acc + r * dim_v;
@@ -299,9 +298,9 @@ VECTORIZED static void attend_block_task(void* context, int64_t task, int64_t ne
                           score_rows, 0);
         for (int64_t r = 0; r < rows; r++) {
             int64_t mine = job->start + first + r / group + 1;              // this row's token's positions
-            correction[r] = running_exponentials(score_rows[r], mine - block < needed ? mine - block : needed, width,
-                                                 shape->scale, &top[r], &total[r]);
-            for (int64_t i = 0; i < dim_v; i++) acc_rows[r][i] *= correction[r];
+            float correction = running_exponentials(score_rows[r], mine - block < needed ? mine - block : needed,
+                                                    width, shape->scale, &top[r], &total[r]);
+            for (int64_t i = 0; i < dim_v; i++) acc_rows[r][i] *= correction;
         }
         isa->row_products((const float* const*)score_rows, rows, packed_values(job, kv, seen) + block * dim_v, dim_v,
                           width, dim_v, acc_rows, 1);

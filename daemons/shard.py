@@ -20,6 +20,7 @@ import numpy as np
 
 from moerun.backends import open_backend
 from moerun.backends.gpu.ipc import ExportedBuffers, record, valid_handles, wait
+from moerun.backends.kv_types import KVTypes
 from moerun.engine.model import MoEModel
 from moerun.engine.weights import load_weights
 from moerun.errors import UsageError
@@ -40,7 +41,7 @@ class LayerShard:
     """The Handler behind moerun.ipc.server.Server for layers `layers` of one model file."""
 
     def __init__(self, model_path: str, device: str, layers: range, ctx: int, threads: int | None = None,
-                 kv_dtype: str = "f16", experts: RigConfig | None = None, graphs: bool = True):
+                 kv_types: KVTypes | None = None, experts: RigConfig | None = None, graphs: bool = True):
         """experts: the shard's own expert daemons (its --daemon and --hot), for its layers' cold
         experts as a parent's; None: it computes every expert of its layers. graphs: one-token
         steps replay captured CUDA graphs, as the parent's decode steps do."""
@@ -60,7 +61,7 @@ class LayerShard:
                 self.cpus = share_host(experts)          # this host's CPUs, with the shard's CPU daemons
                 self.cpus.apply_to_parent()
                 threads = self.cpus.parent.threads
-            self.backend = open_backend(device, self.spec, graphs=graphs, threads=threads, kv_dtype=kv_dtype)
+            self.backend = open_backend(device, self.spec, graphs=graphs, threads=threads, kv_types=kv_types)
             if self.cpus is not None:
                 self.rig = Rig(experts, self.gguf, self.spec, self.backend, kv_tokens=ctx, cpus=self.cpus,
                                layers=layers)

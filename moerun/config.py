@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from moerun.backends.devices import DEVICE_PATTERN
-from moerun.backends.protocol import KV_DTYPES
+from moerun.backends.kv_types import KV_TYPES
 from moerun.engine.runtime import DEFAULT_UBATCH
 from moerun.errors import UsageError
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES
@@ -195,10 +195,16 @@ RUN_OPTIONS = (
     RunOption("graphs", click.option("--graph/--no-graph", "graphs", default=True, show_default=True,
                                      help="Run GPU decode steps as CUDA graphs (--no-graph: eagerly)."),
               Key(boolean), field("graphs")),
-    RunOption("kv_dtype", click.option("--kv-dtype", type=click.Choice(tuple(KV_DTYPES)), default=None,
-                                       help="A GPU parent's KV cache elements [default: f16; the CPU parent's "
-                                            "are f32]."),
-              Key(one_of(*KV_DTYPES)), field("kv_dtype")),
+    RunOption("kv_dtype", click.option("--kv-dtype", type=click.Choice(tuple(KV_TYPES)), default=None,
+                                       help="The KV cache's keys' and values' elements [default: f32 on the CPU, "
+                                            "f16 on a GPU; a GPU parent keeps f16 or f32]."),
+              Key(one_of(*KV_TYPES)), field("kv_dtype")),
+    RunOption("cache_type_k", click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(tuple(KV_TYPES)),
+                                           default=None, help="The keys' elements alone (over --kv-dtype)."),
+              Key(one_of(*KV_TYPES)), field("cache_type_k")),
+    RunOption("cache_type_v", click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(tuple(KV_TYPES)),
+                                           default=None, help="The values' elements alone (over --kv-dtype)."),
+              Key(one_of(*KV_TYPES)), field("cache_type_v")),
     RunOption("ctx", click.option("-c", "--ctx", "--ctx-size", "ctx", type=click.IntRange(min=1), default=None,
                                   help="Context length in tokens [default: the model's, at most 4096]."),
               Key(integer(1)), None),

@@ -13,6 +13,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from moerun.backends.kv_types import KVTypes
 from moerun.engine.report import stats_document
 from moerun.engine.runtime import RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
@@ -37,7 +38,7 @@ def main() -> None:
             list(runtime.generate(runtime.tokenizer.encode(prompt), N_PREDICT, SamplingParams(temperature=0.0)))
         sizes = model_sizes(runtime.gguf, runtime.spec)
         n_moe = sum(sizes.moe_layers)
-        parent_bytes = (sizes.non_expert_bytes + sizes.kv_bytes_per_token["f16"] * runtime.ctx
+        parent_bytes = (sizes.non_expert_bytes + sizes.kv_token_bytes(KVTypes("f16", "f16")) * runtime.ctx
                         + args.hot * max(sizes.expert_bytes) * n_moe)
         request = PlanRequest(sizes=sizes, parent=DeviceBudget("parent", parent_bytes, is_parent=True),
                               daemons=(DeviceBudget("cpu", 64 << 30),), context=runtime.ctx,

@@ -4,6 +4,7 @@ processing (pp) and generation (tg) tokens/s at the same thread count, in one ta
     python scripts/bench_vs_llama_cpp_python.py                       # 4-layer file, 2 threads
     python scripts/bench_vs_llama_cpp_python.py -m FILE.gguf --threads 16 -r 5
     python scripts/bench_vs_llama_cpp_python.py -d 4096                 # after 4096 tokens of context
+    python scripts/bench_vs_llama_cpp_python.py -d 4096 --cache-type q8_0   # both KV caches q8_0
 
 A script for the CI machine (2 cores), not a test: nothing in the test suite runs it.
 
@@ -29,6 +30,8 @@ At a depth D (-d): both go on from D random tokens already in the sequence, pref
 untimed, their state restored before each run (llama-cpp-python: save_state / load_state;
 moerun: `moerun bench -d D`), as llama-bench's --n-depth does.
 One warm-up run of each test, then -r timed runs; the table shows their mean.
+KV caches: llama.cpp's default (f16) and moerun's CPU default (f32), or both --cache-type
+(llama-cpp-python with flash attention, which its quantized value caches need).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+GGML_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}    # ggml type ids of KV caches
 # /proc/cpuinfo flag -> ggml's CMake option, for a build that names them (CPUs with AMX)
 GGML_ISA_OPTIONS = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2",
                     "avx_vnni": "AVX_VNNI", "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI",
@@ -65,9 +69,11 @@ def llama_side(args: argparse.Namespace) -> None:
     """Runs in the llama-cpp-python venv: prints {test: [seconds of each timed run]} as JSON."""
     import llama_cpp
 
+    types = {"type_k": GGML_TYPES[args.cache_type], "type_v": GGML_TYPES[args.cache_type],
+             "flash_attn": True} if args.cache_type else {}
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=args.depth + args.prompt + args.gen + 16,
                           n_batch=args.prompt, n_ubatch=args.prompt, n_threads=args.threads,
-                          n_threads_batch=args.threads, verbose=False)
+                          n_threads_batch=args.threads, verbose=False, **types)
     rng = random.Random(0)
     vocab = llm.n_vocab()
     llm.reset()
@@ -130,7 +136,8 @@ def moerun_side(args: argparse.Namespace) -> dict[str, list[float]]:
     """{test: [tokens/s of each timed run]} from `moerun bench -o json`."""
     command = [sys.executable, "-m", "moerun", "bench", "-m", args.model, "--device", "cpu",
                "--threads", str(args.threads), "-p", str(args.prompt), "-n", str(args.gen), "-d", str(args.depth),
-               "-r", str(args.repetitions), "-o", "json"]
+               "-r", str(args.repetitions), "-o", "json",
+               *(("-ctk", args.cache_type, "-ctv", args.cache_type) if args.cache_type else ())]
     done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
     return {test["test"]: test["samples_tokens_per_second"] for test in json.loads(done.stdout)}
 
@@ -144,6 +151,8 @@ def main() -> None:
     parser.add_argument("-n", "--gen", type=int, default=128, help="generated tokens (tg)")
     parser.add_argument("-d", "--depth", type=int, default=0, help="tokens of context before each test")
     parser.add_argument("-r", "--repetitions", type=int, default=3)
+    parser.add_argument("--cache-type", choices=sorted(GGML_TYPES), default=None,
+                        help="both sides' KV cache keys and values [default: each side's own]")
     parser.add_argument("--venv", default=str(Path.home() / ".cache" / "moerun" / "llama-cpp-python"),
                         help="llama-cpp-python's virtual environment (made where it lacks llama_cpp)")
     parser.add_argument("--llama-version", default="0.3.36")
@@ -155,7 +164,8 @@ def main() -> None:
     args.model = str(Path(args.model) if args.model else bench_model(Path(args.model_path)))
     python = llama_python(Path(args.venv), args.llama_version)
     llama_command = [python, __file__, "--llama-side", "-m", args.model, "--threads", str(args.threads),
-                     "-p", str(args.prompt), "-n", str(args.gen), "-d", str(args.depth), "-r", str(args.repetitions)]
+                     "-p", str(args.prompt), "-n", str(args.gen), "-d", str(args.depth), "-r", str(args.repetitions),
+                     *(("--cache-type", args.cache_type) if args.cache_type else ())]
     llama = subprocess.run(llama_command, capture_output=True, text=True)
     if llama.returncode:
         how = f"signal {-llama.returncode}" if llama.returncode < 0 else f"status {llama.returncode}"
@@ -165,7 +175,9 @@ def main() -> None:
     moerun_rates = moerun_side(args)
 
     depth = f", after {args.depth} tokens of context" if args.depth else ""
-    print(f"{Path(args.model).name}, {args.threads} threads{depth}, {args.repetitions} timed runs each (mean)\n")
+    cache = f", KV caches {args.cache_type}" if args.cache_type else ""
+    print(f"{Path(args.model).name}, {args.threads} threads{depth}{cache}, {args.repetitions} timed runs each "
+          f"(mean)\n")
     print("| test | moerun t/s | llama-cpp-python t/s | moerun / llama |")
     print("|---|---:|---:|---:|")
     for test, seconds in llama_seconds.items():

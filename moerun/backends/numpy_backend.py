@@ -37,6 +37,7 @@ from moerun.backends.cpu.library import (
     kernel_error,
     load_kernels,
 )
+from moerun.backends.kv_types import KV_TYPES, KVTypes, decode, empty_rows, encode
 from moerun.backends.numpy_ops import (
     ExpertWeights,
     apply_rope,
@@ -67,14 +68,15 @@ logger = logging.getLogger(__name__)
 class NumpyBackend:
     name = "cpu"
     kind = "CPU"
-    kv_dtype = "f32"
     captured_steps = 0
     step_tokens = 0
 
-    def __init__(self, spec: ModelSpec, threads: int | None = None):
-        """threads: the CPU kernels' (default_threads() if None)."""
+    def __init__(self, spec: ModelSpec, threads: int | None = None, kv_types: KVTypes = KVTypes()):
+        """threads: the CPU kernels' (default_threads() if None); kv_types: its KV caches' elements."""
+        kv_types.check_dims(spec.head_dim_k, spec.head_dim_v)
         self.spec = spec
         self.threads = threads
+        self.kv_types = kv_types
         self._store: ExpertStore | None = None
         self._rope: tuple[bytes, np.ndarray, np.ndarray] | None = None      # the last positions, cos, sin
         self._routers: dict[int, tuple[np.ndarray, np.ndarray, Matrix]] = {}   # id -> router, as float32, struct
@@ -83,7 +85,8 @@ class NumpyBackend:
         self._rotary_dims = spec.rotary_dims               # rope over all of a head's dims, or its first ones
         self._attention_shape = AttentionShape(spec.n_heads, spec.n_kv_heads, spec.head_dim_k, spec.head_dim_v,
                                                spec.rule.rope_style == "neox", spec.rms_eps,
-                                               1.0 / np.sqrt(spec.head_dim_k))
+                                               1.0 / np.sqrt(spec.head_dim_k), int(KV_TYPES[kv_types.key]),
+                                               int(KV_TYPES[kv_types.value]))
 
     # -- weights
     def begin_loading(self, gguf: GGUFFile) -> None:
@@ -130,13 +133,14 @@ class NumpyBackend:
 
     # -- sequences and steps
     def new_cache(self, capacity: int) -> PagedKVCache:
-        return PagedKVCache(self.spec, capacity)
+        return PagedKVCache(self.spec, capacity, self.kv_types)
 
     def restore_cache(self, state: CacheState, capacity: int) -> PagedKVCache:
-        cache = PagedKVCache(self.spec, capacity)
+        cache = self.new_cache(capacity)
         cache.reserve(state.length)
         for layer, keys in state.keys.items():
-            cache.append(layer, keys, state.values[layer])
+            k_rows, v_rows = cache.next_rows(layer, state.length)
+            k_rows[...], v_rows[...] = keys, state.values[layer]
         cache.conv = {layer: conv.copy() for layer, conv in state.conv.items()}
         cache.ssm = {layer: ssm.copy() for layer, ssm in state.ssm.items()}
         cache.advance(state.length)
@@ -219,7 +223,8 @@ class NumpyBackend:
         if self._kernels is not None:
             return self._kernels.attention(self._attention_shape, q, int(positions[0]), keys, values,
                                            self._kernel_threads)
-        return causal_attention(q, keys, values, int(positions[0]))
+        types = self.kv_types
+        return causal_attention(q, decode(types.key, keys), decode(types.value, values), int(positions[0]))
 
     def route(self, x: np.ndarray, norm: np.ndarray,
               router: np.ndarray | StoredMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -276,18 +281,18 @@ class NumpyBackend:
 
 
 class PagedKVCache:
-    """Keys and values of one sequence, grown in pages as the sequence grows; a DeltaNet
-    layer's states instead of its keys and values: conv [W-1, C], the last inputs of its
-    convolution, and ssm [HV, DK, DV], the recurrent state of each value head."""
+    """Keys and values of one sequence in its KV types (kv_types.empty_rows), grown in pages as
+    the sequence grows; a DeltaNet layer's states instead of its keys and values: conv [W-1, C],
+    the last inputs of its convolution, and ssm [HV, DK, DV], the recurrent state of each value
+    head."""
 
-    def __init__(self, spec: ModelSpec, capacity: int):
+    def __init__(self, spec: ModelSpec, capacity: int, types: KVTypes = KVTypes()):
         self.capacity = capacity
         self.length = 0
+        self.types = types
         recurrent = [spec.is_recurrent(i) for i in range(spec.n_layers)]
-        shape_k = (0, spec.n_kv_heads, spec.head_dim_k)
-        shape_v = (0, spec.n_kv_heads, spec.head_dim_v)
-        self._k = [np.empty((0, 0, 0) if r else shape_k, np.float32) for r in recurrent]
-        self._v = [np.empty((0, 0, 0) if r else shape_v, np.float32) for r in recurrent]
+        self._k = [empty_rows(types.key, (0, 0 if r else spec.n_kv_heads, spec.head_dim_k)) for r in recurrent]
+        self._v = [empty_rows(types.value, (0, 0 if r else spec.n_kv_heads, spec.head_dim_v)) for r in recurrent]
         shape = spec.delta_net
         layers = [i for i, r in enumerate(recurrent) if r]
         self.conv = {i: np.zeros((shape.conv_kernel - 1, shape.channels), np.float32) for i in layers}
@@ -307,18 +312,19 @@ class PagedKVCache:
         self._v = [_grown(a, size) for a in self._v]
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Write k [T, NKV, D], v [T, NKV, Dv] after the current length."""
+        """Write float32 k [T, NKV, D], v [T, NKV, Dv] after the current length, in the cache's types."""
         k_rows, v_rows = self.next_rows(layer, k.shape[0])
-        k_rows[...] = k
-        v_rows[...] = v
+        k_rows[...] = encode(self.types.key, k)
+        v_rows[...] = encode(self.types.value, v)
 
     def next_rows(self, layer: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """Views of the n_tokens positions after the current length: k [T, NKV, D], v [T, NKV, Dv]."""
+        """Views of the n_tokens positions after the current length: k [T, NKV, D], v [T, NKV, Dv]
+        (as stored)."""
         end = self.length + n_tokens
         return self._k[layer][self.length:end], self._v[layer][self.length:end]
 
     def rows(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """Views of positions 0..end-1 of one layer: k [S, NKV, D], v [S, NKV, Dv]."""
+        """Views of positions 0..end-1 of one layer: k [S, NKV, D], v [S, NKV, Dv] (as stored)."""
         return self._k[layer][:end], self._v[layer][:end]
 
     def advance(self, n_tokens: int) -> None:
@@ -333,7 +339,7 @@ class PagedKVCache:
 
 
 def _grown(array: np.ndarray, size: int) -> np.ndarray:
-    grown = np.empty((size, *array.shape[1:]), np.float32)
+    grown = np.empty((size, *array.shape[1:]), array.dtype)
     grown[: array.shape[0]] = array
     return grown
 

@@ -14,13 +14,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from moerun.backends.kv_types import KVTypes
 from moerun.errors import MoerunError
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 
 Array = Any          # the backend's array: numpy on the CPU, CuPy on a GPU
 Forward = Callable[[Array, Array], Array]     # (ids [T], positions [T]) -> logits [T or 1, V]
-KV_DTYPES = {"f16": np.float16, "f32": np.float32}   # a GPU's KV cache element types (--kv-dtype); the CPU's is f32
 
 
 class ContextFull(MoerunError):
@@ -73,7 +73,7 @@ class Backend(Protocol):
     name: str                     # cpu | cuda:N | hip:N
     kind: str                     # CPU | CUDA | HIP
     spec: ModelSpec               # the model it runs
-    kv_dtype: str                 # its KV cache's elements: f32, f16
+    kv_types: KVTypes             # its KV caches' elements (kv_types.py)
     captured_steps: int           # steps captured as CUDA graphs so far (0 where there are none)
     step_tokens: int              # the most tokens a captured step takes (0: steps run as they come)
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import click
 
+from moerun.backends.kv_types import KV_TYPES
 from moerun.commands.options import MODEL_HELP, friendly_errors, model_or_demo
 from moerun.ipc.sockets import ENDPOINT
-from moerun.rig.settings import RigConfig
+from moerun.rig.settings import RigConfig, kv_types_on
 
 
 class LayerRange(click.ParamType):
@@ -38,8 +39,10 @@ class LayerRange(click.ParamType):
               help="Run layers A..B-1 as a layer shard (a parent's --split DEVICE@A) instead of serving experts.")
 @click.option("-c", "--ctx", "--ctx-size", "ctx", type=click.IntRange(min=1), default=4096, show_default=True,
               help="A layer shard's KV cache, in positions (the parent's --ctx).")
-@click.option("--kv-dtype", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
-              help="A layer shard's KV cache type on a GPU.")
+@click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(tuple(KV_TYPES)), default=None,
+              help="A layer shard's KV cache keys [default: f32 on the CPU, f16 on a GPU].")
+@click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(tuple(KV_TYPES)), default=None,
+              help="A layer shard's KV cache values [default: as the keys'].")
 @click.option("--graph/--no-graph", "graphs", default=True, show_default=True,
               help="On a GPU, a layer shard's one-token steps and an expert daemon's one-token requests run "
                    "as CUDA graphs (--no-graph: eagerly).")
@@ -50,8 +53,8 @@ class LayerRange(click.ParamType):
                    "[default: experts per token].")
 @click.option("--parent-pid", type=int, default=None, hidden=True)
 @friendly_errors
-def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, threads, numa_node, layers, ctx, kv_dtype,
-           graphs, expert_daemons, hot, parent_pid):
+def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, threads, numa_node, layers, ctx,
+           cache_type_k, cache_type_v, graphs, expert_daemons, hot, parent_pid):
     """Serve experts of MODEL to one parent at a time (it starts with none: the parent assigns
     them), or with --layers run a range of its layers as a layer shard."""
     from moerun.daemons.daemon import serve
@@ -59,7 +62,9 @@ def daemon(model, device, listen, curve_secret_key, curve_authorized_keys, threa
         raise click.BadParameter(f"expected ipc://PATH or tcp://HOST:PORT, got {listen!r}", param_hint="--listen")
     if (expert_daemons or hot is not None) and layers is None:
         raise click.UsageError("--daemon and --hot are a layer shard's (--layers A:B): an expert daemon has none")
-    experts = RigConfig(daemons=expert_daemons, hot=hot, device=device, threads=threads) if expert_daemons else None
+    kv_types = kv_types_on(device, None, cache_type_k, cache_type_v or cache_type_k)
+    experts = (RigConfig(daemons=expert_daemons, hot=hot, device=device, threads=threads, cache_type_k=kv_types.key,
+                         cache_type_v=kv_types.value) if expert_daemons else None)
     serve(model_or_demo(model), device, listen, parent_pid, curve_secret_key, curve_authorized_keys, threads,
-          numa_node, layers, ctx, kv_dtype, experts, graphs)
+          numa_node, layers, ctx, kv_types, experts, graphs)
 

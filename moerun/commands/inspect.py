@@ -5,6 +5,7 @@ from collections import Counter
 
 import click
 
+from moerun.backends.kv_types import KVTypes
 from moerun.commands.options import friendly_errors, model_or_demo
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
@@ -28,8 +29,10 @@ def describe(path) -> str:
         lines += _hyperparameters(spec, _gated_attention(gguf, spec))
         lines += ["", "tensor types:"] + _tensor_types(gguf)
         lines += ["", "per layer:"] + _layers(gguf, spec)
-        kv = model_sizes(gguf, spec).kv_bytes_per_token
-        lines += ["", f"KV cache per token: {_size(kv['f16'])} at f16, {_size(kv['f32'])} at f32 "
+        sizes = model_sizes(gguf, spec)
+        kv = {name: _size(sizes.kv_token_bytes(KVTypes(name, name))) for name in ("f16", "f32", "q8_0", "q4_0")}
+        lines += ["", f"KV cache per token: {kv['f16']} at f16, {kv['f32']} at f32, {kv['q8_0']} at q8_0, "
+                      f"{kv['q4_0']} at q4_0 "
                       + (f"(all {spec.n_layers} layers)" if spec.attention_layers == spec.n_layers else
                          f"(its {spec.attention_layers} of {spec.n_layers} layers with attention; a DeltaNet "
                          f"layer keeps fixed states instead)")]

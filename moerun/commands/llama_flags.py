@@ -17,8 +17,6 @@ FOREIGN_FLAGS = {
     **dict.fromkeys(("-ts", "--tensor-split", "-sm", "--split-mode", "-mg", "--main-gpu"),
                     "the parent's device is --device; layer ranges go to other devices with --split SPEC@LAYER"),
     **dict.fromkeys(("-fa", "--flash-attn"), "moerun picks its attention kernels itself: leave the flag out"),
-    **dict.fromkeys(("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"),
-                    "the KV cache elements are --kv-dtype f16|f32"),
     **dict.fromkeys(("-b", "--batch-size"), "the prefill chunk is --ubatch (-ub)"),
     **dict.fromkeys(("-np", "--parallel"), "moerun serve answers one request at a time"),
     **dict.fromkeys(("-cnv", "--conversation", "-i", "--interactive"),

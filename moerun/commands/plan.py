@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from moerun.backends.kv_types import KV_TYPES
 from moerun.commands.options import (
     MODEL_HELP,
     config_option,
@@ -23,19 +24,18 @@ from moerun.models import load_spec
 from moerun.moe.hotness import read_hotness
 from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
 from moerun.moe.planner import (
-    KV_BYTES_PER_ELEMENT,
     DeviceBudget,
     PlanRequest,
     explain,
     model_sizes,
 )
 from moerun.moe.planner import plan as make_plan
-from moerun.rig.settings import ConfigError, default_kv_dtype
+from moerun.rig.settings import ConfigError, kv_types_on
 from moerun.units import parse_bytes
 
 
 def plan_config(command):
-    """--config for `plan`: model, device and memory, the daemons' specs and memory, ctx, kv_pool, kv_dtype."""
+    """--config for `plan`: model, device and memory, the daemons' specs and memory, ctx, kv_pool, KV types."""
     @functools.wraps(command)
     @friendly_errors
     def with_config_file(*args, config_file, **params):
@@ -47,7 +47,8 @@ def plan_config(command):
 
 def _plan_values(config_file: str) -> dict:
     values = load_config_file(config_file)
-    plan_values = {name: values[name] for name in ("model", "ctx", "kv_pool", "kv_dtype") if name in values}
+    names = ("model", "ctx", "kv_pool", "kv_dtype", "cache_type_k", "cache_type_v")
+    plan_values = {name: values[name] for name in names if name in values}
     if "memory" in values:
         plan_values["parent_device"] = f"{values.get('device', 'cpu')}={values['memory']}"
     entries = values.get("daemon_entries", ())
@@ -71,8 +72,12 @@ def _plan_values(config_file: str) -> dict:
 @click.option("--ctx", type=click.IntRange(min=1), default=None,
               help="Context length to reserve KV for (required here or in --config).")
 @click.option("--kv-pool", type=click.IntRange(min=1), default=None, help="Bounded KV pool in tokens.")
-@click.option("--kv-dtype", type=click.Choice(sorted(KV_BYTES_PER_ELEMENT)), default=None,
+@click.option("--kv-dtype", type=click.Choice(tuple(KV_TYPES)), default=None,
               help="The parent's KV cache elements [default: the parent's own: f16 on a GPU, f32 on the CPU].")
+@click.option("-ctk", "--cache-type-k", "cache_type_k", type=click.Choice(tuple(KV_TYPES)), default=None,
+              help="The keys' elements alone (over --kv-dtype).")
+@click.option("-ctv", "--cache-type-v", "cache_type_v", type=click.Choice(tuple(KV_TYPES)), default=None,
+              help="The values' elements alone (over --kv-dtype).")
 @click.option("--hotness", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Routing counts from `moerun profile` [default: every expert counts the same].")
 @click.option("--safety", default="512MiB", show_default=True, help="Memory kept free on every device.")
@@ -90,20 +95,20 @@ def _plan_values(config_file: str) -> dict:
               help="Placement JSON to write (required unless --split).")
 @plan_config
 @friendly_errors
-def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotness, safety, workspace, expert_cache,
-         stream_threshold, splits, output):
+def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, cache_type_k, cache_type_v, hotness, safety,
+         workspace, expert_cache, stream_threshold, splits, output):
     """Place every routed expert on the parent or a daemon within the devices' memory, or with
     --split the model's layers over devices."""
     model = model_or_demo(model)
     require(parent_device, "--device DEVICE=SIZE", "memory")
     require(ctx, "--ctx", "ctx")
     parent_name, parent_bytes = _device_budget(parent_device, "--device")
-    kv_dtype = kv_dtype or default_kv_dtype(parent_name)
+    kv_types = kv_types_on(parent_name, kv_dtype, cache_type_k, cache_type_v)
     if splits:
         devices = [DeviceBudget(parent_name, parent_bytes, is_parent=True),
                    *(DeviceBudget(*_device_budget(text, "--split")) for text in splits)]
         with GGUFFile(model) as gguf:
-            sizes = layer_bytes(gguf, load_spec(gguf), kv_pool or ctx, kv_dtype)
+            sizes = layer_bytes(gguf, load_spec(gguf), kv_pool or ctx, kv_types)
         reserve = parse_bytes(safety, "--safety") + parse_bytes(workspace, "--workspace")
         click.echo(explain_split(split_layers(sizes, devices, reserve)))
         return
@@ -117,7 +122,7 @@ def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, hotnes
         spec = load_spec(gguf)
         request = PlanRequest(
             sizes=model_sizes(gguf, spec), parent=DeviceBudget(f"parent {parent_name}", parent_bytes, is_parent=True),
-            daemons=tuple(DeviceBudget(name, size) for name, size in budgets), context=ctx, kv_dtype=kv_dtype,
+            daemons=tuple(DeviceBudget(name, size) for name, size in budgets), context=ctx, kv_types=kv_types,
             kv_pool=kv_pool, routing_counts=read_hotness(hotness, spec) if hotness else None,
             safety_bytes=parse_bytes(safety, "--safety"), workspace_bytes=parse_bytes(workspace, "--workspace"),
             expert_cache_bytes=parse_bytes(expert_cache, "--expert-cache") if on_gpu else 0, streams=streams)

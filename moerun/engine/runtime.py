@@ -111,7 +111,7 @@ class Runtime:
             self.cpus = share_host(rig)         # the parent's CPU threads, and those of this host's CPU daemons
             self.cpus.apply_to_parent()
             self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs, threads=self.cpus.parent.threads,
-                                        kv_dtype=rig.kv_cache_dtype)
+                                        kv_types=rig.kv_cache_types)
             positions = self.kv_pool or self.ctx           # a sequence's KV cache, here and on every shard
             if rig.split_auto:
                 rig = dataclasses.replace(rig, splits=auto_splits(self.gguf, self.spec, rig, positions),
@@ -130,7 +130,7 @@ class Runtime:
             routing = RoutingCounter(self.spec) if count_routing else None
             self.model = MoEModel(self.spec, self.backend, weights, executor, routing, self.shards)
             if prefix_cache is not None:
-                prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_dtype}")
+                prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_types.label}")
         except BaseException:
             self.close()
             raise

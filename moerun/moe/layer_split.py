@@ -14,9 +14,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moerun.backends.kv_types import KVTypes
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
-from moerun.moe.planner import KV_BYTES_PER_ELEMENT, DeviceBudget, PlanError, recurrent_state_bytes
+from moerun.moe.planner import DeviceBudget, PlanError, recurrent_state_bytes
 
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
 
@@ -34,7 +35,7 @@ class LayerRange:
     used_bytes: int
 
 
-def layer_bytes(gguf: GGUFFile, spec: ModelSpec, context: int, kv_dtype: str) -> LayerBytes:
+def layer_bytes(gguf: GGUFFile, spec: ModelSpec, context: int, kv_types: KVTypes) -> LayerBytes:
     """Bytes per layer from the tensor index, with K and V for `context` tokens on attention
     layers and one sequence's recurrent states on DeltaNet layers."""
     per_layer = [0] * spec.n_layers
@@ -44,7 +45,7 @@ def layer_bytes(gguf: GGUFFile, spec: ModelSpec, context: int, kv_dtype: str) ->
             per_layer[int(match[1])] += info.nbytes
         else:
             parent += info.nbytes
-    kv = context * spec.n_kv_heads * (spec.head_dim_k + spec.head_dim_v) * KV_BYTES_PER_ELEMENT[kv_dtype]
+    kv = context * kv_types.token_bytes(spec.n_kv_heads * spec.head_dim_k, spec.n_kv_heads * spec.head_dim_v)
     for layer in range(spec.n_layers):
         per_layer[layer] += recurrent_state_bytes(spec) if spec.is_recurrent(layer) else kv
     return LayerBytes(tuple(per_layer), parent)

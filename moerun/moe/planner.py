@@ -14,14 +14,13 @@ from fractions import Fraction
 
 import numpy as np
 
-from moerun.backends.protocol import KV_DTYPES
+from moerun.backends.kv_types import KVTypes
 from moerun.errors import UsageError
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
 from moerun.moe.placement import PARENT, Placement
 from moerun.units import format_bytes
 
-KV_BYTES_PER_ELEMENT = {name: np.dtype(dtype).itemsize for name, dtype in KV_DTYPES.items()}   # what the backends keep
 EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(?:gate|up|down|gate_up)_exps\.weight")
 UNPLACED = -2
 
@@ -38,8 +37,12 @@ class ModelSizes:
     moe_layers: tuple[bool, ...]   # [L]
     expert_bytes: tuple[int, ...]  # [L] bytes of one routed expert (all its tensors); 0 on dense layers
     non_expert_bytes: int          # every other tensor: embeddings, attention, norms, routers, shared/dense FFNs, head
-    kv_bytes_per_token: dict[str, int]  # KV dtype -> K+V bytes per token over all attention layers
+    kv_values_per_token: tuple[int, int]  # key and value elements of one position over all attention layers
     state_bytes: int = 0           # a sequence's recurrent states (f32) over all DeltaNet layers, whatever its length
+
+    def kv_token_bytes(self, types: KVTypes) -> int:
+        """Bytes one position adds to the KV cache in `types`."""
+        return types.token_bytes(*self.kv_values_per_token)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class PlanRequest:
     parent: DeviceBudget
     daemons: tuple[DeviceBudget, ...]          # in --daemon order: a daemon's index is its position
     context: int                               # tokens
-    kv_dtype: str = "f16"
+    kv_types: KVTypes = KVTypes("f16", "f16")
     kv_pool: int | None = None                 # bounded KV pool in tokens; None = no pool
     routing_counts: np.ndarray | None = None   # [L, E] routed pairs from `moerun profile`; None = uniform
     safety_bytes: int = 512 << 20
@@ -81,7 +84,7 @@ class Plan:
     placement: Placement
     kv_reserved_tokens: int
     kv_reserved_bytes: int
-    kv_dtype: str
+    kv_types: KVTypes
     kv_rule: str                   # which rule decided the KV reservation, in words
     pool_redundant: bool           # a pool was set, yet full-context KV and every expert fit on the parent
     devices: tuple[DeviceReport, ...]  # the parent, then the daemons in order
@@ -96,7 +99,6 @@ def model_sizes(gguf: GGUFFile, spec: ModelSpec) -> ModelSizes:
             expert_tensor_bytes[int(match[1])] += info.nbytes
         else:
             non_expert_bytes += info.nbytes
-    kv_elements = spec.attention_layers * spec.n_kv_heads * (spec.head_dim_k + spec.head_dim_v)
     return ModelSizes(
         n_layers=spec.n_layers,
         n_experts=spec.n_experts,
@@ -104,9 +106,15 @@ def model_sizes(gguf: GGUFFile, spec: ModelSpec) -> ModelSizes:
         moe_layers=spec.moe_layers,
         expert_bytes=tuple(nbytes // spec.n_experts for nbytes in expert_tensor_bytes),
         non_expert_bytes=non_expert_bytes,
-        kv_bytes_per_token={dtype: kv_elements * size for dtype, size in KV_BYTES_PER_ELEMENT.items()},
+        kv_values_per_token=kv_values_per_token(spec),
         state_bytes=recurrent_state_bytes(spec) * sum(spec.recurrent_layers),
     )
+
+
+def kv_values_per_token(spec: ModelSpec) -> tuple[int, int]:
+    """Key and value elements a position adds to the cache over all attention layers."""
+    heads = spec.attention_layers * spec.n_kv_heads
+    return heads * spec.head_dim_k, heads * spec.head_dim_v
 
 
 def recurrent_state_bytes(spec: ModelSpec) -> int:
@@ -267,7 +275,7 @@ def _report(request: PlanRequest, weights: np.ndarray, placed: _Placed, rule: st
         placement=Placement(placed.homes, tuple(daemon.name for daemon in request.daemons)),
         kv_reserved_tokens=placed.kv_tokens,
         kv_reserved_bytes=_kv_bytes(request, placed.kv_tokens),
-        kv_dtype=request.kv_dtype,
+        kv_types=request.kv_types,
         kv_rule=rule,
         pool_redundant=pool_redundant,
         devices=tuple(devices),
@@ -282,7 +290,7 @@ def explain(plan: Plan) -> str:
              str(d.n_experts), f"{100 * d.traffic_share:.1f}%") for d in plan.devices]
     name_width = max(len(row[0]) for row in [header, *rows])
     lines = [f"{row[0]:<{name_width}}" + "".join(f"{cell:>14}" for cell in row[1:]) for row in [header, *rows]]
-    lines.append(f"KV cache: {plan.kv_reserved_tokens} tokens at {plan.kv_dtype} "
+    lines.append(f"KV cache: {plan.kv_reserved_tokens} tokens at {plan.kv_types.label} "
                  f"({format_bytes(plan.kv_reserved_bytes)}) reserved on the parent; rule: {plan.kv_rule}")
     if plan.pool_redundant:
         lines.append("The bounded KV pool is redundant: full-context KV and every expert fit on the parent; "
@@ -292,8 +300,6 @@ def explain(plan: Plan) -> str:
 
 def _check(request: PlanRequest) -> None:
     sizes = request.sizes
-    if request.kv_dtype not in sizes.kv_bytes_per_token:
-        raise PlanError(f"--kv-dtype {request.kv_dtype!r}: expected one of {sorted(sizes.kv_bytes_per_token)}")
     if request.context < 1 or (request.kv_pool is not None and request.kv_pool < 1):
         raise PlanError(f"context ({request.context}) and KV pool ({request.kv_pool}) must be at least 1 token")
     if not request.parent.is_parent or any(daemon.is_parent for daemon in request.daemons):
@@ -317,7 +323,7 @@ def _check(request: PlanRequest) -> None:
 
 def _kv_bytes(request: PlanRequest, tokens: int) -> int:
     """The KV cache of `tokens` and the recurrent states of one sequence."""
-    return request.sizes.kv_bytes_per_token[request.kv_dtype] * tokens + request.sizes.state_bytes
+    return request.sizes.kv_token_bytes(request.kv_types) * tokens + request.sizes.state_bytes
 
 
 def _floor_message(request: PlanRequest, kv_tokens: int, parent_budget: int, floor: int, n_moe: int,
@@ -325,12 +331,13 @@ def _floor_message(request: PlanRequest, kv_tokens: int, parent_budget: int, flo
     sizes = request.sizes
     short = floor_bytes - parent_budget
     return (f"the parent ({format_bytes(request.parent.capacity_bytes)}) cannot hold the non-expert weights "
-            f"({format_bytes(sizes.non_expert_bytes)}), KV for {kv_tokens} tokens at {request.kv_dtype} "
+            f"({format_bytes(sizes.non_expert_bytes)}), KV for {kv_tokens} tokens at {request.kv_types.label} "
             f"({format_bytes(_kv_bytes(request, kv_tokens))}), workspace ({format_bytes(request.workspace_bytes)}), "
             f"safety margin ({format_bytes(request.safety_bytes)}){_extras(request)} "
             f"and the floor of {floor} experts in "
             f"each of {n_moe} MoE layers ({format_bytes(floor_bytes)}): {format_bytes(short)} ({short:,} bytes) short. "
-            f"Lower --ctx, set --kv-pool, use a smaller --kv-dtype, or use a parent device with more memory.")
+            f"Lower --ctx, set --kv-pool, use smaller KV types (--kv-dtype, -ctk/-ctv), or use a parent device "
+            f"with more memory.")
 
 
 def _extras(request: PlanRequest) -> str:
@@ -347,5 +354,6 @@ def _homeless_message(request: PlanRequest, homeless: list[int], parent_budget: 
                         for daemon, budget in zip(request.daemons, daemon_budgets, strict=True))
     return (f"{len(homeless)} experts ({format_bytes(missing)}, {missing:,} bytes) have no room: the parent's expert "
             f"budget ({format_bytes(parent_budget)}) and the daemons' ({budgets or 'no --daemon given'}) are full. "
-            f"Add a --daemon, or free parent memory (lower --ctx, set --kv-pool, use a smaller --kv-dtype).")
+            f"Add a --daemon, or free parent memory (lower --ctx, set --kv-pool, use smaller KV types: --kv-dtype, "
+            f"-ctk/-ctv).")
 

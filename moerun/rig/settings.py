@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 
 from moerun.backends.devices import DEVICE_PATTERN
-from moerun.backends.protocol import KV_DTYPES
+from moerun.backends.kv_types import KV_TYPES, KVTypes, check_gpu_kv_types, default_kv_types
 from moerun.errors import UsageError
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES, TRANSPORTS
 from moerun.ipc.sockets import ENDPOINT
@@ -100,9 +100,10 @@ def shard_flags(layers: range, ctx: int) -> tuple[str, ...]:
     return ("--layers", f"{layers.start}:{layers.stop}", "--ctx", str(ctx))
 
 
-def default_kv_dtype(device: str) -> str:
-    """The KV cache elements a parent on `device` keeps unless told: f32 on the CPU, f16 on a GPU."""
-    return "f32" if device == "cpu" else "f16"
+def kv_types_on(device: str, both: str | None, key: str | None, value: str | None) -> KVTypes:
+    """The KV types of a cache on `device`: each side's own flag, else `both` (--kv-dtype), else the device's."""
+    default = default_kv_types(device)
+    return KVTypes(key or both or default.key, value or both or default.value)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,10 @@ class RigConfig:
     require_daemons: bool = False
     device: str = "cpu"                  # the parent's: cpu | cuda:N | hip:N
     graphs: bool = True                  # --no-graph: GPU decode steps run eagerly instead of as CUDA graphs
-    kv_dtype: str | None = None          # --kv-dtype f16 | f32 of a GPU parent's KV cache; None: f16 (the CPU: f32)
+    kv_dtype: str | None = None          # --kv-dtype: the KV cache's keys and values (kv_types.KV_TYPES);
+                                         # None: the device's default (f32 on the CPU, f16 on a GPU)
+    cache_type_k: str | None = None      # --cache-type-k / -ctk: the keys' alone (over kv_dtype)
+    cache_type_v: str | None = None      # --cache-type-v / -ctv: the values' alone
     daemon_entries: tuple[DaemonEntry, ...] = ()   # the config file's [[daemon]] tables behind `daemons`, if any
     split_entries: tuple[SplitEntry, ...] = ()     # the config file's [[split]] tables behind `splits`, if any
     client_secret_key: str | None = None           # the parent's CURVE secret key file (--curve-secret-key, [auth])
@@ -144,14 +148,17 @@ class RigConfig:
                                   f"before it)")
         if self.split_auto and self.splits:
             raise ConfigError("--split auto places every boundary itself: give it alone")
+        for flag, name in (("--kv-dtype", self.kv_dtype), ("--cache-type-k", self.cache_type_k),
+                           ("--cache-type-v", self.cache_type_v)):
+            if name not in (None, *KV_TYPES):
+                raise ConfigError(f"{flag} must be one of {', '.join(KV_TYPES)}")
+        if DEVICE_PATTERN.match(self.device) and self.device != "cpu":
+            check_gpu_kv_types(self.kv_cache_types)
         layers = [layer for _, layer in self.splits]
         if layers != sorted(set(layers)):
             raise ConfigError(f"--split boundaries must be distinct layers in ascending order (got {layers})")
         checks = [
             (bool(DEVICE_PATTERN.match(self.device)), f"--device {self.device!r}: expected cpu, cuda:N or hip:N"),
-            (self.kv_dtype in (None, *KV_DTYPES), f"--kv-dtype must be one of {', '.join(KV_DTYPES)}"),
-            (not (self.kv_dtype == "f16" and self.device == "cpu"),
-             "--kv-dtype f16: the CPU parent keeps its KV cache in f32; give it for a GPU parent (--device cuda:N)"),
             (self.transport in RIG_TRANSPORTS, f"--transport must be one of {', '.join(RIG_TRANSPORTS)}"),
             (self.mode in MODES, f"--mode must be one of {', '.join(MODES)}"),
             (self.payload_dtype in (None, *PAYLOAD_DTYPES),
@@ -213,9 +220,9 @@ class RigConfig:
                 if entry.curve_public_key is not None and place in connected}
 
     @property
-    def kv_cache_dtype(self) -> str:
-        """The parent's KV cache elements: --kv-dtype, else its device's own."""
-        return self.kv_dtype or default_kv_dtype(self.device)
+    def kv_cache_types(self) -> KVTypes:
+        """The parent's KV cache elements: -ctk/-ctv, else --kv-dtype, else its device's own."""
+        return kv_types_on(self.device, self.kv_dtype, self.cache_type_k, self.cache_type_v)
 
     @property
     def expert_payload_dtype(self) -> str:

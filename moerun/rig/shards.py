@@ -35,7 +35,7 @@ from moerun.moe.layer_split import explain_split, layer_bytes, split_layers
 from moerun.moe.planner import DeviceBudget
 from moerun.rig.gpu.channels import Attached, GpuAttachments
 from moerun.rig.links import DAEMON_FAILURES, RigError, failure_reason
-from moerun.rig.settings import RigConfig, SplitEntry, default_kv_dtype, shard_flags
+from moerun.rig.settings import RigConfig, SplitEntry, kv_types_on, shard_flags
 from moerun.rig.spawn import LocalDaemon, make_run_dir, remove_run_dir, spawn_daemon
 from moerun.rig.transport import Facts, choose_transport
 
@@ -181,12 +181,12 @@ class LayerShards:
         spawned = DEVICE_PATTERN.match(link.spec) is not None
         if spawned:
             device = link.spec.split(":")[0]
-            kv_dtype = self.config.kv_dtype or default_kv_dtype(device)
+            kv = kv_types_on(device, self.config.kv_dtype, self.config.cache_type_k, self.config.cache_type_v)
             link.local = spawn_daemon(
                 link.spec, self.model_path, f"ipc://{self.run_dir}/shard-{link.index}.sock",
                 self.run_dir / f"shard-{link.index}.log",
                 extra_args=(*shard_flags(link.layers, self.ctx), *self._expert_flags(link),
-                            *(("--kv-dtype", kv_dtype) if device != "cpu" else ()),
+                            "--cache-type-k", kv.key, "--cache-type-v", kv.value,
                             *(() if self.config.graphs else ("--no-graph",))))
         endpoint = link.local.endpoint if link.local else link.spec
         timeout_s = SHARD_START_TIMEOUT_S if spawned else self.config.daemon_timeout_s
@@ -299,7 +299,7 @@ def auto_splits(gguf, spec: ModelSpec, config: RigConfig, context: int) -> tuple
         with cupy.cuda.Device(index):
             free, _ = cupy.cuda.runtime.memGetInfo()
         devices.append(DeviceBudget(f"{parent.platform}:{index}", free, is_parent=index == parent.index))
-    sizes = layer_bytes(gguf, spec, context, config.kv_dtype or default_kv_dtype(config.device))
+    sizes = layer_bytes(gguf, spec, context, config.kv_cache_types)
     ranges = split_layers(sizes, devices, AUTO_RESERVE_BYTES)
     logger.info("--split auto: " + "; ".join(explain_split(ranges).splitlines()))
     return tuple((r.device.name, r.layers.start) for r in ranges[1:])

@@ -175,7 +175,7 @@ class Rig:
         streams = on_gpu and self.config.stream_tokens is not None and any(
             link.client.info.get("device") == "cpu" for link in self.links)
         request = PlanRequest(sizes=model_sizes(gguf, self.spec), parent=parent, daemons=daemons,
-                              context=self.kv_tokens, kv_dtype=self.config.kv_cache_dtype,
+                              context=self.kv_tokens, kv_types=self.config.kv_cache_types,
                               expert_cache_bytes=self.config.expert_cache_bytes if on_gpu else 0, streams=streams)
         try:
             result = plan(request)

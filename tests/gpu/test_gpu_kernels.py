@@ -19,6 +19,7 @@ from gguf import quants as gguf_quants
 from moerun.backends.devices import GpuError
 from moerun.backends.gpu.library import INT_KINDS
 from moerun.backends.gpu.weights import KERNEL_TYPES, DeviceMatrix
+from moerun.backends.kv_types import KVTypes
 from moerun.gguf.quants import dequantize
 from moerun.writers.bench_model import BLOCK_FILLERS, random_blocks
 from tests.support.gpu import gpu_device, small_spec
@@ -370,7 +371,7 @@ ATTENTION_CASES = {                                     # small_spec: 4 heads ov
 def kv_backend(request):
     """A backend with its KV cache in each element type."""
     from moerun.backends import open_backend
-    return open_backend(gpu_device(), small_spec(), kv_dtype=request.param)
+    return open_backend(gpu_device(), small_spec(), kv_types=KVTypes(request.param, request.param))
 
 
 @pytest.fixture(params=["per-head", "grouped"])
@@ -418,7 +419,7 @@ def test_decode_attention_at_depth_matches_numpy(decode_kernel, layout, position
     from moerun.backends import open_backend
     n_heads, n_kv_heads, head_dim = layout
     spec = replace(small_spec(), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim_k=head_dim, head_dim_v=head_dim)
-    backend = open_backend(gpu_device(), spec, kv_dtype=kv_dtype)
+    backend = open_backend(gpu_device(), spec, kv_types=KVTypes(kv_dtype, kv_dtype))
     got, want = attention_and_numpy(backend, position + 8, position, 1, query_scale=2.0)
     assert relative_error(got.get(), want) < 2e-5
 
@@ -450,7 +451,7 @@ def test_rope_append_writes_the_cache_in_its_type(kv_backend):
     the cache's type."""
     from moerun.backends import open_backend
     spec, cupy = kv_backend.spec, kv_backend.device.cupy
-    exact = open_backend(gpu_device(), spec, kv_dtype="f32")
+    exact = open_backend(gpu_device(), spec, kv_types=KVTypes("f32", "f32"))
     rng = np.random.default_rng()
     n_tokens, start = 24, 40
     q, k = (rng.normal(size=(n_tokens, heads * spec.head_dim_k)).astype(np.float32)

@@ -17,7 +17,7 @@ from moerun.backends.gpu.constants import defines
 from moerun.backends.gpu.experts import TILE_SHAPES
 from moerun.backends.gpu.library import INT_KINDS, KERNEL_DIR
 from moerun.backends.gpu.weights import KERNEL_TYPES
-from moerun.backends.protocol import KV_DTYPES
+from moerun.backends.kv_types import GPU_KV_TYPES
 
 pytestmark = [pytest.mark.tools, pytest.mark.slow]   # a compile takes ~15 s
 PER_TYPE = ("moe_gate_up", "moe_down", "dequant_f16", "gather_rows_f32")
@@ -64,8 +64,8 @@ def assert_defines_every_kernel(binary: bytes) -> None:
              + [f"{family}_{kind}" for family in PER_INT_TYPE for kind in INT_KINDS]
              + [f"{family}_{kind}_r{rows}" for family, all_rows in PER_INT_TYPE_AND_ROWS.items() for kind in INT_KINDS
                 for rows in all_rows]
-             + [f"{family}_{kind}" for family in PER_KV_TYPE for kind in KV_DTYPES] + list(SHARED)
-             + [f"attention_decode_{kind}_{tile}_{dims}" for kind in KV_DTYPES for tile in DECODE_HEAD_TILES
+             + [f"{family}_{kind}" for family in PER_KV_TYPE for kind in GPU_KV_TYPES] + list(SHARED)
+             + [f"attention_decode_{kind}_{tile}_{dims}" for kind in GPU_KV_TYPES for tile in DECODE_HEAD_TILES
                 for dims in DECODE_LANE_DIMS if (tile, dims) != (8, 8)])
     missing = [name for name in names if name.encode() not in binary]
     assert not missing

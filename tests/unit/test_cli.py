@@ -133,10 +133,11 @@ def test_run_bad_sampling_flags_are_refused_naming_the_flag(demo_model, moerun, 
     assert f"Invalid value for '{flag}" in result.stderr
 
 
-def test_an_f16_kv_cache_on_the_cpu_parent_is_a_clear_error(demo_model, moerun):
-    result = moerun("run", "-m", demo_model, "--kv-dtype", "f16", "-n", "1")
+def test_a_quantized_kv_cache_on_a_gpu_parent_is_a_clear_error(demo_model, moerun):
+    result = moerun("run", "-m", demo_model, "--device", "cuda:0", "-ctk", "q8_0", "-ctv", "q8_0", "-n", "1")
     assert result.exit_code == 1 and "Traceback" not in result.output
-    assert result.stderr.startswith("Error: --kv-dtype f16: the CPU parent keeps its KV cache in f32")
+    assert result.stderr.startswith("Error: KV cache types q8_0 (keys) and q8_0 (values): a GPU parent keeps both "
+                                    "in one of f16, f32")
 
 
 def test_output_to_a_missing_directory_is_a_clear_error(demo_model, moerun, tmp_path):

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from moerun.backends.kv_types import KVTypes
 from moerun.engine.runtime import RequestError, Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.reader import GGUFFile
@@ -73,7 +74,7 @@ def test_bad_hotness_files(model, tmp_path, content, phrase):
 def parent_bytes_for(model, experts_per_layer: int, ctx: int) -> int:
     with GGUFFile(model) as gguf:
         sizes = model_sizes(gguf, load_spec(gguf))
-    return (sizes.non_expert_bytes + sizes.kv_bytes_per_token["f32"] * ctx      # a CPU parent's cache
+    return (sizes.non_expert_bytes + sizes.kv_token_bytes(KVTypes("f32", "f32")) * ctx      # a CPU parent's cache
             + experts_per_layer * max(sizes.expert_bytes) * sum(sizes.moe_layers))
 
 
@@ -158,7 +159,8 @@ def test_plan_reserves_a_gpu_parents_expert_cache_and_streaming_buffers(model, t
     with GGUFFile(model) as gguf:
         sizes = model_sizes(gguf, load_spec(gguf))
     expert = max(sizes.expert_bytes)
-    parent = sizes.non_expert_bytes + sizes.kv_bytes_per_token["f16"] * 1024 + 2 * 12 * expert   # 12 of 16 a layer
+    kv = sizes.kv_token_bytes(KVTypes("f16", "f16")) * 1024
+    parent = sizes.non_expert_bytes + kv + 2 * 12 * expert   # 12 of 16 a layer
 
     def plan(*flags):
         out = tmp_path / "p.json"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from moerun.backends.kv_types import KVTypes
 from moerun.commands.options import runtime_options
 from moerun.config import DAEMON, SPLIT, TABLES, TOP_LEVEL, key_lines, load_config_file
 from moerun.engine.runtime import Runtime
@@ -315,14 +316,17 @@ def test_rig_config_checks_the_parent_device_and_the_entries():
     assert RigConfig(device="hip:1").device == "hip:1"
 
 
-def test_the_kv_cache_type_is_f16_on_a_gpu_f32_on_the_cpu_and_checked():
-    assert RigConfig(device="cuda:0").kv_cache_dtype == "f16"
-    assert RigConfig(device="cuda:0", kv_dtype="f32").kv_cache_dtype == "f32"
-    assert RigConfig().kv_cache_dtype == RigConfig(kv_dtype="f32").kv_cache_dtype == "f32"
-    with pytest.raises(ConfigError, match="--kv-dtype f16: the CPU parent keeps its KV cache in f32"):
-        RigConfig(kv_dtype="f16")
-    with pytest.raises(ConfigError, match="--kv-dtype must be one of f16, f32"):
-        RigConfig(device="cuda:0", kv_dtype="q8_0")
+def test_the_kv_cache_types_are_f16_on_a_gpu_f32_on_the_cpu_each_side_overridable_and_checked():
+    assert RigConfig(device="cuda:0").kv_cache_types == KVTypes("f16", "f16")
+    assert RigConfig(device="cuda:0", kv_dtype="f32").kv_cache_types == KVTypes("f32", "f32")
+    assert RigConfig().kv_cache_types == RigConfig(kv_dtype="f32").kv_cache_types == KVTypes("f32", "f32")
+    assert RigConfig(kv_dtype="f16", cache_type_k="q8_0").kv_cache_types == KVTypes("q8_0", "f16")
+    assert RigConfig(cache_type_v="q4_0").kv_cache_types == KVTypes("f32", "q4_0")
+    assert KVTypes("q8_0", "f16").label == "q8_0/f16" and KVTypes("q4_0", "q4_0").label == "q4_0"
+    for field, flag in (("kv_dtype", "--kv-dtype"), ("cache_type_k", "--cache-type-k"),
+                        ("cache_type_v", "--cache-type-v")):
+        with pytest.raises(ConfigError, match=f"{flag} must be one of f32, f16, bf16, q8_0"):
+            RigConfig(device="cuda:0", **{field: "q2_k"})
 
 
 # -- flags override the file --------------------------------------------------------------------

@@ -101,7 +101,7 @@ def test_a_negative_expert_cache_names_the_flag():
 def sizes(layers: int = 4, experts: int = 8, expert_bytes: int = 64 << 20) -> ModelSizes:
     return ModelSizes(n_layers=layers, n_experts=experts, n_experts_used=2, moe_layers=(True,) * layers,
                       expert_bytes=(expert_bytes,) * layers, non_expert_bytes=GiB,
-                      kv_bytes_per_token={"f16": 1024, "f32": 2048})
+                      kv_values_per_token=(256, 256))
 
 
 def request(parent_gib: float, **reserve) -> PlanRequest:

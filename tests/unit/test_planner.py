@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
+from moerun.backends.kv_types import KVTypes
 from moerun.gguf.reader import GGUFFile
 from moerun.models import load_spec
 from moerun.moe.placement import PARENT, load_placement
@@ -47,7 +48,7 @@ def moe_shape(n_layers, n_experts, top_k, hidden, expert_ff, n_heads, n_kv_heads
         moe_layers=(True,) * n_layers,
         expert_bytes=(q4k(3 * expert_ff * hidden),) * n_layers,
         non_expert_bytes=2 * q4k(vocab * hidden) + n_layers * (attention + router),
-        kv_bytes_per_token={"f32": 4 * kv_elements, "f16": 2 * kv_elements},
+        kv_values_per_token=(kv_elements // 2, kv_elements // 2),
     )
 
 
@@ -74,7 +75,7 @@ def request(sizes=QWEN3_40L, context=65536, kv_pool=None, parent=PARENT_24G, dae
 
 def parent_reserved(sizes: ModelSizes, kv_tokens: int) -> int:
     """Parent bytes not for experts: weights, f16 KV for kv_tokens, workspace and safety margin."""
-    return sizes.non_expert_bytes + sizes.kv_bytes_per_token["f16"] * kv_tokens + RESERVED_ON_EVERY_DEVICE
+    return sizes.non_expert_bytes + sizes.kv_token_bytes(KVTypes("f16", "f16")) * kv_tokens + RESERVED_ON_EVERY_DEVICE
 
 
 def parent_budget(sizes: ModelSizes, capacity: int, kv_tokens: int) -> int:
@@ -83,9 +84,9 @@ def parent_budget(sizes: ModelSizes, capacity: int, kv_tokens: int) -> int:
 
 def test_model_shapes():
     assert QWEN3_40L.expert_bytes[0] == QWEN3_EXPERT and MIXTRAL.expert_bytes[0] == MIXTRAL_EXPERT
-    assert QWEN3_40L.kv_bytes_per_token["f16"] == 80 * 1024
-    assert QWEN3_30B.kv_bytes_per_token["f16"] == 96 * 1024
-    assert MIXTRAL.kv_bytes_per_token["f16"] == 128 * 1024
+    assert QWEN3_40L.kv_token_bytes(KVTypes("f16", "f16")) == 80 * 1024
+    assert QWEN3_30B.kv_token_bytes(KVTypes("f16", "f16")) == 96 * 1024
+    assert MIXTRAL.kv_token_bytes(KVTypes("f16", "f16")) == 128 * 1024
     assert QWEN3_40L.non_expert_bytes == 816_676_864   # 779 MiB
 
 
@@ -187,7 +188,7 @@ def test_full_context_that_does_not_fit_falls_back_to_the_pool():
 
 
 def test_f32_kv_reserves_twice_the_f16_bytes():
-    half, full = (plan(request(context=16384, kv_dtype=dtype)) for dtype in ("f16", "f32"))
+    half, full = (plan(request(context=16384, kv_types=KVTypes(dtype, dtype))) for dtype in ("f16", "f32"))
     assert full.kv_reserved_bytes == 2 * half.kv_reserved_bytes == 16384 * 40 * 4 * 256 * 4
     assert "at f32" in explain(full)
 
@@ -283,7 +284,6 @@ def test_total_capacity_too_small_names_the_missing_bytes():
 
 
 @pytest.mark.parametrize("change, problem", [
-    ({"kv_dtype": "q4_0"}, "--kv-dtype 'q4_0'"),
     ({"routing_counts": np.ones((40, 64))}, r"routing counts have shape \(40, 64\)"),
     ({"routing_counts": np.zeros((40, 128))}, "no routed pairs"),
     ({"routing_counts": -np.ones((40, 128))}, "not negative"),
@@ -321,14 +321,14 @@ def test_model_sizes_match_the_files_tensors(tmp_path, arch, ftype, overrides, f
         sizes = model_sizes(file, spec)
     assert sizes.expert_bytes == tuple(nbytes // n_experts for nbytes in by_layer)
     assert sizes.non_expert_bytes == non_expert
-    assert sizes.kv_bytes_per_token == {"f32": 4 * kv_elements, "f16": 2 * kv_elements}
+    assert sizes.kv_values_per_token == (kv_elements // 2, kv_elements // 2)
     assert (sizes.n_layers, sizes.n_experts, sizes.n_experts_used) == (3, n_experts, config.num_experts_per_tok)
     assert sizes.moe_layers == tuple(layer not in overrides.get("mlp_only_layers", []) for layer in range(3))
     assert (sizes.expert_bytes[0] == 0) == bool(overrides)
 
     # a plan for this file loads back as a placement file for it
     half = sum(sizes.expert_bytes) * n_experts // 2
-    parent = DeviceBudget("parent", sizes.non_expert_bytes + sizes.kv_bytes_per_token["f16"] * 64 + half,
+    parent = DeviceBudget("parent", sizes.non_expert_bytes + sizes.kv_token_bytes(KVTypes("f16", "f16")) * 64 + half,
                           is_parent=True)
     result = plan(PlanRequest(sizes, parent, (DeviceBudget("cpu", 1 << 20),), context=64,
                               safety_bytes=0, workspace_bytes=0))
@@ -354,7 +354,8 @@ def test_a_hybrid_models_sizes_count_its_recurrent_states_once_per_sequence(tmp_
     per_layer = 4 * (config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
                      + (config.linear_conv_kernel_dim - 1) * channels)
     assert sizes.state_bytes == 3 * per_layer                      # layers 0-2 are DeltaNet, 3 attention
-    assert sizes.kv_bytes_per_token["f32"] == 4 * config.num_key_value_heads * 2 * config.head_dim
+    assert sizes.kv_token_bytes(KVTypes("f32", "f32")) == 4 * config.num_key_value_heads * 2 * config.head_dim
     parent = DeviceBudget("parent", 1 << 30, is_parent=True)
-    result = plan(PlanRequest(sizes, parent, (), context=100, kv_dtype="f32", safety_bytes=0, workspace_bytes=0))
-    assert result.kv_reserved_bytes == 100 * sizes.kv_bytes_per_token["f32"] + sizes.state_bytes
+    result = plan(PlanRequest(sizes, parent, (), context=100, kv_types=KVTypes("f32", "f32"), safety_bytes=0,
+                              workspace_bytes=0))
+    assert result.kv_reserved_bytes == 100 * sizes.kv_token_bytes(KVTypes("f32", "f32")) + sizes.state_bytes

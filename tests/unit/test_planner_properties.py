@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moerun.backends.kv_types import KVTypes
 from moerun.moe.placement import PARENT
 from moerun.moe.planner import DeviceBudget, ModelSizes, PlanError, PlanRequest, plan
 
@@ -19,7 +20,7 @@ def requests(draw) -> PlanRequest:
     n_experts = draw(st.integers(1, 10))
     moe_layers = draw(st.lists(st.booleans(), min_size=n_layers, max_size=n_layers).filter(any))
     expert_bytes = tuple(draw(st.integers(1, 400)) if is_moe else 0 for is_moe in moe_layers)
-    kv_per_token = draw(st.integers(0, 40))
+    kv_values = (32 * draw(st.integers(0, 2)), 32 * draw(st.integers(0, 2)))    # whole blocks of 32
     sizes = ModelSizes(
         n_layers=n_layers,
         n_experts=n_experts,
@@ -27,7 +28,7 @@ def requests(draw) -> PlanRequest:
         moe_layers=tuple(moe_layers),
         expert_bytes=expert_bytes,
         non_expert_bytes=draw(st.integers(0, 2000)),
-        kv_bytes_per_token={"f16": kv_per_token, "f32": 2 * kv_per_token},
+        kv_values_per_token=kv_values,
     )
     counts = draw(st.none() | st.lists(st.integers(0, 50), min_size=n_layers * n_experts,
                                        max_size=n_layers * n_experts))
@@ -36,11 +37,12 @@ def requests(draw) -> PlanRequest:
         counts[moe_layers.index(True), 0] += 1  # at least one routed pair
 
     # capacities around what the model needs, so that plans fit, just fit or just fail
-    kv_dtype, context = draw(st.sampled_from(["f16", "f32"])), draw(st.integers(1, 200))
+    kv_types = KVTypes(*[draw(st.sampled_from(["f16", "f32", "q8_0", "q4_0"]))] * 2)
+    context = draw(st.integers(1, 200))
     fixed = draw(st.integers(0, 300)) + draw(st.integers(0, 300))
     all_experts = n_experts * sum(expert_bytes)
     floor = min(sizes.n_experts_used, n_experts) * sum(expert_bytes)
-    parent_need = sizes.non_expert_bytes + sizes.kv_bytes_per_token[kv_dtype] * context + fixed + floor
+    parent_need = sizes.non_expert_bytes + sizes.kv_token_bytes(kv_types) * context + fixed + floor
     return PlanRequest(
         sizes=sizes,
         parent=DeviceBudget("parent", max(0, parent_need + draw(st.integers(-200, all_experts + 200))),
@@ -48,7 +50,7 @@ def requests(draw) -> PlanRequest:
         daemons=tuple(DeviceBudget(f"cuda:{i}", max(0, fixed + draw(st.integers(-200, 2 * all_experts))))
                       for i in range(draw(st.integers(0, 3)))),
         context=context,
-        kv_dtype=kv_dtype,
+        kv_types=kv_types,
         kv_pool=draw(st.none() | st.integers(1, 2 * context)),
         routing_counts=counts,
         safety_bytes=fixed // 2,
@@ -79,7 +81,7 @@ def test_every_expert_has_one_home_within_every_budget(request):
         assert np.count_nonzero(row == PARENT) >= min(sizes.n_experts_used, sizes.n_experts)
         np.add.at(used, row.astype(np.int64) + 1, sizes.expert_bytes[layer])
 
-    kv_bytes = sizes.kv_bytes_per_token[request.kv_dtype] * result.kv_reserved_tokens
+    kv_bytes = sizes.kv_token_bytes(request.kv_types) * result.kv_reserved_tokens
     fixed = request.workspace_bytes + request.safety_bytes
     budgets = [request.parent.capacity_bytes - sizes.non_expert_bytes - kv_bytes - fixed]
     budgets += [max(0, daemon.capacity_bytes - fixed) for daemon in request.daemons]

@@ -28,7 +28,8 @@ from moerun.paths import cache_dir
 KERNEL_DIR = Path(__file__).parent / "kernels"
 LIBRARY_NAME = "libmoerun_cpu.so"
 FLAGS = ("-O3", "-std=c11", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off")
-COMMON_SOURCES = ("types.c", "isa.c", "pool.c", "work.c", "ffn.c", "matmul.c", "decode.c", "attention.c", "serve.c")
+COMMON_SOURCES = ("types.c", "isa.c", "pool.c", "work.c", "ffn.c", "matmul.c", "decode.c", "attention.c", "quantize.c",
+                  "serve.c")
 AVX2 = ("-mavx2", "-mfma", "-mf16c")
 AVX512 = (*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl")
 

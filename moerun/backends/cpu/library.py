@@ -47,7 +47,8 @@ class ExpertMatrices(ctypes.Structure):
 class AttentionShape(ctypes.Structure):
     """struct moe_attention: one model's attention shapes and constants."""
     _fields_ = [("n_heads", c_int64), ("n_kv_heads", c_int64), ("head_dim_k", c_int64), ("head_dim_v", c_int64),
-                ("rope_neox", c_int64), ("eps", c_float), ("scale", c_float)]
+                ("rope_neox", c_int64), ("eps", c_float), ("scale", c_float), ("key_type", c_int64),
+                ("value_type", c_int64)]
 
 
 class SlotLayout(ctypes.Structure):
@@ -83,6 +84,7 @@ class CpuKernels:
                                         c_int64, c_int64, *[c_void_p] * 7]
         lib.moe_attention.argtypes = [POINTER(AttentionShape), c_void_p, c_int64, c_int64, c_void_p, c_void_p,
                                       c_void_p, c_int]
+        lib.moe_quantize_rows.argtypes = [c_int64, c_void_p, c_int64, c_int64, c_void_p]
         lib.moe_route.argtypes = [POINTER(Matrix), c_void_p, c_int64, c_void_p, c_float, c_int64, c_int, c_void_p,
                                   c_void_p, c_void_p, c_int]
         lib.moe_serve_slots.argtypes = [POINTER(SlotLayout), POINTER(ServedLayer), c_int64, c_void_p, c_void_p,
@@ -144,7 +146,7 @@ class CpuKernels:
                     k_rows: np.ndarray, v_rows: np.ndarray) -> np.ndarray:
         """q [T, NH*D], k [T, NKV*D] normed per head (where q_norm, k_norm [D] are given) and rotated
         by cos, sin [T, D/2]; k written into k_rows [T, NKV, D], v [T, NKV*Dv] into v_rows (the
-        cache's rows). Returns the rotated q [T, NH, D]."""
+        cache's rows, in its types: kv_types.empty_rows). Returns the rotated q [T, NH, D]."""
         q, k, v = unit_columns(q), unit_columns(k), unit_columns(v)
         q_out = np.empty((len(q), shape.n_heads, shape.head_dim_k), np.float32)
         status = self.lib.moe_rope_append(shape, len(q), address(q), address(k), address(v),
@@ -159,11 +161,20 @@ class CpuKernels:
     def attention(self, shape: AttentionShape, q: np.ndarray, start: int, keys: np.ndarray, values: np.ndarray,
                   threads: int) -> np.ndarray:
         """q [T, NH, D] at positions start.. over keys [S, NKV, D] and values [S, NKV, Dv], the
-        cache's rows (S >= start + T) -> [T, NH*Dv]"""
+        cache's rows in its types (S >= start + T) -> [T, NH*Dv]"""
         q = np.ascontiguousarray(q, np.float32)
         out = np.empty((len(q), shape.n_heads * shape.head_dim_v), np.float32)
         status = self.lib.moe_attention(shape, address(q), len(q), start, address(keys), address(values),
                                         address(out), threads)
+        if status:
+            raise kernel_error(status)
+        return out
+
+    def quantize_rows(self, ggml_type: int, x: np.ndarray, row_bytes: int) -> np.ndarray:
+        """float32 rows [R, n] -> uint8 [R, row_bytes] of a KV cache type, as the cache appends them."""
+        x = np.ascontiguousarray(x, np.float32)
+        out = np.empty((x.shape[0], row_bytes), np.uint8)
+        status = self.lib.moe_quantize_rows(ggml_type, address(x), x.shape[0], x.shape[1], address(out))
         if status:
             raise kernel_error(status)
         return out

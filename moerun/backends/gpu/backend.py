@@ -48,9 +48,10 @@ from moerun.backends.gpu.library import (
     stage_stride,
 )
 from moerun.backends.gpu.weights import DeviceMatrix, Uploader
+from moerun.backends.kv_types import KVTypes, check_gpu_kv_types
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
-from moerun.backends.protocol import KV_DTYPES, CacheState, ContextFull, Forward, swiglu_by_products
+from moerun.backends.protocol import CacheState, ContextFull, Forward, swiglu_by_products
 from moerun.errors import UsageError
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
@@ -156,7 +157,9 @@ class GpuKVCache:
 
 
 class GpuBackend:
-    def __init__(self, device: Device, spec: ModelSpec, graphs: bool = True, kv_dtype: str = "f16"):
+    def __init__(self, device: Device, spec: ModelSpec, graphs: bool = True,
+                 kv_types: KVTypes = KVTypes("f16", "f16")):
+        check_gpu_kv_types(kv_types)
         shape = spec.delta_net
         if shape is not None and not (shape.key_dim <= MAX_KEY_DIM and shape.value_dim <= 1024
                                       and shape.conv_kernel <= MAX_CONV_WIDTH):
@@ -168,9 +171,8 @@ class GpuBackend:
         self.name = device.name
         self.kind = device.platform.upper()
         self.spec = spec
-        if kv_dtype not in KV_DTYPES:
-            raise UsageError(f"KV cache type {kv_dtype!r}: the GPU backend keeps one of {', '.join(KV_DTYPES)}")
-        self.kv_dtype = kv_dtype
+        self.kv_types = kv_types
+        self.kv_dtype = kv_dtype = kv_types.key           # the kernels' element type, f16 or f32
         tile, dims = decode_attention_kernel(spec.n_heads, spec.n_kv_heads, spec.head_dim_k, spec.head_dim_v)
         tiles = -(-(spec.n_heads // spec.n_kv_heads) // tile)
         # decode attention's kernels and their rows of blocks: a tile of a KV head's heads, or a head
@@ -245,7 +247,7 @@ class GpuBackend:
         """A fresh sequence; the buffers of the last one of this capacity are reused."""
         if capacity not in self._kv_buffers:
             spec, cupy = self.spec, self.device.cupy
-            dtype = KV_DTYPES[self.kv_dtype]
+            dtype = {"f16": cupy.float16, "f32": cupy.float32}[self.kv_dtype]
             recurrent = [i for i in range(spec.n_layers) if spec.is_recurrent(i)]
             rows = [0 if i in recurrent else capacity for i in range(spec.n_layers)]
             shape = spec.delta_net

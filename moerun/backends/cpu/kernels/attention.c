@@ -2,7 +2,8 @@
 // through the instruction set's float32 products, over the cache a block of KEY_BLOCK positions
 // at a time (the softmax kept running: no scores of the whole context in memory), a few tokens
 // one task per token and kv head, their positions split over the threads where there are
-// several. The same math as moerun/backends/numpy_ops.py's causal_attention, in float32.
+// several. The same math as moerun/backends/numpy_ops.py's causal_attention, in float32, over
+// a cache of any element type a cache may keep (its rows dequantized as they are read).
 //
 // Shape legend: T tokens, S cached positions, NH/NKV heads, G = NH/NKV, D/Dv head dims,
 // R = a block's rows (its tokens' query heads of one kv head), B key positions of a block.
@@ -41,11 +42,14 @@ static int64_t packed_floats(const struct moe_attention* shape, int64_t seen) {
 #define SPLIT_POSITIONS 256     // fewest positions a split of a few tokens' attention takes
 #define KEY_CHUNK 256           // keys a few tokens' q·kᵀ copies into a panel at a time
 
+#define PV_ROWS 32      // value rows a few tokens' p·v takes at a time (they stay in L1)
+
 // Floats of one thread's scratch for a few tokens over shares of `width` positions, in whole
-// cache lines: heads [G] (int64, first), probabilities [G, width], a panel of keys [KEY_CHUNK, D].
+// cache lines: heads [G] (int64, first), probabilities [G, width], a panel of keys [KEY_CHUNK, D],
+// value rows dequantized [PV_ROWS, Dv].
 static int64_t few_scratch(const struct moe_attention* shape, int64_t width) {
     int64_t group = shape->n_heads / shape->n_kv_heads;
-    return (2 * group + group * width + KEY_CHUNK * shape->head_dim_k + 15) / 16 * 16;
+    return (2 * group + group * width + KEY_CHUNK * shape->head_dim_k + PV_ROWS * shape->head_dim_v + 15) / 16 * 16;
 }
 
 // Scores p [n] -> e^(p·scale - top) in place, top the largest of them and `floor` (-inf: of them
@@ -62,7 +66,9 @@ struct attention_job {
     const struct moe_attention* shape;
     const float* q;             // [T, NH, D]
     int64_t n_tokens, start;
-    const float *keys, *values; // [S, NKV, D], [S, NKV, Dv]
+    const uint8_t *keys, *values;   // [S, NKV, D], [S, NKV, Dv] of the cache's types
+    int key_type, value_type;       // their type indices
+    int64_t key_bytes, value_bytes; // of one head's row
     float* out;                 // [T, NH * Dv]
     float* scores;              // each thread's scratch: few_scratch or block_scratch floats
     int64_t splits, width;      // per token and kv head (a few tokens), and the most positions of one
@@ -72,49 +78,45 @@ struct attention_job {
 
 #define PV_HEADS 4      // query heads whose outputs one pass of a few tokens' p·v keeps in registers ...
 #define PV_VECTORS 4    // ... PV_VECTORS · LANES dims of each
-#define PV_ROWS 32      // value rows the passes take at a time (they stay in L1)
 
-// out [G, Dv] = Σ_s probs[g, s] · values[s] over n rows `stride` floats apart, PV_ROWS rows at a
-// time: each pass over them holds PV_HEADS heads' PV_VECTORS·LANES dims in registers and reads
-// each row's dims once for them (the dims and heads left over go one at a time).
-INLINE void weigh_values(const float* probs, int64_t n, const float* values, int64_t stride, int64_t group,
-                         int64_t dim_v, float* out) {
+// out [G, Dv] += Σ_s probs[g · n + s] · values[s] over `rows` (at most PV_ROWS) value rows `stride`
+// floats apart: each pass over them holds PV_HEADS heads' PV_VECTORS·LANES dims in registers and
+// reads each row's dims once for them (the dims and heads left over go one at a time).
+INLINE void weigh_values(const float* probs, int64_t n, int64_t rows, const float* values, int64_t stride,
+                         int64_t group, int64_t dim_v, float* out) {
     const int64_t width = PV_VECTORS * LANES;
-    memset(out, 0, (size_t)(group * dim_v) * sizeof(float));
-    for (int64_t first = 0; first < n; first += PV_ROWS) {
-        int64_t last = first + PV_ROWS < n ? first + PV_ROWS : n;
-        for (int64_t g0 = 0; g0 < group; g0 += PV_HEADS)
-            for (int64_t d0 = 0; d0 < dim_v; d0 += width) {
-                if (g0 + PV_HEADS <= group && d0 + width <= dim_v) {
-                    vf acc[PV_HEADS][PV_VECTORS];
-                    for (int h = 0; h < PV_HEADS; h++) memcpy(acc[h], out + (g0 + h) * dim_v + d0, sizeof acc[h]);
-                    for (int64_t s = first; s < last; s++) {
-                        vf x[PV_VECTORS];
-                        for (int k = 0; k < PV_VECTORS; k++) load(&x[k], values + s * stride + d0 + k * LANES);
-                        for (int h = 0; h < PV_HEADS; h++) {
-                            vf weight = (vf){0} + probs[(g0 + h) * n + s];
-                            for (int k = 0; k < PV_VECTORS; k++) acc[h][k] += weight * x[k];
-                        }
+    for (int64_t g0 = 0; g0 < group; g0 += PV_HEADS)
+        for (int64_t d0 = 0; d0 < dim_v; d0 += width) {
+            if (g0 + PV_HEADS <= group && d0 + width <= dim_v) {
+                vf acc[PV_HEADS][PV_VECTORS];
+                for (int h = 0; h < PV_HEADS; h++) memcpy(acc[h], out + (g0 + h) * dim_v + d0, sizeof acc[h]);
+                for (int64_t s = 0; s < rows; s++) {
+                    vf x[PV_VECTORS];
+                    for (int k = 0; k < PV_VECTORS; k++) load(&x[k], values + s * stride + d0 + k * LANES);
+                    for (int h = 0; h < PV_HEADS; h++) {
+                        vf weight = (vf){0} + probs[(g0 + h) * n + s];
+                        for (int k = 0; k < PV_VECTORS; k++) acc[h][k] += weight * x[k];
                     }
-                    for (int h = 0; h < PV_HEADS; h++) memcpy(out + (g0 + h) * dim_v + d0, acc[h], sizeof acc[h]);
-                    continue;
                 }
-                int64_t heads = group - g0 < PV_HEADS ? group - g0 : PV_HEADS;
-                int64_t to = d0 + width < dim_v ? d0 + width : dim_v;
-                for (int64_t h = g0; h < g0 + heads; h++)
-                    for (int64_t s = first; s < last; s++)
-                        for (int64_t i = d0; i < to; i++) out[h * dim_v + i] += probs[h * n + s] * values[s * stride + i];
+                for (int h = 0; h < PV_HEADS; h++) memcpy(out + (g0 + h) * dim_v + d0, acc[h], sizeof acc[h]);
+                continue;
             }
-    }
+            int64_t heads = group - g0 < PV_HEADS ? group - g0 : PV_HEADS;
+            int64_t to = d0 + width < dim_v ? d0 + width : dim_v;
+            for (int64_t h = g0; h < g0 + heads; h++)
+                for (int64_t s = 0; s < rows; s++)
+                    for (int64_t i = d0; i < to; i++) out[h * dim_v + i] += probs[h * n + s] * values[s * stride + i];
+        }
 }
 
 // One token's G = NH/NKV query heads that read kv head `kv`, over positions [from, to): each key
 // and value row is read once for all of them. With `part` NULL (the token's whole range) the
 // softmax's output goes into out [G, Dv]; else each head's largest score and sum of e^(score -
 // largest) into part [G, 2], and the sums of e^(score - largest) · v into out. `scratch` is this
-// thread's few_scratch. q·kᵀ is the instruction set's float32 `multiply` over the keys copied
-// KEY_CHUNK at a time into a panel [KEY_CHUNK, D], the query heads its tokens (as a prefill
-// block's); p·v by weigh_values.
+// thread's few_scratch. q·kᵀ is the instruction set's float32 `multiply` over the keys
+// dequantized KEY_CHUNK at a time into a panel [KEY_CHUNK, D], the query heads its tokens (as a
+// prefill block's); p·v by weigh_values, PV_ROWS value rows at a time (dequantized first unless
+// they are float32).
 INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv, int64_t from, int64_t to,
                          float* scratch, float* out, float* part) {
     const struct moe_attention* shape = job->shape;
@@ -123,15 +125,16 @@ INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv,
     int64_t* heads = (int64_t*)scratch;                                           // 0 .. G-1
     float* probs = scratch + 2 * group;                                           // [G, n]
     float* panel = probs + group * job->width;                                    // [KEY_CHUNK, D]
+    float* value_rows = panel + KEY_CHUNK * dim;                                  // [PV_ROWS, Dv]
     const float* q = job->q + (t * nh + kv * group) * dim;                       // [G, D]
-    const float* keys = job->keys + (from * nkv + kv) * dim;                      // rows nkv * dim apart
-    const float* values = job->values + (from * nkv + kv) * dim_v;                // rows nkv * dim_v apart
+    const uint8_t* keys = job->keys + (from * nkv + kv) * job->key_bytes;         // rows nkv heads' apart
+    const uint8_t* values = job->values + (from * nkv + kv) * job->value_bytes;
     const struct isa_kernels* isa = current_isa();
     for (int64_t g = 0; g < group; g++) heads[g] = g;
     for (int64_t first = 0; first < n; first += KEY_CHUNK) {
         int64_t rows = n - first < KEY_CHUNK ? n - first : KEY_CHUNK;
         for (int64_t s = 0; s < rows; s++)
-            memcpy(panel + s * dim, keys + (first + s) * nkv * dim, (size_t)dim * sizeof(float));
+            isa->dequantize[job->key_type](keys + (first + s) * nkv * job->key_bytes, dim, panel + s * dim);
         struct panel products = {.w = panel, .rows = rows, .x = q, .n = dim, .chunk = dim, .out = probs + first,
                                  .stride = n};
         isa->multiply(&products, heads, group);
@@ -146,7 +149,18 @@ INLINE void attend_group(const struct attention_job* job, int64_t t, int64_t kv,
             for (int64_t s = 0; s < n; s++) p[s] /= total;
         }
     }
-    weigh_values(probs, n, values, nkv * dim_v, group, dim_v, out);
+    memset(out, 0, (size_t)(group * dim_v) * sizeof(float));
+    for (int64_t first = 0; first < n; first += PV_ROWS) {
+        int64_t rows = n - first < PV_ROWS ? n - first : PV_ROWS;
+        const uint8_t* row = values + first * nkv * job->value_bytes;
+        if (job->value_type == T_F32) {
+            weigh_values(probs + first, n, rows, (const float*)row, nkv * dim_v, group, dim_v, out);
+            continue;
+        }
+        for (int64_t s = 0; s < rows; s++)
+            isa->dequantize[job->value_type](row + s * nkv * job->value_bytes, dim_v, value_rows + s * dim_v);
+        weigh_values(probs + first, n, rows, value_rows, dim_v, group, dim_v, out);
+    }
 }
 
 // Task (t · NKV + kv) · splits + c: token t's query heads over kv head kv, the c-th equal share
@@ -216,10 +230,10 @@ INLINE float* packed_values(const struct attention_job* job, int64_t kv, int64_t
     return job->packed + shape->n_kv_heads * shape->head_dim_k * round_up_lanes(seen) + kv * seen * shape->head_dim_v;
 }
 
-// A prefill chunk's cache rows [0, S) packed once for all its block tasks: task kv · pieces + c
-// transposes rows [c · PACK_ROWS, ..) of kv head kv's keys a key block at a time into [D, width
-// rounded up to whole vectors] (zeros past the block's last row) and copies its values' rows
-// next to each other (in the cache they are NKV · Dv apart: rows 2 KiB apart fall on the same
+// A prefill chunk's cache rows [0, S) packed once for all its block tasks, as float32: task
+// kv · pieces + c transposes rows [c · PACK_ROWS, ..) of kv head kv's keys a key block at a time
+// into [D, width rounded up to whole vectors] (zeros past the block's last row) and writes its
+// values' rows next to each other (in the cache they are NKV · Dv apart: rows 2 KiB apart fall on the same
 // few sets of L1, and a block's values would not stay there).
 VECTORIZED static void pack_task(void* context, int64_t task, int64_t next, int thread) {
     (void)next, (void)thread;
@@ -228,14 +242,16 @@ VECTORIZED static void pack_task(void* context, int64_t task, int64_t next, int 
     int64_t nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
     int64_t seen = job->start + job->n_tokens, pieces = pack_pieces(seen);
     int64_t kv = task / pieces, from = task % pieces * PACK_ROWS, to = from + PACK_ROWS < seen ? from + PACK_ROWS : seen;
+    const struct isa_kernels* isa = current_isa();
     float* values = packed_values(job, kv, seen);
     for (int64_t s = from; s < to; s++)
-        memcpy(values + s * dim_v, job->values + (s * nkv + kv) * dim_v, (size_t)dim_v * sizeof(float));
+        isa->dequantize[job->value_type](job->values + (s * nkv + kv) * job->value_bytes, dim_v, values + s * dim_v);
+    float row[dim];
     for (int64_t block = from; block < to; block += KEY_BLOCK) {
         int64_t width = key_block_width(block, seen), padded = round_up_lanes(width);
         float* keys = packed_keys(job, kv, seen, block);
         for (int64_t s = 0; s < width; s++) {
-            const float* row = job->keys + ((block + s) * nkv + kv) * dim;
+            isa->dequantize[job->key_type](job->keys + ((block + s) * nkv + kv) * job->key_bytes, dim, row);
             for (int64_t i = 0; i < dim; i++) keys[i * padded + s] = row[i];
         }
         for (int64_t i = 0; i < dim; i++)
@@ -321,10 +337,14 @@ static int64_t attention_splits(int64_t pairs, int64_t seen, int threads) {
 }
 
 int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_tokens, int64_t start,
-                  const float* keys, const float* values, float* out, int threads) {
+                  const uint8_t* keys, const uint8_t* values, float* out, int threads) {
     static float* scores;       // grown as needed, under the kernels' lock
     static size_t scores_size;
     int64_t seen = start + n_tokens, group = shape->n_heads / shape->n_kv_heads;
+    int key_type = cache_type(shape->key_type), value_type = cache_type(shape->value_type);
+    if (key_type < 0 || value_type < 0) return MOE_UNSUPPORTED_TYPE;
+    if (shape->head_dim_k % TYPES[key_type].block_values || shape->head_dim_v % TYPES[value_type].block_values)
+        return MOE_BAD_SHAPE;
     int blocks = n_tokens >= BLOCK_TOKENS_LEAST;
     double macs = (double)n_tokens * seen * shape->n_heads * (shape->head_dim_k + shape->head_dim_v);
     threads = threads_for(threads, macs, 0);
@@ -342,8 +362,10 @@ int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_t
     }
     int status = scores ? MOE_OK : MOE_NO_MEMORY;
     if (scores) {
-        struct attention_job job = {shape, q, n_tokens, start, keys, values, out, scores, splits, width,
-                                    scores + threads * per_thread, scores + threads * per_thread + parts};
+        struct attention_job job = {shape, q, n_tokens, start, keys, values, key_type, value_type,
+                                    bytes_of(key_type, shape->head_dim_k), bytes_of(value_type, shape->head_dim_v),
+                                    out, scores, splits, width, scores + threads * per_thread,
+                                    scores + threads * per_thread + parts};
         if (blocks) {
             pool_run(threads, shape->n_kv_heads * pack_pieces(seen), pack_task, &job);
             pool_run(threads, (n_tokens + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK * shape->n_kv_heads, attend_block_task,

@@ -63,16 +63,24 @@ static void norm_rotate(const struct moe_attention* shape, const float* x, int64
 
 int moe_rope_append(const struct moe_attention* shape, int64_t n_tokens, const float* q, const float* k,
                     const float* v, int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* q_norm,
-                    const float* k_norm, const float* cos, const float* sin, float* k_cache, float* v_cache,
+                    const float* k_norm, const float* cos, const float* sin, uint8_t* k_cache, uint8_t* v_cache,
                     float* q_out) {
     int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
-    float* normed = malloc((size_t)nh * dim * sizeof(float));
+    int key_type = cache_type(shape->key_type), value_type = cache_type(shape->value_type);
+    if (key_type < 0 || value_type < 0) return MOE_UNSUPPORTED_TYPE;
+    if (dim % TYPES[key_type].block_values || dim_v % TYPES[value_type].block_values) return MOE_BAD_SHAPE;
+    int64_t key_bytes = bytes_of(key_type, dim), value_bytes = bytes_of(value_type, dim_v);
+    float* normed = malloc((size_t)(nh + nkv) * dim * sizeof(float));      // [NH, D], then k rotated [NKV, D]
     if (!normed) return MOE_NO_MEMORY;
+    float* rotated = normed + nh * dim;
     for (int64_t t = 0; t < n_tokens; t++) {
         const float* cos_t = cos + t * (dim / 2);
         const float* sin_t = sin + t * (dim / 2);
-        norm_rotate(shape, k + t * k_stride, nkv, k_norm, cos_t, sin_t, normed, k_cache + t * nkv * dim);
-        memcpy(v_cache + t * nkv * dim_v, v + t * v_stride, (size_t)nkv * dim_v * sizeof(float));
+        norm_rotate(shape, k + t * k_stride, nkv, k_norm, cos_t, sin_t, normed, rotated);
+        for (int64_t h = 0; h < nkv; h++) {
+            quantize_row(key_type, rotated + h * dim, dim, k_cache + (t * nkv + h) * key_bytes);
+            quantize_row(value_type, v + t * v_stride + h * dim_v, dim_v, v_cache + (t * nkv + h) * value_bytes);
+        }
         norm_rotate(shape, q + t * q_stride, nh, q_norm, cos_t, sin_t, normed, q_out + t * nh * dim);
     }
     free(normed);

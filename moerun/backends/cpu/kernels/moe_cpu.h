@@ -81,14 +81,18 @@ struct moe_attention {
     int64_t rope_neox;                  // 1: rope rotates the two halves of D; 0: adjacent pairs
     float eps;                          // of the per-head q/k norms
     float scale;                        // of the attention scores
+    int64_t key_type, value_type;       // the cache's element types (GGML ids: F32, F16, BF16, Q8_0,
+                                        // Q4_0, Q4_1, Q5_0 or Q5_1; D and Dv whole blocks of them)
 };
 // moe_rms_norm: out [T, n] = x / sqrt(mean(x²) + eps) · weight [n], x's rows `stride` apart.
 // moe_rope_append: for each token, k [NKV*D] and q [NH*D] normed per head (where q_norm and
 // k_norm [D] are given) and rotated by cos, sin [T, D/2]; k into k_cache, v [NKV*Dv] into
-// v_cache (the rows of the first position to write), q into q_out [T, NH, D]; the strides are
-// those of q, k and v's rows.
+// v_cache (the rows of the first position to write, each head's row in the cache's type), q
+// into q_out [T, NH, D]; the strides are those of q, k and v's rows.
 // moe_attention: out [T, NH*Dv] = softmax(q·kᵀ · scale) · v for q [T, NH, D] at positions
-// start.., over keys [S, NKV, D] and values [S, NKV, Dv] up to each position (S = start + T).
+// start.., over keys [S, NKV, D] and values [S, NKV, Dv] (in the cache's types) up to each
+// position (S = start + T).
+// moe_quantize_rows: rows [rows, n] of floats into a cache type (GGML id), as ggml rounds.
 // moe_route: h [T, H] = rms_norm(x [T, H], norm), the router [E, H] product, softmax over E,
 // the K most probable (ties to the lower id) -> ids [T, K], their probabilities [T, K]
 // (rescaled to sum to 1 where `renormalize`). All but moe_rms_norm return a moe_status.
@@ -97,9 +101,10 @@ MOE_API void moe_rms_norm(const float* x, int64_t stride, int64_t rows, int64_t 
 MOE_API int moe_rope_append(const struct moe_attention* shape, int64_t n_tokens, const float* q, const float* k,
                             const float* v, int64_t q_stride, int64_t k_stride, int64_t v_stride,
                             const float* q_norm, const float* k_norm, const float* cos, const float* sin,
-                            float* k_cache, float* v_cache, float* q_out);
+                            uint8_t* k_cache, uint8_t* v_cache, float* q_out);
 MOE_API int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_tokens, int64_t start,
-                          const float* keys, const float* values, float* out, int threads);
+                          const uint8_t* keys, const uint8_t* values, float* out, int threads);
+MOE_API int moe_quantize_rows(int64_t ggml_id, const float* x, int64_t rows, int64_t n, uint8_t* out);
 MOE_API int moe_route(const struct moe_matrix* router, const float* x, int64_t n_tokens, const float* norm,
                       float eps, int64_t k, int renormalize, float* h, int64_t* ids, float* weights, int threads);
 
@@ -125,6 +130,9 @@ struct type_info {
 
 extern const struct type_info TYPES[N_TYPES];
 int type_index(int64_t ggml_id);            // -1 for a type without kernels
+int cache_type(int64_t ggml_id);            // the index of a type a KV cache may keep, else -1
+// quantize.c: a row of n floats into type index `type` (one cache_type gives).
+void quantize_row(int type, const float* x, int64_t n, uint8_t* out);
 MOE_API int moe_supports_type(int64_t ggml_id);
 
 // ---- what each instruction set provides ----------------------------------------------------------

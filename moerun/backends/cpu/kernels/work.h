@@ -26,6 +26,9 @@ void unlock_kernels(void);
 // MOE_OK and the type's index in *type when m is rows x cols of a type with kernels.
 int check_matrix(const struct moe_matrix* m, int64_t rows, int64_t cols, int* type);
 
+// Bytes of n values of type index `type` (n a multiple of its block).
+static inline int64_t bytes_of(int type, int64_t n) { return n / TYPES[type].block_values * TYPES[type].block_bytes; }
+
 // Where row `row` of expert `expert` of m is stored.
 static inline const uint8_t* stored_row(const struct moe_matrix* m, int64_t expert, int64_t row) {
     return m->data + expert * m->expert_bytes + row * m->row_bytes;

@@ -206,7 +206,9 @@ RUN_OPTIONS = (
                                            default=None, help="The values' elements alone (over --kv-dtype)."),
               Key(one_of(*KV_TYPES)), field("cache_type_v")),
     RunOption("ctx", click.option("-c", "--ctx", "--ctx-size", "ctx", type=click.IntRange(min=1), default=None,
-                                  help="Context length in tokens [default: the model's, at most 4096]."),
+                                  help="Context length in tokens [default: the model's where its KV cache fits "
+                                       "beside the weights, else the most that fits; with --split the model's, at "
+                                       "most 4096]."),
               Key(integer(1)), None),
     RunOption("kv_pool", click.option("--kv-pool", type=click.IntRange(min=1), default=None,
                                       help="Hold at most this many tokens of KV cache (a sequence that outgrows it "

@@ -58,6 +58,7 @@ from moerun.errors import UsageError
 from moerun.gguf.quants import RowTable, T, row_ids, row_nbytes
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.models.spec import ModelSpec
+from moerun.units import available_host_bytes
 
 PAGE_TOKENS = 256
 NO_EXPERTS = np.zeros(0, np.int64)       # the held ids of a layer this process holds none of
@@ -70,6 +71,7 @@ class NumpyBackend:
     kind = "CPU"
     captured_steps = 0
     step_tokens = 0
+    cache_grows = True
 
     def __init__(self, spec: ModelSpec, threads: int | None = None, kv_types: KVTypes = KVTypes()):
         """threads: the CPU kernels' (default_threads() if None); kv_types: its KV caches' elements."""
@@ -132,6 +134,11 @@ class NumpyBackend:
         return CpuExperts(self._store, held)
 
     # -- sequences and steps
+    def context_memory(self, ubatch: int) -> tuple[int, int]:
+        """The host's available memory; a prefill chunk packs the cache's rows as float32."""
+        spec = self.spec
+        return available_host_bytes(), 4 * spec.n_kv_heads * (spec.head_dim_k + spec.head_dim_v)
+
     def new_cache(self, capacity: int) -> PagedKVCache:
         return PagedKVCache(self.spec, capacity, self.kv_types)
 

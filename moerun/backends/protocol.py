@@ -92,6 +92,12 @@ class Backend(Protocol):
         """Every layer's routed experts (held None), or the `held` global ids per layer."""
 
     # -- sequences and steps
+    cache_grows: bool             # its caches grow with the sequence (else they are allocated whole)
+
+    def context_memory(self, ubatch: int) -> tuple[int, int]:
+        """(bytes its device has free now for a sequence's cache, bytes of attention scratch per
+        cached position a prefill chunk of `ubatch` tokens takes)."""
+
     def new_cache(self, capacity: int) -> KVCache: ...
 
     def restore_cache(self, state: CacheState, capacity: int) -> KVCache: ...   # a cache holding `state`

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from moerun.backends import open_backend
+from moerun.backends.kv_types import KVTypes
 from moerun.backends.protocol import CacheState, KVCache
 from moerun.engine.model import MoEModel
 from moerun.engine.prefix_cache import PrefixCache
@@ -30,9 +31,11 @@ from moerun.errors import MoerunError
 from moerun.gguf.reader import GGUFError, GGUFFile
 from moerun.gguf.tokenizer import Tokenizer, TokenizerError
 from moerun.models import load_spec
+from moerun.moe.context import ContextRoom, choose_context
 from moerun.moe.executor import LocalExecutor, MoEStats
 from moerun.moe.hotness import RoutingCounter
 from moerun.moe.placement import PARENT
+from moerun.moe.planner import kv_values_per_token
 from moerun.rig.cores import HostShares, share_host
 from moerun.rig.settings import ConfigError, RigConfig
 from moerun.rig.shards import LayerShards, auto_splits
@@ -100,11 +103,10 @@ class Runtime:
         self.prefix_cache = prefix_cache
         try:
             self.spec = load_spec(self.gguf)
-            self.ctx = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)
-            if self.ctx > self.spec.context_train:
-                logger.warning(f"--ctx {self.ctx} is beyond the {self.spec.context_train} positions the model was "
+            if ctx and ctx > self.spec.context_train:
+                logger.warning(f"--ctx {ctx} is beyond the {self.spec.context_train} positions the model was "
                                f"trained on: past them its output may degrade")
-            self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
+            fixed = ctx or min(self.spec.context_train, DEFAULT_CONTEXT)     # before the weights are in
             if (rig.splits or rig.split_auto) and prefix_cache is not None:
                 raise ConfigError("--split: prefix snapshots do not reach the layer shards' KV caches yet; run "
                                   "without --prefix-cache-slots (0) or without --split")
@@ -112,7 +114,7 @@ class Runtime:
             self.cpus.apply_to_parent()
             self.backend = open_backend(rig.device, self.spec, graphs=rig.graphs, threads=self.cpus.parent.threads,
                                         kv_types=rig.kv_cache_types)
-            positions = self.kv_pool or self.ctx           # a sequence's KV cache, here and on every shard
+            positions = min(kv_pool or fixed, fixed)   # what the rig's plan and the layer shards reserve
             if rig.split_auto:
                 rig = dataclasses.replace(rig, splits=auto_splits(self.gguf, self.spec, rig, positions),
                                           split_auto=False)
@@ -129,11 +131,25 @@ class Runtime:
                         else LocalExecutor(weights.experts))
             routing = RoutingCounter(self.spec) if count_routing else None
             self.model = MoEModel(self.spec, self.backend, weights, executor, routing, self.shards)
+            self.ctx = fixed if self.shards else self._fitted_context(ctx, kv_pool, rig.kv_cache_types)
+            self.kv_pool = kv_pool if kv_pool is not None and kv_pool < self.ctx else None
+            self.backend.new_cache(self.kv_pool or self.ctx)       # a GPU's: allocated now, reused per sequence
             if prefix_cache is not None:
                 prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_types.label}")
         except BaseException:
             self.close()
             raise
+
+    def _fitted_context(self, ctx: int | None, kv_pool: int | None, kv_types: KVTypes) -> int:
+        """--ctx, or the model's context where it fits beside the weights, else the most that fits
+        (moe/context.py); one line says which, unless --ctx fits."""
+        free, work = self.backend.context_memory(self.ubatch)
+        room = ContextRoom(free, kv_types.token_bytes(*kv_values_per_token(self.spec)), work, kv_types.label,
+                           self.backend.cache_grows)
+        chosen, line = choose_context(self.spec.context_train, ctx, kv_pool, room)
+        if line:
+            logger.info(line)
+        return chosen
 
     @property
     def device(self) -> str:

@@ -377,9 +377,9 @@ def kv_backend(request):
 @pytest.fixture(params=["per-head", "grouped"])
 def decode_kernel(request, monkeypatch):
     """Decode attention through a block per query head, or through the grouped kernel (which
-    only caches of more than GROUPED_ATTENTION_CAPACITY rows take otherwise)."""
+    only steps past GROUPED_ATTENTION_SPAN positions take otherwise)."""
     from moerun.backends.gpu import backend as gpu_backend
-    monkeypatch.setattr(gpu_backend, "GROUPED_ATTENTION_CAPACITY", 1 << 30 if request.param == "per-head" else 0)
+    monkeypatch.setattr(gpu_backend, "GROUPED_ATTENTION_SPAN", 1 << 30 if request.param == "per-head" else 0)
     return request.param
 
 
@@ -477,6 +477,17 @@ def test_prefill_attention_matches_numpy(kv_backend, start):
     expansion and the batched TF32 products, against numpy over the values the cache holds: TF32
     keeps 10 bits of each operand's mantissa (2^-11 relative)."""
     got, want = attention_and_numpy(kv_backend, 128, start, 24)
+    assert relative_error(got.get(), want) < TF32_ATTENTION_BOUND
+
+
+@pytest.mark.parametrize("start, n_tokens", [(0, 24), (40, 24), (100, 24), (10, 40)])
+def test_prefill_attention_by_blocks_matches_numpy(kv_backend, monkeypatch, start, n_tokens):
+    """The same through blocks of 32 cache positions, so that the running softmax merges several:
+    a last block narrower than the rest, and (10, 40) rows that see nothing of the second block
+    (positions 10..31 against [32, 50))."""
+    from moerun.backends.gpu import backend as gpu_backend
+    monkeypatch.setattr(gpu_backend, "PREFILL_KEY_BLOCK", 32)
+    got, want = attention_and_numpy(kv_backend, 128, start, n_tokens)
     assert relative_error(got.get(), want) < TF32_ATTENTION_BOUND
 
 

@@ -28,7 +28,7 @@ PER_INT_TYPE_AND_ROWS = {"moe_gate_up_q8": (1, 2), "moe_down_q8": (1, 2, 4)}   #
 PER_KV_TYPE = ("qk_norm_rope_append", "attention_partial", "expand_kv_heads")
 SHARED = ("quantize_q8", "gemv_q8_three", "gemv_q8_three_one", "rms_norm", "attention_combine", "route_top_k",
           "silu_mul", "gather_rows_f16", "combine_rows", "add_gated", "to_f16",
-          "causal_softmax", "layout_pairs", "split_parent_ids", "map_ids", "pack_remote",
+          "causal_softmax_block", "attention_divide", "layout_pairs", "split_parent_ids", "map_ids", "pack_remote",
           "unpack_payload", "add_reply_rows", "delta_conv", "delta_conv_state", "delta_prepare", "delta_rule",
           "delta_gate_norm", "sigmoid_gate")
 

@@ -66,7 +66,9 @@ DECODE_CHUNK = 64              # decode attention takes at most one split per th
 MAX_DECODE_SPLITS = 64         # ... and at most this many per row of blocks
 DECODE_LANE_DIMS = (2, 4, 8)   # a decode attention lane's dims of a row (kernels/attention.cu instantiates each)
 DECODE_HEAD_TILES = (1, 4, 8)  # query heads of a decode attention block (the same)
-GROUPED_ATTENTION_CAPACITY = 8192   # caches of more rows decode with the grouped kernel, others a block per head
+PREFILL_KEY_BLOCK = 4096       # cache positions a prefill chunk's attention takes a pass (its scratch is bounded)
+GROUPED_ATTENTION_SPAN = 8192   # steps past this many positions decode with the grouped kernel, others a block
+                                # per head (a captured step's key tells the two apart)
 
 
 def i32(value: int) -> np.int32:
@@ -243,6 +245,18 @@ class GpuBackend:
         self.device.cupy.ascontiguousarray(x).get(stream=self.device.stream, out=out)
         return out
 
+    cache_grows = False
+
+    def context_memory(self, ubatch: int) -> tuple[int, int]:
+        """The device's free memory, with what CuPy's pool holds free, less a prefill chunk's
+        attention scratch, which one block of positions bounds (_prefill_attention: scores [NH, T,
+        B] and the block's keys and values expanded per query head [NH, B, D + Dv], f32)."""
+        spec, cupy = self.spec, self.device.cupy
+        with cupy.cuda.Device(self.device.index):
+            free, _ = cupy.cuda.runtime.memGetInfo()
+        scratch = 4 * spec.n_heads * PREFILL_KEY_BLOCK * (ubatch + spec.head_dim_k + spec.head_dim_v)
+        return free + cupy.get_default_memory_pool().free_bytes() - scratch, 0
+
     def new_cache(self, capacity: int) -> GpuKVCache:
         """A fresh sequence; the buffers of the last one of this capacity are reused."""
         if capacity not in self._kv_buffers:
@@ -282,7 +296,8 @@ class GpuBackend:
                 self.device.before_step()
             on_host = isinstance(inputs, np.ndarray)
             if graph_key is not None and len(inputs) <= self.step_tokens and (inputs.ndim == 1 or len(inputs) == 1):
-                out = self._graphs.step(forward, inputs, start, graph_key)
+                grouped = start + len(inputs) > GROUPED_ATTENTION_SPAN          # its decode attention kernel
+                out = self._graphs.step(forward, inputs, start, (*graph_key, grouped))
             else:
                 device_inputs = inputs if not on_host else (
                     self.upload_ids(inputs) if inputs.ndim == 1 else self.vector(inputs))
@@ -429,13 +444,13 @@ class GpuBackend:
 
     def _split_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
         """Each token's positions [0, pos] in equal shares over a fixed number of splits per row of
-        blocks, the count from the capacity, so a captured step serves every position. A cache of
-        more than GROUPED_ATTENTION_CAPACITY rows is read once per tile of a KV head's query heads
+        blocks, the count from the capacity, so a captured step serves every position. A step past
+        GROUPED_ATTENTION_SPAN positions reads the cache once per tile of a KV head's query heads
         (its walk is bound by memory), a shorter one by a block per query head (its walk is bound by
-        latency; docs/benchmarks.md has the measurements)."""
+        latency; docs/benchmarks.md has the measurements); run_step keys captured steps by which."""
         spec, cupy = self.spec, self.device.cupy
         n_tokens = q.shape[0]
-        grouped = cache.capacity > GROUPED_ATTENTION_CAPACITY
+        grouped = cache.length + n_tokens > GROUPED_ATTENTION_SPAN
         kernel, blocks = self._grouped_attention if grouped else self._per_head_attention
         splits = attention_splits(cache.capacity, n_tokens * blocks, self.device.kernels.wave(kernel))
         acc = cupy.empty((n_tokens, spec.n_heads, splits, spec.head_dim_v), cupy.float32)    # [T, NH, splits, Dv]
@@ -453,30 +468,41 @@ class GpuBackend:
         return out
 
     def _prefill_attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
-        """scores [NH, T, S] = q·kᵀ per head, causal softmax, then ·v (TF32 products); K/V expanded
-        per query head."""
+        """Flash attention by blocks of PREFILL_KEY_BLOCK cache positions: per block, scores
+        [NH, T, B] = q·kᵀ per head (TF32 products over the block's K expanded per query head), the
+        running causal softmax (causal_softmax_block), out += p·v; at the end out divided by the
+        rows' sums. What the chunk holds does not grow with the context."""
         spec, cupy, blas = self.spec, self.device.cupy, self.blas
         n_tokens, n_heads, d, dv = q.shape[0], spec.n_heads, spec.head_dim_k, spec.head_dim_v
         span = cache.length + n_tokens
-        keys, values = (self._expand_heads(cache.k[layer], span, d), self._expand_heads(cache.v[layer], span, dv))
-        scores = cupy.empty((n_heads, n_tokens, span), cupy.float32)
-        blas.gemm(transpose_a=True, transpose_b=False, m=span, n=n_tokens, k=d,
-                  a=keys, lda=d, stride_a=span * d, b=q, ldb=n_heads * d, stride_b=d,
-                  c=scores, ldc=span, stride_c=n_tokens * span, batch=n_heads, tf32=True)
-        self.device.launch("causal_softmax", (n_heads * n_tokens,), (BLOCK,),
-                                       (scores, positions, i32(n_tokens), i32(span), np.float32(1.0 / math.sqrt(d))))
-        out = cupy.empty((n_tokens, n_heads * dv), cupy.float32)
-        blas.gemm(transpose_a=False, transpose_b=False, m=dv, n=n_tokens, k=span,
-                  a=values, lda=dv, stride_a=span * dv, b=scores, ldb=span, stride_b=n_tokens * span,
-                  c=out, ldc=n_heads * dv, stride_c=dv, batch=n_heads, tf32=True)
+        out = cupy.zeros((n_tokens, n_heads * dv), cupy.float32)                  # Σ e^(score - largest) · v
+        running = cupy.zeros((n_heads * n_tokens, 2), cupy.float32)               # largest score, Σ e^(...)
+        running[:, 0] = -math.inf
+        for first in range(0, span, PREFILL_KEY_BLOCK):
+            width = min(PREFILL_KEY_BLOCK, span - first)
+            keys = self._expand_heads(cache.k[layer], first, width, d)
+            values = self._expand_heads(cache.v[layer], first, width, dv)
+            scores = cupy.empty((n_heads, n_tokens, width), cupy.float32)
+            blas.gemm(transpose_a=True, transpose_b=False, m=width, n=n_tokens, k=d,
+                      a=keys, lda=d, stride_a=width * d, b=q, ldb=n_heads * d, stride_b=d,
+                      c=scores, ldc=width, stride_c=n_tokens * width, batch=n_heads, tf32=True)
+            self.device.launch("causal_softmax_block", (n_heads * n_tokens,), (BLOCK,),
+                               (scores, positions, i32(n_tokens), i32(first), i32(width),
+                                np.float32(1.0 / math.sqrt(d)), running, out, i32(n_heads), i32(dv)))
+            blas.gemm(transpose_a=False, transpose_b=False, m=dv, n=n_tokens, k=width,
+                      a=values, lda=dv, stride_a=width * dv, b=scores, ldb=width, stride_b=n_tokens * width,
+                      c=out, ldc=n_heads * dv, stride_c=dv, batch=n_heads, accumulate=True, tf32=True)
+        self.device.elementwise("attention_divide", out.size,
+                                (out, running, i32(n_tokens), i32(n_heads), i32(dv), np.int64(out.size)))
         return out
 
-    def _expand_heads(self, cache: Any, span: int, head_dim: int) -> Any:
-        """Cache rows [S, NKV, D] -> [NH, S, D] f32."""
+    def _expand_heads(self, cache: Any, first: int, width: int, head_dim: int) -> Any:
+        """Cache rows [first, first + width) of [S, NKV, D] -> [NH, width, D] f32."""
         spec = self.spec
-        out = self.device.cupy.empty((spec.n_heads, span, head_dim), self.device.cupy.float32)
+        out = self.device.cupy.empty((spec.n_heads, width, head_dim), self.device.cupy.float32)
         self.device.elementwise(f"expand_kv_heads_{self.kv_dtype}", out.size // 4,
-                                (cache, i32(span), i32(spec.n_kv_heads), i32(spec.n_heads), i32(head_dim), out))
+                                (cache, i32(first), i32(width), i32(spec.n_kv_heads), i32(spec.n_heads),
+                                 i32(head_dim), out))
         return out
 
     def route(self, x: Any, norm: Any, router: DeviceMatrix) -> tuple[Any, Any, Any]:

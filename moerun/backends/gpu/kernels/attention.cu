@@ -417,18 +417,19 @@ extern "C" __global__ void attention_combine(const float* __restrict__ acc, cons
     }
 }
 
-// K or V [S, NKV, D] -> [NH, S, D] in f32, each query head getting its KV head's rows (GQA),
-// for the batched products of prefill attention. One thread per 4 values.
+// K or V rows [first, first + S) of the cache [.., NKV, D] -> [NH, S, D] in f32, each query head
+// getting its KV head's rows (GQA), for the batched products of prefill attention. One thread per
+// 4 values.
 #define DEFINE_EXPAND_KV_HEADS(KV)                                                                             \
-    extern "C" __global__ void expand_kv_heads_##KV(const kv_##KV* __restrict__ cache, int n_positions,        \
-                                                    int n_kv_heads, int n_heads, int head_dim,                 \
+    extern "C" __global__ void expand_kv_heads_##KV(const kv_##KV* __restrict__ cache, int first,              \
+                                                    int n_positions, int n_kv_heads, int n_heads, int head_dim, \
                                                     float* __restrict__ out) {                                 \
         wait_for_previous_grid();                                                                              \
         long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                                        \
         int quads = head_dim / 4;                                                                              \
         if (i >= (long long)n_heads * n_positions * quads) return;                                             \
         int quad = (int)(i % quads);                                                                           \
-        long long s = (i / quads) % n_positions;                                                               \
+        long long s = first + (i / quads) % n_positions;                                                       \
         int head = (int)(i / ((long long)quads * n_positions));                                                \
         int kv_head = head / (n_heads / n_kv_heads);                                                           \
         reinterpret_cast<float4*>(out)[i] = load_kv4(cache + (s * n_kv_heads + kv_head) * head_dim + 4 * quad); \
@@ -436,23 +437,47 @@ extern "C" __global__ void attention_combine(const float* __restrict__ acc, cons
 
 FOR_EACH_KV_TYPE(DEFINE_EXPAND_KV_HEADS)
 
-// scores [NH, T, S] in place: row (h, t) scaled, cut after position positions[t], softmaxed.
-extern "C" __global__ void causal_softmax(float* __restrict__ scores, const int* __restrict__ positions,
-                                          int n_tokens, int n_positions, float scale) {
+// A prefill chunk's scores over one block of the cache, [NH, T, W] in place, for attention's
+// running softmax (flash attention by blocks): row (h, t) scaled and cut after position
+// positions[t] (the block starts at position `first`), its exponentials e^(score - largest so far)
+// left in place; the row's largest score and sum of exponentials so far (running [NH·T, 2]) brought
+// up to date, and its output so far (out [T, NH·Dv], the sums of e^(score - largest) · v) rescaled
+// to the new largest before the block's p·v adds to it.
+extern "C" __global__ void causal_softmax_block(float* __restrict__ scores, const int* __restrict__ positions,
+                                                int n_tokens, int first, int width, float scale,
+                                                float* __restrict__ running, float* __restrict__ out, int n_heads,
+                                                int head_dim_v) {
     wait_for_previous_grid();
     __shared__ float scratch[1024];
-    int t = blockIdx.x % n_tokens;
-    float* row = scores + (long long)blockIdx.x * n_positions;
-    int last = positions[t];
+    int t = blockIdx.x % n_tokens, head = blockIdx.x / n_tokens;
+    float* row = scores + (long long)blockIdx.x * width;
+    int last = min(positions[t] - first, width - 1);       // the row sees the block's [0, last]
     float local_max = NEG_INF;
     for (int s = threadIdx.x; s <= last; s += blockDim.x) local_max = fmaxf(local_max, row[s] * scale);
-    float best = block_max(local_max, scratch);
+    float earlier = running[2 * blockIdx.x], top = fmaxf(earlier, block_max(local_max, scratch));
     float local_sum = 0.f;
-    for (int s = threadIdx.x; s < n_positions; s += blockDim.x) {
-        float p = s <= last ? expf(row[s] * scale - best) : 0.f;
+    for (int s = threadIdx.x; s < width; s += blockDim.x) {
+        float p = s <= last ? expf(row[s] * scale - top) : 0.f;
         row[s] = p;
         local_sum += p;
     }
-    float inv = 1.0f / block_sum(local_sum, scratch);
-    for (int s = threadIdx.x; s <= last; s += blockDim.x) row[s] *= inv;
+    float total = block_sum(local_sum, scratch);
+    float correction = earlier == NEG_INF ? 0.f : expf(earlier - top);     // nothing seen before: nothing kept
+    float* acc = out + ((long long)t * n_heads + head) * head_dim_v;
+    for (int i = threadIdx.x; i < head_dim_v; i += blockDim.x) acc[i] *= correction;
+    if (threadIdx.x == 0) {
+        running[2 * blockIdx.x] = top;
+        running[2 * blockIdx.x + 1] = running[2 * blockIdx.x + 1] * correction + total;
+    }
+}
+
+// out [T, NH·Dv] /= each row's sum of exponentials (running [NH·T, 2]): the softmax's division,
+// once the last block is in.
+extern "C" __global__ void attention_divide(float* __restrict__ out, const float* __restrict__ running,
+                                            int n_tokens, int n_heads, int head_dim_v, long long n) {
+    wait_for_previous_grid();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int head = (int)(i / head_dim_v % n_heads), t = (int)(i / ((long long)head_dim_v * n_heads));
+    out[i] /= running[2 * ((long long)head * n_tokens + t) + 1];
 }

@@ -79,7 +79,7 @@ def main() -> None:
         gate_up_expert, down_expert = gate_up_row * ffn, down_row * hidden
         layers = [[cupy.random.randint(0, 255, n_experts * size, dtype=cupy.uint8)
                    for size in (gate_up_expert, gate_up_expert, down_expert)] for _ in range(LAYERS)]
-        (gate_up_rows, gate_up_group), (group, down_rows) = (decode_gate_up_shape(hidden),
+        (gate_up_rows, gate_up_group), (group, down_rows) = (decode_gate_up_shape(hidden, ffn),
                                                              decode_down_rows(ffn // UNIT, top_k))
         warps = min(top_k, DOWN_WARPS)
         stride = stage_stride(32 // group * down_rows * down_row, warps)

@@ -132,7 +132,7 @@ class GpuExperts:
             xq, xds = backend.q8_of(x)
             aq = cupy.empty((n_tokens * top_k, 2 * ffn), cupy.int8)                 # [P, 2F]
             ads = cupy.empty((n_tokens * top_k, ffn // UNIT, 2), cupy.float32)
-            gate_up_rows, gate_up_group = decode_gate_up_shape(hidden)
+            gate_up_rows, gate_up_group = decode_gate_up_shape(hidden, ffn)
             kernels.launch(f"moe_gate_up_q8_{stack.kind}_r{gate_up_rows}", (ffn // UNIT, n_tokens * top_k),
                            (UNIT * gate_up_group // gate_up_rows,), (
                 stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xq, xds,
@@ -231,14 +231,15 @@ class TileLayout:
             self.token_rows, self.pair_rows))
 
 
-def decode_gate_up_shape(hidden: int) -> tuple[int, int]:
+def decode_gate_up_shape(hidden: int, ffn: int) -> tuple[int, int]:
     """(rows of gate and of up each group of the quantized gate/up kernel takes, threads a group;
-    32 rows a block): two rows to groups of 8 where hidden has 96 units or more (3072+: Mixtral's,
-    Qwen2-57B's and Qwen3-235B's experts), so that more weight loads are in flight and each unit
-    of x serves four rows (1.2-1.5x over one row on the H200; Mixtral's gate/up 64.9 -> 55.9 us
-    with 8 threads in place of 16 on the H100); else one row to 16 threads (Qwen3-30B's hidden
-    2048: one row is faster)."""
-    return (2, 8) if hidden // UNIT >= 96 else (1, 16)
+    32 rows a block): two rows to groups of 8 where hidden has 96 units or more (3072+) and the
+    experts are long (ffn of LONG_DOWN_UNITS units or more: Mixtral's 14336, Qwen2-57B's shared
+    expert), so that more weight loads are in flight and each unit of x serves four rows
+    (Mixtral's gate/up 64.9 -> 55.9 us with 8 threads in place of 16 on the H100); else one row to
+    16 threads (Qwen3-30B's hidden 2048, and Qwen3-235B's short experts at 4096: tg128 1432 ->
+    1361 t/s on an H100 with two rows)."""
+    return (2, 8) if hidden // UNIT >= 96 and ffn // UNIT >= LONG_DOWN_UNITS else (1, 16)
 
 
 def decode_down_rows(units: int, top_k: int) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from moerun.backends.gpu.constants import UNIT, defines
-from moerun.backends.gpu.experts import DOWN_WARPS, GATE_UP_GROUP, decode_down_rows, decode_gate_up_rows
+from moerun.backends.gpu.experts import DOWN_WARPS, decode_down_rows, decode_gate_up_shape
 from moerun.backends.gpu.library import KERNEL_DIR, stage_stride
 
 CALLS = 96
@@ -79,16 +79,17 @@ def main() -> None:
         gate_up_expert, down_expert = gate_up_row * ffn, down_row * hidden
         layers = [[cupy.random.randint(0, 255, n_experts * size, dtype=cupy.uint8)
                    for size in (gate_up_expert, gate_up_expert, down_expert)] for _ in range(LAYERS)]
-        gate_up_rows, (group, down_rows) = decode_gate_up_rows(hidden), decode_down_rows(ffn // UNIT)
+        (gate_up_rows, gate_up_group), (group, down_rows) = (decode_gate_up_shape(hidden, ffn),
+                                                             decode_down_rows(ffn // UNIT, top_k))
         warps = min(top_k, DOWN_WARPS)
         stride = stage_stride(32 // group * down_rows * down_row, warps)
 
         def gate_up(module, i):
             gate, up, _ = layers[i % LAYERS]
             module.get_function(f"moe_gate_up_q8_{kind}_r{gate_up_rows}")(
-                (ffn // UNIT, top_k), (UNIT * GATE_UP_GROUP // gate_up_rows,),
+                (ffn // UNIT, top_k), (UNIT * gate_up_group // gate_up_rows,),
                 (gate, up, np.int64(gate_up_expert), np.int64(gate_up_row), xq, xds, np.int32(hidden), ids[i],
-                 np.int32(top_k), aq, ads, np.int32(ffn), np.int32(GATE_UP_GROUP)))
+                 np.int32(top_k), aq, ads, np.int32(ffn), np.int32(gate_up_group)))
 
         def down(module, i):
             _, _, stack = layers[i % LAYERS]

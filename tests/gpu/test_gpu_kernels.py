@@ -130,11 +130,12 @@ def test_experts_of_odd_sizes_match_numpy(n_tokens):
     check_experts((T.Q8_0, T.Q4_0), n_tokens, hidden=96, ffn=160)
 
 
-DECODE_ROW_SHAPES = [   # (hidden, ffn, types, gate/up rows a group, (down's threads a row, rows a group))
-    (3072, 8192, (T.Q4_K, T.Q6_K), 2, (32, 4)),      # Mixtral-like: wide hidden, long down rows
-    (3072, 8192, (T.Q8_0, T.Q5_0), 2, (32, 4)),
-    (768, 2048, (T.Q5_K, T.Q4_1), 1, (16, 2)),
-    (96, 96, (T.Q8_0, T.Q4_0), 1, (1, 1)),           # three units a down row: one thread, one row
+DECODE_ROW_SHAPES = [   # (hidden, ffn, types, gate/up (rows, threads) a group, (down's threads a row, rows a group))
+    (3072, 8192, (T.Q4_K, T.Q6_K), (2, 8), (32, 4)),      # Mixtral-like: wide hidden, long down rows
+    (3072, 8192, (T.Q8_0, T.Q5_0), (2, 8), (32, 4)),
+    (768, 2048, (T.Q5_K, T.Q4_1), (1, 16), (16, 2)),
+    (4096, 1536, (T.Q4_K, T.Q6_K), (1, 16), (16, 2)),      # Qwen3-235B-like: wide hidden, short experts
+    (96, 96, (T.Q8_0, T.Q4_0), (1, 16), (1, 1)),           # three units a down row: one thread, one row
 ]
 
 
@@ -145,8 +146,8 @@ DECODE_ROW_SHAPES = [   # (hidden, ffn, types, gate/up rows a group, (down's thr
 def test_expert_decode_row_shapes_match_numpy(hidden, ffn, types, gate_up_rows, down_rows, n_tokens):
     """Each shape of the decode expert kernels (rows per group of gate/up, threads and rows per
     group of down, experts.py) against numpy."""
-    from moerun.backends.gpu.experts import decode_down_rows, decode_gate_up_rows
-    assert decode_gate_up_rows(hidden) == gate_up_rows and decode_down_rows(ffn // 32) == down_rows
+    from moerun.backends.gpu.experts import decode_down_rows, decode_gate_up_shape
+    assert decode_gate_up_shape(hidden, ffn) == gate_up_rows and decode_down_rows(ffn // 32, 4) == down_rows
     check_experts(types, n_tokens, hidden, ffn)
 
 

@@ -33,7 +33,6 @@ from moerun.backends.gpu.weights import DeviceMatrix, Uploader
 from moerun.errors import UsageError
 from moerun.models.spec import ModelSpec
 
-GATE_UP_GROUP = 16            # threads sharing a row of the quantized gate/up kernel (32 rows a block)
 DOWN_WARPS = 8                # most warps of the quantized down kernel (one per expert slot)
 LONG_DOWN_UNITS = 256         # down rows of at least this many units: 4 rows per group of a whole warp
 TILE_SHAPES = {32: (64, 4), 64: (64, 4), 128: (64, 8)}   # rows per tile of an expert's tokens -> output
@@ -133,12 +132,12 @@ class GpuExperts:
             xq, xds = backend.q8_of(x)
             aq = cupy.empty((n_tokens * top_k, 2 * ffn), cupy.int8)                 # [P, 2F]
             ads = cupy.empty((n_tokens * top_k, ffn // UNIT, 2), cupy.float32)
-            gate_up_rows = decode_gate_up_rows(hidden)
+            gate_up_rows, gate_up_group = decode_gate_up_shape(hidden, ffn)
             kernels.launch(f"moe_gate_up_q8_{stack.kind}_r{gate_up_rows}", (ffn // UNIT, n_tokens * top_k),
-                           (UNIT * GATE_UP_GROUP // gate_up_rows,), (
+                           (UNIT * gate_up_group // gate_up_rows,), (
                 stack.data, experts.up, np.int64(stack.expert_bytes), np.int64(stack.row_bytes), xq, xds,
-                np.int32(hidden), ids, np.int32(top_k), aq, ads, np.int32(ffn), np.int32(GATE_UP_GROUP)))
-            (group, rows), warps = decode_down_rows(ffn // UNIT), min(top_k, DOWN_WARPS)
+                np.int32(hidden), ids, np.int32(top_k), aq, ads, np.int32(ffn), np.int32(gate_up_group)))
+            (group, rows), warps = decode_down_rows(ffn // UNIT, top_k), min(top_k, DOWN_WARPS)
             # a warp's rows of one expert, staged only where the slots leave every thread resident:
             # Mixtral's rows (14336 values) would hold 9 blocks of 2 warps a multiprocessor
             stride = stage_stride(32 // group * rows * down.row_bytes, warps, 32 * warps * FULL_OCCUPANCY_BYTES)
@@ -232,21 +231,25 @@ class TileLayout:
             self.token_rows, self.pair_rows))
 
 
-def decode_gate_up_rows(hidden: int) -> int:
-    """Rows of gate (and of up) each group of the quantized gate/up kernel takes: two where a
-    lane has at least 6 units of x (hidden sizes of 3584 and more: 1.2-1.5x on the H200 for
-    Mixtral's, Qwen2-57B's and Qwen3-235B's experts), so that more weight loads are in flight
-    and each unit of x serves four rows; else one (Qwen3-30B's hidden 2048: one row is faster)."""
-    return 2 if hidden // UNIT >= 6 * GATE_UP_GROUP else 1
+def decode_gate_up_shape(hidden: int, ffn: int) -> tuple[int, int]:
+    """(rows of gate and of up each group of the quantized gate/up kernel takes, threads a group;
+    32 rows a block): two rows to groups of 8 where hidden has 96 units or more (3072+) and the
+    experts are long (ffn of LONG_DOWN_UNITS units or more: Mixtral's 14336, Qwen2-57B's shared
+    expert), so that more weight loads are in flight and each unit of x serves four rows
+    (Mixtral's gate/up 64.9 -> 55.9 us with 8 threads in place of 16 on the H100); else one row to
+    16 threads (Qwen3-30B's hidden 2048, and Qwen3-235B's short experts at 4096: tg128 1432 ->
+    1361 t/s on an H100 with two rows)."""
+    return (2, 8) if hidden // UNIT >= 96 and ffn // UNIT >= LONG_DOWN_UNITS else (1, 16)
 
 
-def decode_down_rows(units: int) -> tuple[int, int]:
+def decode_down_rows(units: int, top_k: int) -> tuple[int, int]:
     """(threads sharing a row, rows per group) of the quantized down kernel for rows of `units`
-    units of 32: a unit of act serves two rows (four for rows of LONG_DOWN_UNITS and more, a
-    whole warp on each: Mixtral's 14336), 1.1-1.35x over one row on every preset's shape
-    (docs/benchmarks.md); at most 16 threads a row otherwise, each with two units or more."""
+    units of 32 and `top_k` experts a token (a warp each): a unit of act serves two rows (four
+    for rows of LONG_DOWN_UNITS and more, a whole warp on each, where a block has two warps or
+    more: Mixtral's 14336; a one-expert down of such rows, a shared expert's, 48.4 -> 39.3 us
+    with two), 1.1-1.35x over one row on every preset's shape (docs/benchmarks.md); at most 16
+    threads a row otherwise, each with two units or more."""
     if units >= LONG_DOWN_UNITS:
-        return 32, 4
+        return 32, 4 if top_k >= 2 else 2
     group = min(row_group(units, UNITS_PER_LANE), 16)
     return group, min(2, group)
-

@@ -114,6 +114,31 @@ def test_a_few_tokens_at_a_long_position_over_a_typed_cache(kernels, monkeypatch
                                    err_msg=isa)
 
 
+@pytest.mark.parametrize("name", ["f32", "f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("start", [0, 4096, 32768, 131071])
+@pytest.mark.parametrize("n_tokens", [1, 16])
+def test_attention_at_long_contexts_matches_numpy(kernels, monkeypatch, name, start, n_tokens):
+    """One token (its positions split over 2 threads) and a prefill chunk of 16 (blocks of 256
+    positions a pass) after up to 128k positions of two kv heads, against numpy over the rows as
+    the cache holds them."""
+    spec = dataclasses.replace(small_spec(), n_heads=4, n_kv_heads=2, head_dim_k=64, head_dim_v=64, n_layers=1)
+    rng = np.random.default_rng(start + n_tokens)
+    seen = start + n_tokens
+    keys = rng.standard_normal((seen, 2, 64), dtype=np.float32)
+    values = rng.standard_normal((seen, 2, 64), dtype=np.float32)
+    q = rng.standard_normal((n_tokens, 4, 64), dtype=np.float32) * 3
+    caches = []
+    for backend in (NumpyBackend(spec, 2, KVTypes(name, name)), reference_backend(spec, KVTypes(name, name),
+                                                                                   monkeypatch)):
+        cache = backend.new_cache(seen)
+        cache.reserve(seen)
+        cache.append(0, keys, values)
+        caches.append((backend, cache))
+    positions = np.arange(start, seen)
+    got, want = (backend.attention(q, cache, 0, positions) for backend, cache in caches)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_typed_cache_restored_from_its_snapshot_attends_as_before(kernels):
     spec = dataclasses.replace(small_spec(), n_heads=4, n_kv_heads=2, head_dim_k=64, head_dim_v=64, n_layers=1)
     backend = NumpyBackend(spec, kv_types=KVTypes("q8_0", "q4_1"))

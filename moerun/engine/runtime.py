@@ -142,13 +142,13 @@ class Runtime:
 
     def _fitted_context(self, ctx: int | None, kv_pool: int | None, kv_types: KVTypes) -> int:
         """--ctx, or the model's context where it fits beside the weights, else the most that fits
-        (moe/context.py); one line says which, unless --ctx fits."""
+        (moe/context.py); one line says so where it cut the model's or warns."""
         free, work = self.backend.context_memory(self.ubatch)
         room = ContextRoom(free, kv_types.token_bytes(*kv_values_per_token(self.spec)), work, kv_types.label,
                            self.backend.cache_grows)
         chosen, line = choose_context(self.spec.context_train, ctx, kv_pool, room)
         if line:
-            logger.info(line)
+            logger.warning(line)
         return chosen
 
     @property

@@ -29,7 +29,8 @@ class ContextRoom:
 
 def choose_context(model_context: int, requested: int | None, pool: int | None,
                    room: ContextRoom) -> tuple[int, str | None]:
-    """(context, the one line that says what was chosen and why; None for a --ctx that fits).
+    """(context, the one line that says what was chosen and why; None where the --ctx or the
+    model's context fits: nothing to say).
     Without --ctx: the model's context where its cache (or the --kv-pool's) fits, else the most
     that fits, in whole CONTEXT_STEPs. With it: that, or a PlanError naming the most that fits
     where the cache is allocated whole; a cache that grows is only warned about in the line."""
@@ -49,10 +50,8 @@ def choose_context(model_context: int, requested: int | None, pool: int | None,
     if held > largest:
         return chosen, (f"context: {chosen} tokens; at full length {needs} would pass the {beside}, which the "
                         f"cache grows into")
-    if requested:
+    if requested or chosen == model_context:
         return chosen, None
-    if chosen == model_context:
-        return chosen, f"context: {chosen} tokens, the model's: {needs}, {beside}"
     return chosen, (f"context: {chosen} of the model's {model_context} tokens, the most whose cache fits: {needs}, "
                     f"{beside} (--ctx or smaller KV types change it)")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from moerun.backends.kv_types import KV_TYPES
+from moerun.backends.kv_types import KV_TYPES, check_gpu_kv_types
 from moerun.commands.options import (
     MODEL_HELP,
     config_option,
@@ -104,6 +104,8 @@ def plan(model, parent_device, daemons, cpu_size, ctx, kv_pool, kv_dtype, cache_
     require(ctx, "--ctx", "ctx")
     parent_name, parent_bytes = _device_budget(parent_device, "--device")
     kv_types = kv_types_on(parent_name, kv_dtype, cache_type_k, cache_type_v)
+    if parent_name != "cpu":
+        check_gpu_kv_types(kv_types)
     if splits:
         devices = [DeviceBudget(parent_name, parent_bytes, is_parent=True),
                    *(DeviceBudget(*_device_budget(text, "--split")) for text in splits)]

@@ -140,6 +140,17 @@ def test_a_quantized_kv_cache_on_a_gpu_parent_is_a_clear_error(demo_model, moeru
                                     "in one of f16, f32")
 
 
+def test_plan_counts_a_quantized_cpu_cache_and_refuses_one_on_a_gpu(demo_model, moerun, tmp_path):
+    out = tmp_path / "p.json"
+    planned = moerun("plan", "-m", demo_model, "--device", "cpu=8GiB", "--ctx", "4096", "-ctk", "q8_0", "-ctv", "q8_0",
+                     "-o", out)
+    assert planned.exit_code == 0, planned.output
+    kv = 4 * 2 * 2 * 64 // 32 * 34                    # layers · kv heads · (K + V) · 64 dims as q8_0 blocks
+    assert f"KV cache: 4096 tokens at q8_0 ({4096 * kv / 2**20:.1f} MiB)" in planned.stdout
+    refused = moerun("plan", "-m", demo_model, "--device", "cuda:0=8GiB", "--ctx", "4096", "-ctk", "q8_0", "-o", out)
+    assert refused.exit_code == 1 and refused.stderr.startswith("Error: KV cache types q8_0 (keys) and f16 (values)")
+
+
 def test_output_to_a_missing_directory_is_a_clear_error(demo_model, moerun, tmp_path):
     result = moerun("logits", "-m", demo_model, "--ids", "1,2", "-o", tmp_path / "no" / "such" / "dir.npy")
     assert result.exit_code == 1 and result.stderr.startswith("Error: ") and "Traceback" not in result.output

@@ -22,6 +22,8 @@ COMMANDS = {
     "systemd": "Write systemd units for the daemons and the parent of a rig config.",
     "keys": "Make a CURVE key pair: NAME.key (public) and NAME.key_secret (secret, mode 0600).",
     "bench": "Measure prefill (pp) and decode (tg) tokens/s, printed as llama-bench prints them.",
+    "batched-bench": "Measure several sequences prefilled and decoded together, printed as llama-batched-bench "
+                     "prints them.",
 }
 
 
@@ -34,7 +36,8 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
-        return getattr(importlib.import_module(f"moerun.commands.{name}"), name)
+        module = name.replace("-", "_")
+        return getattr(importlib.import_module(f"moerun.commands.{module}"), module)
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         name, command, rest = super().resolve_command(ctx, args)

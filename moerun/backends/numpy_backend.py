@@ -233,6 +233,9 @@ class NumpyBackend:
         types = self.kv_types
         return causal_attention(q, decode(types.key, keys), decode(types.value, values), int(positions[0]))
 
+    def concat(self, parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts)
+
     def route(self, x: np.ndarray, norm: np.ndarray,
               router: np.ndarray | StoredMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         spec = self.spec

@@ -160,6 +160,9 @@ class Backend(Protocol):
     def add(self, x: Array, y: Array, gate_logit: Array | None = None) -> Array:
         """x + y, or x + sigmoid(gate_logit [T, 1]) · y"""
 
+    def concat(self, parts: list[Array]) -> Array:
+        """Arrays of the same columns, their rows one after the other: the sequences of a batched step."""
+
 
 def swiglu_by_products(backend: Backend, x: Array, ffn: tuple[Any, Any, Any], residual: Array | None = None) -> Array:
     """Backend.swiglu_ffn from the backend's products: gate and up in one linears call, SwiGLU, down

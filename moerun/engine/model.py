@@ -7,14 +7,15 @@ Shape legend: T tokens in the chunk, H hidden, V vocab, L layers.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from moerun.backends.protocol import Backend, KVCache
 from moerun.engine.weights import ModelWeights
-from moerun.models.blocks import Step
+from moerun.errors import UsageError
+from moerun.models.blocks import Segment, Step
 from moerun.models.registry import architecture
 from moerun.models.spec import ModelSpec
 from moerun.moe.executor import ExpertExecutor, MoEStats
@@ -60,6 +61,25 @@ class MoEModel:
         self._count(cache, len(ids))
         return logits
 
+    def forward_batch(self, batch: Sequence[tuple[np.ndarray, KVCache]]) -> np.ndarray:
+        """Several sequences in one step: each its ids [T_b] at positions cache.length.. of its own
+        cache, their tokens through the layers together (each sequence's attention over its own
+        cache) -> float32 logits [B, V] of each sequence's last position; each cache extended. Eager,
+        on a backend whose positions are host arrays (the CPU parent), without layer shards."""
+        if self.shards is not None or self.backend.kind != "CPU":
+            raise UsageError("batched steps run on a CPU parent without --split for now")
+        segments, first = [], 0
+        for ids, cache in batch:
+            cache.reserve(len(ids))
+            segments.append(Segment(cache, cache.length + np.arange(len(ids)), slice(first, first + len(ids))))
+            first += len(ids)
+        ids = np.concatenate([np.asarray(ids, np.int64) for ids, _ in batch])
+        last_rows = [segment.rows.stop - 1 for segment in segments]
+        logits = self.backend.run_step(lambda ids_, _: self._run(ids_, tuple(segments), last_rows), ids, 0, None)
+        for ids_b, cache in batch:
+            self._count(cache, len(ids_b))
+        return logits
+
     def forward_hidden(self, x: Any, cache: KVCache) -> Any:
         """A layer shard's step: x f32 [T, H] at positions cache.length.. through this
         process's layers, extending the cache -> f32 [T, H], on the host, or, for x on the
@@ -67,8 +87,9 @@ class MoEModel:
         cache.reserve(len(x))
         if isinstance(x, np.ndarray):
             x = np.ascontiguousarray(x, np.float32)
-        out = self.backend.run_step(lambda hidden, positions: self._layers(hidden, positions, cache),
-                                    x, cache.length, self._graph_key(cache, "hidden", len(x)))
+        out = self.backend.run_step(
+            lambda hidden, positions: self._layers(hidden, (Segment(cache, positions, slice(0, len(hidden))),)),
+            x, cache.length, self._graph_key(cache, "hidden", len(x)))
         self._count(cache, len(x))
         return out
 
@@ -112,17 +133,24 @@ class MoEModel:
         capture it as a graph; the layer shards, where there are any, take the hidden state
         between this process's layers and the head, device to device or through the host (at
         the step's own start when a captured step replays)."""
+        return self._run(ids, (Segment(cache, positions, slice(0, len(ids))),), None if all_logits else -1)
+
+    def _run(self, ids: Any, segments: tuple[Segment, ...], out_rows: int | list[int] | None) -> Any:
+        """The embedding, the layers, the hop to the layer shards, the head over the rows `out_rows`
+        (-1: the last, as [1, V]; a list: those; None: every row)."""
         backend, weights = self.backend, self.weights
-        x = self._layers(backend.embed(weights.token_embd, ids), positions, cache)     # [T, H]
+        x = self._layers(backend.embed(weights.token_embd, ids), segments)                  # [T, H]
         if self.shards is not None:
             x = self.shards.hop(x, lambda: self._start)
-        if not all_logits:
+        if out_rows == -1:
             x = x[-1:]
+        elif out_rows is not None:
+            x = x[out_rows]
         return backend.linear(backend.rms_norm(x, weights.output_norm), weights.output)   # [T, V]
 
-    def _layers(self, x: Any, positions: Any, cache: KVCache) -> Any:
+    def _layers(self, x: Any, segments: tuple[Segment, ...]) -> Any:
         """x [T, H] through the layers this process runs, each as its architecture composes it -> [T, H]."""
-        step = Step(self.backend, self.spec, self.executor, self.routing, cache, positions)
+        step = Step(self.backend, self.spec, self.executor, self.routing, segments)
         for i, layer in zip(self.layer_ids, self.weights.layers):
             x = self.architecture.layer(step, i, layer, x)
         return x

@@ -77,6 +77,17 @@ class RunStats:
                 "decode_tokens_per_second": self.decode_tokens_per_second}
 
 
+@dataclass
+class BatchStats:
+    """generate_batch's: the prompts' tokens and their prefill, the batched decode steps and the
+    tokens they decoded (a step decodes one token of each running sequence)."""
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decoded_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
 @dataclass(frozen=True)
 class Context:
     """Tokens a sequence holds already, for generate() to go on from: their KV cache's state,
@@ -234,6 +245,56 @@ class Runtime:
         stats.finish = "length"
         logits = yield from self._sample(cache, logits, sampler, history, max_new_tokens, stop_ids, stats)
         self._snapshot(history[:cache.length], cache, logits)      # the end of an answer: a chat's next turn
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+                       sampling: Sequence[SamplingParams], stop_ids: frozenset[int] = frozenset(),
+                       stats: BatchStats | None = None) -> list[list[int]]:
+        """Several sequences decoded together, each sampled as generate() samples it alone: their
+        prompts prefilled in batched steps (each running prompt's next ubatch / B tokens a step),
+        then one batched step a token for every sequence still running; a sequence leaves the
+        batch at a stop id, its max_new_tokens or a full context. Returns each one's tokens.
+        On the CPU parent, without layer shards or prefix snapshots (for now)."""
+        if not len(prompts) == len(max_new_tokens) == len(sampling):
+            raise RequestError("generate_batch: one max_new_tokens and one sampling per prompt")
+        stats = stats if stats is not None else BatchStats()
+        for prompt in prompts:
+            self._check_prompt(prompt)
+        caches = [self._new_cache() for _ in prompts]
+        histories = [list(prompt) for prompt in prompts]
+        logits: dict[int, np.ndarray] = {}
+        started = time.perf_counter()
+        done = [0] * len(prompts)                                 # prompt tokens prefilled
+        while running := [b for b, prompt in enumerate(prompts) if done[b] < len(prompt)]:
+            chunk = max(1, self.ubatch // len(running))
+            batch = [(np.asarray(prompts[b][done[b]:done[b] + chunk]), caches[b]) for b in running]
+            for b, row in zip(running, self.model.forward_batch(batch)):
+                done[b] = min(len(prompts[b]), done[b] + chunk)
+                logits[b] = row
+        stats.prompt_tokens, stats.prefill_seconds = sum(map(len, prompts)), time.perf_counter() - started
+
+        samplers = [Sampler(params) for params in sampling]
+        out: list[list[int]] = [[] for _ in prompts]
+        running = [b for b, most in enumerate(max_new_tokens) if most > 0]
+        while True:
+            stepping = []
+            for b in running:
+                token = samplers[b](logits[b], histories[b])
+                if token in stop_ids:
+                    continue
+                out[b].append(token)
+                histories[b].append(token)
+                if len(out[b]) < max_new_tokens[b] and caches[b].length < self.ctx:
+                    stepping.append(b)
+            running = stepping
+            if not running:
+                return out
+            started = time.perf_counter()
+            for b, row in zip(running, self.model.forward_batch([(np.array([out[b][-1]]), caches[b])
+                                                                  for b in running])):
+                logits[b] = row
+            stats.decode_seconds += time.perf_counter() - started
+            stats.decode_steps += 1
+            stats.decoded_tokens += len(running)
 
     def _sample(self, cache: KVCache, logits: np.ndarray, sampler: Sampler, history: list[int], max_new_tokens: int,
                 stop_ids: frozenset[int], stats: RunStats) -> Iterator[int]:

@@ -17,17 +17,34 @@ from moerun.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
+class Segment:
+    """One sequence's tokens in a step: rows [rows.start, rows.stop) of the step's, their positions
+    and the sequence's KV cache (and DeltaNet states)."""
+    cache: Any
+    positions: Any
+    rows: slice
+
+
+@dataclass(frozen=True)
 class Step:
     """What a layer computes with during one step: the backend, the spec, the executor of the
     routed experts (moerun.moe.executor.ExpertExecutor), the routing counter of `moerun profile`
-    (None unless profiling), and the step's KV cache and positions [T]. models/ sits below the
-    backends and moe/ and imports neither: their objects come in here."""
+    (None unless profiling), and the step's sequences, one segment each (several in a batched
+    step: everything but attention and the DeltaNet's recurrence takes their tokens together).
+    models/ sits below the backends and moe/ and imports neither: their objects come in here."""
     backend: Any
     spec: ModelSpec
     executor: Any
     routing: Any
-    cache: Any
-    positions: Any
+    segments: tuple[Segment, ...]
+
+    def per_sequence(self, compute: Callable[[Segment, tuple[Any, ...]], Any], *arrays: Any) -> Any:
+        """compute(segment, its rows of each of `arrays`) for each sequence, their outputs' rows
+        in the step's order (one sequence: the arrays whole)."""
+        if len(self.segments) == 1:
+            return compute(self.segments[0], arrays)
+        return self.backend.concat([compute(segment, tuple(a[segment.rows] for a in arrays))
+                                    for segment in self.segments])
 
 
 # attention
@@ -77,8 +94,12 @@ def _rope_attend(step: Step, i: int, q: Any, k: Any, v: Any, q_norm: Any, k_norm
     """k and v into layer i's cache at the step's positions (k normalised per head by k_norm
     and roped), q likewise, then attention over the cache -> [T, NH*Dv]."""
     backend = step.backend
-    q = backend.rope_append(q, k, v, q_norm, k_norm, step.cache, i, step.positions)   # [T, NH, D]
-    return backend.attention(q, step.cache, i, step.positions)
+
+    def attend(segment: Segment, qkv: tuple[Any, Any, Any]) -> Any:
+        roped = backend.rope_append(*qkv, q_norm, k_norm, segment.cache, i, segment.positions)   # [T, NH, D]
+        return backend.attention(roped, segment.cache, i, segment.positions)
+
+    return step.per_sequence(attend, q, k, v)
 
 
 # linear attention
@@ -89,8 +110,9 @@ def delta_net(step: Step, i: int, w: LayerWeights, x: Any) -> Any:
     backend, d = step.backend, w.delta_net
     channels, z, beta, alpha = backend.linears(x, (d.attn_qkv, d.attn_gate, d.ssm_beta, d.ssm_alpha),
                                                (None,) * 4, w.attn_norm)
-    mixed = backend.delta_net(channels, z, beta, alpha, (d.ssm_conv1d, d.ssm_a, d.ssm_dt, d.ssm_norm),
-                              step.cache, i)                                          # [T, HV*DV]
+    weights = (d.ssm_conv1d, d.ssm_a, d.ssm_dt, d.ssm_norm)
+    mixed = step.per_sequence(lambda segment, inputs: backend.delta_net(*inputs, weights, segment.cache, i),
+                              channels, z, beta, alpha)                               # [T, HV*DV]
     return backend.linear(mixed, d.ssm_out, residual=x)                               # [T, H]
 
 

@@ -505,6 +505,9 @@ class GpuBackend:
                                  i32(head_dim), out))
         return out
 
+    def concat(self, parts: list[Any]) -> Any:
+        return self.device.cupy.concatenate(parts)
+
     def route(self, x: Any, norm: Any, router: DeviceMatrix) -> tuple[Any, Any, Any]:
         """h = rms_norm(x, norm), its logits and top-K: one launch (route_normed) for a few tokens
         through a float router of few rows, else the norm, the product and route_top_k."""

@@ -1,0 +1,75 @@
+"""Sequences decoded together (Runtime.generate_batch, MoEModel.forward_batch: one forward pass
+for every running sequence's tokens, attention and DeltaNet states per sequence) give each
+sequence what the same request gives alone, token for token on the CPU parent's float32 path:
+prompts of different lengths, sequences leaving at different lengths, seeded sampling, every
+architecture and the hybrid one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moerun.engine.runtime import BatchStats, RequestError, Runtime
+from moerun.engine.sampler import SamplingParams
+from tests.support.hf_models import ARCHS, HYBRID_ARCHS, tiny_model
+from tests.support.to_gguf import write_gguf
+
+PROMPT_LENGTHS = (5, 17, 40, 1)
+NEW_TOKENS = (12, 3, 20, 8)
+
+
+@pytest.fixture(scope="module", params=[*ARCHS, *HYBRID_ARCHS])
+def model(request, tmp_path_factory):
+    return write_gguf(tiny_model(request.param), tmp_path_factory.mktemp("batched") / f"{request.param}.gguf", "Q8_0")
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, vocab, n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_each_sequence_of_a_batch_decodes_as_it_does_alone(model, temperature):
+    sampling = [SamplingParams(temperature=temperature, seed=11 + b) for b in range(len(PROMPT_LENGTHS))]
+    with Runtime(model, ubatch=16) as runtime:
+        batch_prompts = prompts(runtime.spec.vocab)
+        alone = [list(runtime.generate(p, n, s)) for p, n, s in zip(batch_prompts, NEW_TOKENS, sampling)]
+        stats = BatchStats()
+        together = runtime.generate_batch(batch_prompts, NEW_TOKENS, sampling, stats=stats)
+    assert together == alone
+    assert [len(tokens) for tokens in together] == list(NEW_TOKENS)
+    assert stats.prompt_tokens == sum(PROMPT_LENGTHS) and stats.decode_steps == max(NEW_TOKENS) - 1
+    assert stats.decoded_tokens == sum(NEW_TOKENS) - len(NEW_TOKENS)
+
+
+def test_a_stop_id_takes_a_sequence_out_of_the_batch(model):
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    with Runtime(model) as runtime:
+        batch_prompts = prompts(runtime.spec.vocab)[:2]
+        first = list(runtime.generate(batch_prompts[0], 6, greedy[0]))
+        stop = frozenset({first[3]})
+        alone = [list(runtime.generate(p, 6, s, stop_ids=stop)) for p, s in zip(batch_prompts, greedy)]
+        assert runtime.generate_batch(batch_prompts, [6, 6], greedy, stop_ids=stop) == alone
+    assert len(alone[0]) == first.index(first[3])
+
+
+def test_a_batch_takes_one_length_and_one_sampling_per_prompt(model):
+    with Runtime(model) as runtime:
+        with pytest.raises(RequestError, match="one max_new_tokens and one sampling per prompt"):
+            runtime.generate_batch([[1, 2]], [3, 4], [SamplingParams()])
+        tokens = runtime.generate_batch([[1, 2], [3]], [0, 2], [SamplingParams(temperature=0.0)] * 2)
+    assert tokens[0] == [] and len(tokens[1]) == 2
+
+
+def test_batched_bench_prints_llama_batched_benchs_table(moerun):
+    result = moerun("batched-bench", "-npp", "16,8", "-ntg", "4", "-npl", "1,3", "-c", "59")
+    assert result.exit_code == 0, result.output
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+            if line.startswith("|") and line[2:7].strip().isdigit()]
+    # 3·(16 + 4) = 60 positions > 59: left out
+    assert [row[:4] for row in rows] == [["16", "4", "1", "20"], ["8", "4", "1", "12"], ["8", "4", "3", "36"]]
+    for pp, tg, b, n_kv, t_pp, s_pp, t_tg, s_tg, t, s in (map(float, row) for row in rows):
+        for rate, tokens, seconds in ((s_pp, b * pp, t_pp), (s_tg, b * tg, t_tg), (s, n_kv, t)):
+            assert rate == pytest.approx(tokens / seconds, rel=0.01 + 0.0006 / seconds)   # seconds printed to 1 ms
+        assert t == pytest.approx(t_pp + t_tg, abs=2e-3)
+    refused = moerun("batched-bench", "-npp", "16", "-ntg", "4", "-npl", "2", "-c", "10")
+    assert refused.exit_code == 2 and "hold none of the cases" in refused.stderr

@@ -4,8 +4,9 @@
     moerun batched-bench -m model.gguf -npp 512 -ntg 128 -npl 1,8,16 -c 10240 --threads 16
 
 For each prompt size PP (-npp), generation size TG (-ntg) and batch size B (-npl): B sequences
-of PP random tokens prefilled together (Runtime.generate_batch: batched steps of ubatch / B
-tokens each), then TG batched decode steps of one token each. The columns are
+of PP random tokens prefilled together (Runtime.generate_batch over engine/scheduler.py: steps
+of at most --ubatch tokens, shared among the prompts), then TG batched decode steps of one token
+each. The columns are
 llama-batched-bench's: N_KV = B·(PP + TG) positions; T_PP / S_PP the prefill's seconds and
 B·PP / T_PP; T_TG / S_TG the decode's seconds and B·TG / T_TG; T = T_PP + T_TG and S = N_KV / T.
 A case whose N_KV passes -c is left out, as llama-batched-bench leaves it (-c: every case's by
@@ -20,8 +21,9 @@ import click
 import numpy as np
 
 from moerun.commands.options import MODEL_HELP, friendly_errors, model_or_demo, open_runtime, runtime_options
-from moerun.engine.runtime import BatchStats, Runtime
+from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
+from moerun.engine.scheduler import BatchStats
 
 GREEDY = SamplingParams(temperature=0.0)
 HEADER = "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"

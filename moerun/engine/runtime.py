@@ -25,6 +25,7 @@ from moerun.backends.protocol import CacheState, KVCache
 from moerun.engine.model import MoEModel
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
+from moerun.engine.scheduler import BatchStats, Scheduler
 from moerun.engine.snapshot_store import Snapshot
 from moerun.engine.weights import load_weights
 from moerun.errors import MoerunError
@@ -75,17 +76,6 @@ class RunStats:
     def to_dict(self) -> dict:
         return {**asdict(self), "prefill_tokens_per_second": self.prefill_tokens_per_second,
                 "decode_tokens_per_second": self.decode_tokens_per_second}
-
-
-@dataclass
-class BatchStats:
-    """generate_batch's: the prompts' tokens and their prefill, the batched decode steps and the
-    tokens they decoded (a step decodes one token of each running sequence)."""
-    prompt_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    decoded_tokens: int = 0
-    decode_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -249,52 +239,25 @@ class Runtime:
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                        sampling: Sequence[SamplingParams], stop_ids: frozenset[int] = frozenset(),
                        stats: BatchStats | None = None) -> list[list[int]]:
-        """Several sequences decoded together, each sampled as generate() samples it alone: their
-        prompts prefilled in batched steps (each running prompt's next ubatch / B tokens a step),
-        then one batched step a token for every sequence still running; a sequence leaves the
-        batch at a stop id, its max_new_tokens or a full context. Returns each one's tokens.
-        On the CPU parent, without layer shards or prefix snapshots (for now)."""
+        """Several sequences decoded together (engine/scheduler.py), each sampled as generate()
+        samples it alone; returns each one's tokens. On the CPU parent, without layer shards or
+        prefix snapshots (for now)."""
         if not len(prompts) == len(max_new_tokens) == len(sampling):
             raise RequestError("generate_batch: one max_new_tokens and one sampling per prompt")
-        stats = stats if stats is not None else BatchStats()
-        for prompt in prompts:
+        scheduler = self.scheduler(stats)
+        for prompt, most, params in zip(prompts, max_new_tokens, sampling):
             self._check_prompt(prompt)
-        caches = [self._new_cache() for _ in prompts]
-        histories = [list(prompt) for prompt in prompts]
-        logits: dict[int, np.ndarray] = {}
-        started = time.perf_counter()
-        done = [0] * len(prompts)                                 # prompt tokens prefilled
-        while running := [b for b, prompt in enumerate(prompts) if done[b] < len(prompt)]:
-            chunk = max(1, self.ubatch // len(running))
-            batch = [(np.asarray(prompts[b][done[b]:done[b] + chunk]), caches[b]) for b in running]
-            for b, row in zip(running, self.model.forward_batch(batch)):
-                done[b] = min(len(prompts[b]), done[b] + chunk)
-                logits[b] = row
-        stats.prompt_tokens, stats.prefill_seconds = sum(map(len, prompts)), time.perf_counter() - started
+            scheduler.add(prompt, most, params, stop_ids)
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        while scheduler.running:
+            for event in scheduler.step():
+                if event.token is not None:
+                    tokens[event.sequence].append(event.token)
+        return [tokens[i] for i in range(len(prompts))]
 
-        samplers = [Sampler(params) for params in sampling]
-        out: list[list[int]] = [[] for _ in prompts]
-        running = [b for b, most in enumerate(max_new_tokens) if most > 0]
-        while True:
-            stepping = []
-            for b in running:
-                token = samplers[b](logits[b], histories[b])
-                if token in stop_ids:
-                    continue
-                out[b].append(token)
-                histories[b].append(token)
-                if len(out[b]) < max_new_tokens[b] and caches[b].length < self.ctx:
-                    stepping.append(b)
-            running = stepping
-            if not running:
-                return out
-            started = time.perf_counter()
-            for b, row in zip(running, self.model.forward_batch([(np.array([out[b][-1]]), caches[b])
-                                                                  for b in running])):
-                logits[b] = row
-            stats.decode_seconds += time.perf_counter() - started
-            stats.decode_steps += 1
-            stats.decoded_tokens += len(running)
+    def scheduler(self, stats: BatchStats | None = None) -> Scheduler:
+        """A batch of sequences this runtime decodes together, each step within ubatch tokens."""
+        return Scheduler(self.model, self._new_cache, self.ctx, self.ubatch, stats)
 
     def _sample(self, cache: KVCache, logits: np.ndarray, sampler: Sampler, history: list[int], max_new_tokens: int,
                 stop_ids: frozenset[int], stats: RunStats) -> Iterator[int]:

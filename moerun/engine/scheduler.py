@@ -1,0 +1,112 @@
+"""Sequences decoded together, joining and leaving between steps (continuous batching): each
+step is one forward pass (MoEModel.forward_batch) over a token of every decoding sequence and,
+within the step's token budget, the next prefill chunk of each sequence still prefilling —
+decode tokens first, so a long prompt never stalls the others. Every sequence is sampled as
+Runtime.generate samples it alone, with its own sampler, stops and cache.
+
+Shape legend: B sequences in a step, V vocab.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moerun.backends.protocol import KVCache
+from moerun.engine.sampler import Sampler, SamplingParams
+
+
+@dataclass
+class BatchStats:
+    """A scheduler's: the prompts' tokens and the seconds of the steps that only prefilled; the
+    steps that decoded (some prefilling as well), their seconds and the tokens they decoded (one
+    for each decoding sequence)."""
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decoded_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    sequence: int                 # the id add() gave
+    token: int | None             # the token sampled, or None where the sequence ended without one
+    done: bool                    # the sequence has left the batch (a stop id, its length, a full context)
+
+
+@dataclass
+class Running:
+    prompt: list[int]
+    max_new_tokens: int
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    cache: KVCache
+    prefilled: int = 0                        # prompt tokens in the cache
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt)
+
+
+class Scheduler:
+    def __init__(self, model, new_cache, ctx: int, budget: int, stats: BatchStats | None = None):
+        """model: MoEModel; new_cache(): a fresh sequence's cache; ctx: a sequence's most
+        positions; budget: the most tokens a step takes (a decode token per sequence at least)."""
+        self.model, self.new_cache, self.ctx, self.budget = model, new_cache, ctx, budget
+        self.running: dict[int, Running] = {}
+        self.stats = stats if stats is not None else BatchStats()
+        self._ids = itertools.count()
+
+    def add(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+            stop_ids: frozenset[int] = frozenset()) -> int:
+        """A sequence (a prompt of at least one token) to prefill and decode from the next step on; its id."""
+        sequence_id = next(self._ids)
+        self.running[sequence_id] = Running(list(prompt), max_new_tokens, Sampler(sampling), stop_ids,
+                                              self.new_cache())
+        self.stats.prompt_tokens += len(prompt)
+        return sequence_id
+
+    def step(self) -> list[StepEvent]:
+        """One forward pass; then every sequence whose logits it gave samples its next token."""
+        decoding = [(i, s) for i, s in self.running.items() if s.decoding]
+        prefilling = [(i, s) for i, s in self.running.items() if not s.decoding]
+        share = max(1, (self.budget - len(decoding)) // len(prefilling)) if prefilling else 0
+        stepped = [(i, s, 0, [s.tokens[-1]]) for i, s in decoding]
+        stepped += [(i, s, len(chunk), chunk) for i, s in prefilling
+                    for chunk in (s.prompt[s.prefilled:s.prefilled + share],)]
+        started = time.perf_counter()
+        logits = self.model.forward_batch([(np.asarray(ids), s.cache) for _, s, _, ids in stepped])
+        seconds = time.perf_counter() - started
+        if decoding:
+            self.stats.decode_seconds += seconds
+            self.stats.decode_steps += 1
+            self.stats.decoded_tokens += len(decoding)
+        else:
+            self.stats.prefill_seconds += seconds
+        events = []
+        for (i, sequence, prefilled, _), row in zip(stepped, logits):
+            sequence.prefilled += prefilled
+            if sequence.decoding:
+                events.append(self._sample(i, sequence, row))
+        return events
+
+    def _sample(self, sequence_id: int, sequence: Running, logits: np.ndarray) -> StepEvent:
+        """The sequence's next token from the logits [V] after its last position; out of the
+        batch where it ends."""
+        token = None
+        if len(sequence.tokens) < sequence.max_new_tokens:
+            token = sequence.sampler(logits, [*sequence.prompt, *sequence.tokens])
+            token = None if token in sequence.stop_ids else token
+        if token is not None:
+            sequence.tokens.append(token)
+        cache = sequence.cache
+        done = (token is None or len(sequence.tokens) >= sequence.max_new_tokens or cache.length >= self.ctx
+                or cache.length >= cache.capacity)
+        if done:
+            del self.running[sequence_id]
+        return StepEvent(sequence_id, token, done)

@@ -18,7 +18,6 @@ FOREIGN_FLAGS = {
                     "the parent's device is --device; layer ranges go to other devices with --split SPEC@LAYER"),
     **dict.fromkeys(("-fa", "--flash-attn"), "moerun picks its attention kernels itself: leave the flag out"),
     **dict.fromkeys(("-b", "--batch-size"), "the prefill chunk is --ubatch (-ub)"),
-    **dict.fromkeys(("-np", "--parallel"), "moerun serve answers one request at a time"),
     **dict.fromkeys(("-cnv", "--conversation", "-i", "--interactive"),
                     "moerun run --chat reads user turns from standard input"),
     **dict.fromkeys(("--mlock", "--no-mmap"), "moerun always maps the file: leave the flag out"),

@@ -45,6 +45,9 @@ SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long be
               help="Requests that may wait behind the one generating; more are refused with 429.")
 @click.option("--max-body", default="4MiB", show_default=True, metavar="SIZE",
               help="Largest request body, e.g. 4MiB or 500KB; larger ones are refused with 413 unread.")
+@click.option("-np", "--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests decoded together, joining as slots free (continuous batching; the CPU parent "
+                   "without --split, and without prefix snapshots for now).")
 @click.option("--prefix-cache-slots", type=click.IntRange(min=0), default=4, show_default=True,
               help="Prefix snapshots kept in RAM: a request resumes from the longest one its prompt begins "
                    "with and prefills only the rest (0: none).")
@@ -68,15 +71,15 @@ SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long be
               help="Listen on an address other machines reach (--host) without an API key.")
 @runtime_options
 @friendly_errors
-def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, max_queue, max_body,
+def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, max_queue, max_body, parallel,
           prefix_cache_slots, snapshot_interval, prefix_cache_dir, prefix_cache_budget, api_key, api_key_file,
           public_health, public_metrics, insecure, **runtime_flags):
     """Serve the OpenAI chat and completions API over HTTP, with /health and /metrics.
 
     Requests queue in arrival order and are served one at a time, each resuming from the longest
-    prefix snapshot of its prompt. Without -m, serves the built-in demo model with two CPU expert
-    daemons. Without an API key the server listens only on this machine's loopback addresses,
-    unless --insecure."""
+    prefix snapshot of its prompt, or with --parallel N up to N decoded together. Without -m,
+    serves the built-in demo model with two CPU expert daemons. Without an API key the server
+    listens only on this machine's loopback addresses, unless --insecure."""
     try:
         import uvicorn
 
@@ -93,6 +96,14 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     refuse_open_listening(host, access, insecure)
     if not access.keys and not is_loopback(host):
         logger.warning(f"--insecure: no API key, so whoever reaches --host {host} may use the server")
+    if parallel > 1:
+        if runtime_flags["device"] != "cpu" or runtime_flags["splits"]:
+            raise click.ClickException("--parallel: requests are decoded together on the CPU parent without --split "
+                                       "for now; give --parallel 1 (the default) here")
+        if prefix_cache_dir is not None or given_on_command_line("prefix_cache_slots") and prefix_cache_slots:
+            raise click.ClickException("--parallel: requests decoded together do not use prefix snapshots yet; drop "
+                                       "--prefix-cache-slots and --prefix-cache-dir, or --parallel")
+        prefix_cache_slots = 0
     listening = listening_socket(host, port)  # a busy port ends the command before anything loads
     if model is None:
         runtime_flags["daemons"] = runtime_flags["daemons"] or DEMO_DAEMONS
@@ -118,7 +129,8 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
         logger.info(f"serving {model_id} at {url_of(listening)} (OpenAI API at /v1)")
 
     worker = Worker(partial(open_runtime, model, runtime_flags, prefix_cache=prefix_cache),
-                    Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue),
+                    Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue,
+                           parallel=parallel),
                     on_load_failure=stop_serving, on_ready=announce)
     app = create_app(worker, model_id, max_body_bytes, access)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))

@@ -35,7 +35,8 @@ class BatchStats:
 class StepEvent:
     sequence: int                 # the id add() gave
     token: int | None             # the token sampled, or None where the sequence ended without one
-    done: bool                    # the sequence has left the batch (a stop id, its length, a full context)
+    finish: str | None            # why it left the batch: stop (a stop id), length (its max_new_tokens),
+                                  # context (a full context or KV pool); None: it goes on
 
 
 @dataclass
@@ -98,15 +99,21 @@ class Scheduler:
     def _sample(self, sequence_id: int, sequence: Running, logits: np.ndarray) -> StepEvent:
         """The sequence's next token from the logits [V] after its last position; out of the
         batch where it ends."""
-        token = None
+        token, finish, cache = None, None, sequence.cache
         if len(sequence.tokens) < sequence.max_new_tokens:
             token = sequence.sampler(logits, [*sequence.prompt, *sequence.tokens])
-            token = None if token in sequence.stop_ids else token
+        if token in sequence.stop_ids:
+            token, finish = None, "stop"
         if token is not None:
             sequence.tokens.append(token)
-        cache = sequence.cache
-        done = (token is None or len(sequence.tokens) >= sequence.max_new_tokens or cache.length >= self.ctx
-                or cache.length >= cache.capacity)
-        if done:
+        if finish is None and len(sequence.tokens) >= sequence.max_new_tokens:
+            finish = "length"
+        elif finish is None and (cache.length >= self.ctx or cache.length >= cache.capacity):
+            finish = "context"
+        if finish is not None:
             del self.running[sequence_id]
-        return StepEvent(sequence_id, token, done)
+        return StepEvent(sequence_id, token, finish)
+
+    def remove(self, sequence_id: int) -> None:
+        """A sequence out of the batch before its end (its client went away); its cache goes with it."""
+        self.running.pop(sequence_id, None)

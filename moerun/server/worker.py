@@ -1,9 +1,11 @@
-"""The single worker that owns the Runtime and serves queued requests one at a time.
+"""The single worker that owns the Runtime and serves queued requests: one at a time, or with
+`parallel` slots up to that many decoded together (the runtime's scheduler: continuous batching,
+a request joining as a slot frees; on the CPU parent without layer shards or prefix snapshots).
 
 The runtime is synchronous, so one thread loads the model, then takes jobs from a
-first-in first-out queue and generates each one, handing its text to the waiting async
-handler through that handler's event loop. A job whose client has gone stops between two
-tokens; a job cancelled while it waits is skipped.
+first-in first-out queue and generates them, handing their text to the waiting async
+handlers through each handler's event loop. A job whose client has gone stops between two
+tokens (its sequence leaves the batch); a job cancelled while it waits is skipped.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from moerun.engine.runtime import RequestError, RunStats, Runtime
+from moerun.engine.scheduler import Scheduler
 from moerun.gguf.chat import ChatTemplateError, render_messages
 from moerun.gguf.tokenizer import TokenizerError, TooManyTokens
 from moerun.rig.shards import ShardFailed
@@ -31,7 +35,8 @@ logger = logging.getLogger(__name__)
 class Limits:
     max_prompt_tokens: int | None = None   # None: the context less one token
     max_tokens: int | None = None          # None: whatever the context leaves after the prompt
-    max_queue: int = 256                   # requests waiting, beyond the one generating
+    max_queue: int = 256                   # requests waiting, beyond those generating
+    parallel: int = 1                      # requests decoded together (llama-server's -np)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,15 @@ class Job:
             yield event
             if not isinstance(event, Piece):
                 return
+
+
+@dataclass
+class Slot:
+    """A job decoding in the scheduler: its text decoder, stop matcher and tokens so far."""
+    job: Job
+    decoder: Any
+    stops: StopMatcher
+    tokens: int = 0
 
 
 class Worker:
@@ -209,11 +223,85 @@ class Worker:
         self.runtime = runtime
         try:
             self._on_ready()
-            while (job := self._jobs.get()) is not None:
-                self.metrics.queued.dec()
-                self._serve(job)
+            if self.limits.parallel > 1:
+                self._serve_together(runtime)
+            else:
+                while (job := self._jobs.get()) is not None:
+                    self.metrics.queued.dec()
+                    self._serve(job)
         finally:
             runtime.close()
+
+    def _serve_together(self, runtime: Runtime) -> None:
+        """Up to `parallel` jobs in the runtime's scheduler, admitted as slots free (waiting for
+        one only while none runs), one batched step at a time, each step's tokens streamed to
+        their jobs. A failed step fails the jobs in it; the server goes on."""
+        scheduler = runtime.scheduler()
+        slots: dict[int, Slot] = {}
+        while True:
+            if self._stopping:
+                for slot in slots.values():
+                    self._close_slot(slot, "cancelled")
+                return
+            while len(slots) < self.limits.parallel:
+                try:
+                    job = self._jobs.get(block=not slots)
+                except queue.Empty:
+                    break
+                if job is None:
+                    for slot in slots.values():
+                        self._close_slot(slot, "cancelled")
+                    return
+                self.metrics.queued.dec()
+                if job.cancelled or self._stopping:
+                    self.metrics.requests.labels("cancelled").inc()
+                    continue
+                sequence = scheduler.add(job.prompt_ids, job.max_tokens, job.generation.sampling,
+                                         runtime.tokenizer.stop_ids)
+                slots[sequence] = Slot(job, runtime.tokenizer.stream_decoder(skip_special=True),
+                                       StopMatcher(job.generation.stop))
+                self.metrics.running.inc()
+            for sequence, slot in list(slots.items()):
+                if slot.job.cancelled:
+                    scheduler.remove(sequence)
+                    self._close_slot(slots.pop(sequence), "cancelled")
+            if slots:
+                self._step_together(scheduler, slots)
+
+    def _step_together(self, scheduler: Scheduler, slots: dict[int, Slot]) -> None:
+        try:
+            events = scheduler.step()
+        except Exception as err:  # noqa: BLE001 - a bug or a bad request fails the step's jobs, logged
+            if not isinstance(err, RequestError):
+                logger.error(f"a batched step failed:\n{traceback.format_exc()}")
+            for sequence in list(slots):
+                scheduler.remove(sequence)
+                slot = slots.pop(sequence)
+                slot.job.send(Failed(ApiError(400 if isinstance(err, RequestError) else 500, str(err))))
+                self._close_slot(slot, "failed")
+            return
+        for event in events:
+            slot = slots[event.sequence]
+            if event.token is not None:
+                slot.tokens += 1
+                if slot.tokens == 1:
+                    self.metrics.time_to_first_token.observe(time.monotonic() - slot.job.arrived)
+                self.metrics.generation_tokens.inc()
+                self._send_text(slot.job, slot.stops.push(slot.decoder.push(event.token)))
+            if slot.stops.stopped and event.finish is None:
+                scheduler.remove(event.sequence)
+            if slot.stops.stopped or event.finish is not None:
+                if not slot.stops.stopped:
+                    self._send_text(slot.job, slot.stops.push(slot.decoder.flush()) + slot.stops.flush())
+                reason = "stop" if slot.stops.stopped or event.finish == "stop" else "length"
+                slot.job.send(Finished(reason, len(slot.job.prompt_ids), slot.tokens))
+                self.metrics.prompt_tokens.inc(len(slot.job.prompt_ids))
+                self._close_slot(slots.pop(event.sequence), reason)
+
+    def _close_slot(self, slot: Slot, outcome: str) -> None:
+        self.metrics.running.dec()
+        self.metrics.request_duration.observe(time.monotonic() - slot.job.arrived)
+        self.metrics.requests.labels(outcome).inc()
 
     def _serve(self, job: Job) -> None:
         if job.cancelled or self._stopping:

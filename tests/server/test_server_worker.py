@@ -177,3 +177,73 @@ def test_a_layer_shard_that_fails_a_request_answers_503_and_the_next_request_is_
         retried = client.post("/v1/chat/completions", json=CHAT)
         assert retried.status_code == 200 and retried.json()["usage"]["completion_tokens"] == 4
         assert link.restarts == 1
+
+
+def serve_all(worker: Worker, prompts: list[str], lengths: list[int]) -> tuple[list[list], list[tuple[int, str]]]:
+    """Each prompt's events, and the order in which the handlers saw (job, event kind)."""
+    seen = []
+
+    async def scenario():
+        jobs = [worker.submit(worker.text_prompt(p), generation(max_tokens=n)) for p, n in zip(prompts, lengths)]
+
+        async def follow(index, job):
+            events = []
+            async for event in job.events():
+                events.append(event)
+                seen.append((index, type(event).__name__))
+            return events
+        return await asyncio.gather(*(follow(i, job) for i, job in enumerate(jobs)))
+    return asyncio.run(asyncio.wait_for(scenario(), 120)), seen
+
+
+def test_parallel_slots_decode_requests_together_each_answered_as_alone(demo_model):
+    """--parallel 3: six requests, three at a time, the others joining as slots free; each
+    request's text and counts are those of the one-at-a-time worker's."""
+    prompts = ["The rig", "experts", "a quiet crowd of", "The", "every token picks", "rig"]
+    lengths = [12, 3, 7, 1, 9, 5]
+    answers = {}
+    for parallel in (1, 3):
+        worker = Worker(lambda: Runtime(demo_model), Limits(parallel=parallel))
+        worker.start()
+        try:
+            wait_until(lambda: worker.ready)
+            answers[parallel], seen = serve_all(worker, prompts, lengths)
+        finally:
+            worker.stop()
+        if parallel == 3:       # job 1 finished while job 0, which came first, still decoded
+            assert seen.index((1, "Finished")) < seen.index((0, "Finished"))
+    for alone, together in zip(answers[1], answers[3]):
+        assert "".join(e.text for e in together if isinstance(e, Piece)) == "".join(
+            e.text for e in alone if isinstance(e, Piece))
+        assert together[-1] == alone[-1] and isinstance(together[-1], Finished)
+
+
+def test_a_cancelled_request_leaves_the_batch_and_the_others_finish(demo_model):
+    worker = Worker(lambda: Runtime(demo_model), Limits(parallel=2))
+    worker.start()
+    try:
+        wait_until(lambda: worker.ready)
+
+        async def scenario():
+            long = worker.submit(worker.text_prompt("The rig"), generation(max_tokens=3000))
+            short = worker.submit(worker.text_prompt("experts"), generation(max_tokens=6))
+            events = long.events()
+            assert isinstance(await events.__anext__(), Piece)
+            long.cancel()
+            finished = (await drain(short))[-1]
+            after = worker.submit(worker.text_prompt("rig"), generation(max_tokens=2))
+            return finished, (await drain(after))[-1]
+        finished, after = asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert finished.completion_tokens == 6 and after.completion_tokens == 2
+        wait_until(lambda: sample(worker, "moerun_requests_total", outcome="cancelled") == 1)
+        assert sample(worker, "moerun_generation_tokens_total") < 200          # of 3000 asked for
+    finally:
+        worker.stop()
+
+
+def test_parallel_slots_on_a_gpu_parent_are_refused_before_anything_loads(moerun):
+    result = moerun("serve", "--parallel", "4", "--device", "cuda:0", "--port", "0")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == ("Error: --parallel: requests are decoded together on the CPU "
+                                                      "parent without --split for now; give --parallel 1 (the "
+                                                      "default) here")

@@ -224,7 +224,8 @@ async def metrics(request: Request) -> Response:
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def refused(request: Request, error: ApiError) -> Response:

@@ -19,6 +19,8 @@ from moerun.engine.runtime import Runtime
 
 OUTCOMES = ("stop", "length", "cancelled", "failed", "rejected")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ServerMetrics:
@@ -37,7 +39,8 @@ class ServerMetrics:
                                               "Prefill throughput of the last request", registry=registry)
         self.generation_tokens_per_second = Gauge("moerun_generation_tokens_per_second",
                                                   "Decode throughput of the last request", registry=registry)
-        self.running = Gauge("moerun_requests_running", "Requests generating now (0 or 1)", registry=registry)
+        self.running = Gauge("moerun_requests_running", "Requests generating now (at most --parallel)",
+                             registry=registry)
         self.queued = Gauge("moerun_requests_queued", "Requests waiting for their turn", registry=registry)
         self.time_to_first_token = Histogram("moerun_time_to_first_token_seconds",
                                              "From arrival to the first generated token, queueing included",
@@ -45,6 +48,11 @@ class ServerMetrics:
         self.request_duration = Histogram("moerun_request_duration_seconds",
                                           "From arrival to the last generated token, queueing included",
                                           buckets=LATENCY_BUCKETS, registry=registry)
+        self.time_per_output_token = Histogram("moerun_time_per_output_token_seconds",
+                                               "A request's time from its first token to its last, per token after "
+                                               "the first", buckets=TOKEN_BUCKETS, registry=registry)
+        self.batch_sequences = Histogram("moerun_batch_sequences", "Requests in each batched step (--parallel)",
+                                         buckets=BATCH_BUCKETS, registry=registry)
 
     def watch(self, runtime: Runtime) -> None:
         """Show the loaded runtime's daemon and MoE counters from now on."""

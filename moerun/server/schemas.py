@@ -39,9 +39,10 @@ class ApiError(MoerunError):
     """A request the server refuses, with the status and OpenAI error body to answer it with."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s        # a Retry-After header: when to ask again
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

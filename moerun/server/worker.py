@@ -29,6 +29,7 @@ from moerun.server.schemas import ApiError, Generation
 from moerun.server.stops import StopMatcher
 
 logger = logging.getLogger(__name__)
+QUEUE_RETRY_AFTER_S = 1        # what a request refused for a full queue is told to wait
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Slot:
     decoder: Any
     stops: StopMatcher
     tokens: int = 0
+    first_token_at: float = 0.0
 
 
 class Worker:
@@ -173,8 +175,8 @@ class Worker:
                                 f"which leaves {room}, but max_tokens is {max_tokens}",
                            param="max_tokens", code="context_length_exceeded")
         if self._jobs.qsize() >= self.limits.max_queue:
-            raise ApiError(429, f"{self.limits.max_queue} requests are waiting already; try again later",
-                           type="server_busy_error", code="queue_full")
+            raise ApiError(503, f"{self.limits.max_queue} requests are waiting already; try again later",
+                           type="server_busy_error", code="queue_full", retry_after_s=QUEUE_RETRY_AFTER_S)
         job = Job(prompt_ids, max_tokens, generation)
         self.metrics.queued.inc()
         self._jobs.put(job)
@@ -269,6 +271,7 @@ class Worker:
                 self._step_together(scheduler, slots)
 
     def _step_together(self, scheduler: Scheduler, slots: dict[int, Slot]) -> None:
+        self.metrics.batch_sequences.observe(len(slots))
         try:
             events = scheduler.step()
         except Exception as err:  # noqa: BLE001 - a bug or a bad request fails the step's jobs, logged
@@ -285,7 +288,8 @@ class Worker:
             if event.token is not None:
                 slot.tokens += 1
                 if slot.tokens == 1:
-                    self.metrics.time_to_first_token.observe(time.monotonic() - slot.job.arrived)
+                    slot.first_token_at = time.monotonic()
+                    self.metrics.time_to_first_token.observe(slot.first_token_at - slot.job.arrived)
                 self.metrics.generation_tokens.inc()
                 self._send_text(slot.job, slot.stops.push(slot.decoder.push(event.token)))
             if slot.stops.stopped and event.finish is None:
@@ -296,7 +300,13 @@ class Worker:
                 reason = "stop" if slot.stops.stopped or event.finish == "stop" else "length"
                 slot.job.send(Finished(reason, len(slot.job.prompt_ids), slot.tokens))
                 self.metrics.prompt_tokens.inc(len(slot.job.prompt_ids))
+                self._observe_per_token(slot.first_token_at, slot.tokens)
                 self._close_slot(slots.pop(event.sequence), reason)
+
+    def _observe_per_token(self, first_token_at: float, tokens: int) -> None:
+        """The time per output token after the first, of a request that gave two or more."""
+        if tokens > 1:
+            self.metrics.time_per_output_token.observe((time.monotonic() - first_token_at) / (tokens - 1))
 
     def _close_slot(self, slot: Slot, outcome: str) -> None:
         self.metrics.running.dec()
@@ -333,9 +343,11 @@ class Worker:
         stops = StopMatcher(job.generation.stop)
         tokens = runtime.generate(job.prompt_ids, job.max_tokens, job.generation.sampling,
                                   runtime.tokenizer.stop_ids, stats)
+        first_token_at = 0.0
         for token in tokens:
             if stats.generated_tokens == 1:
-                metrics.time_to_first_token.observe(time.monotonic() - job.arrived)
+                first_token_at = time.monotonic()
+                metrics.time_to_first_token.observe(first_token_at - job.arrived)
             metrics.generation_tokens.inc()
             self._send_text(job, stops.push(decoder.push(token)))
             if stops.stopped or job.cancelled:
@@ -350,6 +362,7 @@ class Worker:
         metrics.request_duration.observe(time.monotonic() - job.arrived)
         if job.cancelled:
             return "cancelled"
+        self._observe_per_token(first_token_at, stats.generated_tokens)
         reason = "stop" if stops.stopped or stats.finish == "stop" else "length"     # context full: length
         job.send(Finished(reason, stats.prompt_tokens, stats.generated_tokens))
         return reason

@@ -11,7 +11,7 @@ from starlette.testclient import TestClient
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.reader import GGUFError
-from moerun.server.app import create_app
+from moerun.server.app import create_app, error_response
 from moerun.server.schemas import ApiError, Generation
 from moerun.server.worker import Failed, Finished, Limits, Piece, Worker
 
@@ -142,7 +142,8 @@ def test_limits_and_a_full_queue_are_refused(demo_model):
             asyncio.run(submit(9))
         with pytest.raises(ApiError) as full:
             asyncio.run(submit(None))
-        assert full.value.status == 429
+        assert full.value.status == 503 and full.value.code == "queue_full"
+        assert error_response(full.value).headers["retry-after"] == "1"
     finally:
         worker.stop()
 
@@ -208,6 +209,9 @@ def test_parallel_slots_decode_requests_together_each_answered_as_alone(demo_mod
         try:
             wait_until(lambda: worker.ready)
             answers[parallel], seen = serve_all(worker, prompts, lengths)
+            wait_until(lambda: sample(worker, "moerun_time_per_output_token_seconds_count") == 5)   # 5 gave 2+
+            steps = sample(worker, "moerun_batch_sequences_count") or 0
+            assert (steps > sample(worker, "moerun_batch_sequences_bucket", le="1.0")) == (parallel > 1)
         finally:
             worker.stop()
         if parallel == 3:       # job 1 finished while job 0, which came first, still decoded

@@ -257,7 +257,10 @@ class Runtime:
 
     def scheduler(self, stats: BatchStats | None = None) -> Scheduler:
         """A batch of sequences this runtime decodes together, each step within ubatch tokens."""
-        return Scheduler(self.model, self._new_cache, self.ctx, self.ubatch, stats)
+        capacity = self.kv_pool or self.ctx
+        return Scheduler(self.model, self._new_cache,
+                         lambda cache: self.backend.restore_cache(cache.snapshot(), capacity), self.ctx, self.ubatch,
+                         stats)
 
     def _sample(self, cache: KVCache, logits: np.ndarray, sampler: Sampler, history: list[int], max_new_tokens: int,
                 stop_ids: frozenset[int], stats: RunStats) -> Iterator[int]:

@@ -8,6 +8,7 @@ Shape legend: B sequences in a step, V vocab.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Sequence
@@ -55,10 +56,11 @@ class Running:
 
 
 class Scheduler:
-    def __init__(self, model, new_cache, ctx: int, budget: int, stats: BatchStats | None = None):
-        """model: MoEModel; new_cache(): a fresh sequence's cache; ctx: a sequence's most
-        positions; budget: the most tokens a step takes (a decode token per sequence at least)."""
-        self.model, self.new_cache, self.ctx, self.budget = model, new_cache, ctx, budget
+    def __init__(self, model, new_cache, copy_cache, ctx: int, budget: int, stats: BatchStats | None = None):
+        """model: MoEModel; new_cache(): a fresh sequence's cache, copy_cache(cache): a copy of one;
+        ctx: a sequence's most positions; budget: the most tokens a step takes (a decode token per
+        sequence at least)."""
+        self.model, self.new_cache, self.copy_cache, self.ctx, self.budget = model, new_cache, copy_cache, ctx, budget
         self.running: dict[int, Running] = {}
         self.stats = stats if stats is not None else BatchStats()
         self._ids = itertools.count()
@@ -68,9 +70,21 @@ class Scheduler:
         """A sequence (a prompt of at least one token) to prefill and decode from the next step on; its id."""
         sequence_id = next(self._ids)
         self.running[sequence_id] = Running(list(prompt), max_new_tokens, Sampler(sampling), stop_ids,
-                                              self.new_cache())
+                                            self.new_cache())
         self.stats.prompt_tokens += len(prompt)
         return sequence_id
+
+    def fork(self, sequence_id: int, copies: int) -> list[int]:
+        """`copies` more sequences going on from where this one is (its cache, tokens and sampler's
+        state copied), as llama-batched-bench's shared prompt is copied to every sequence; their ids."""
+        source = self.running[sequence_id]
+        ids = []
+        for _ in range(copies):
+            ids.append(next(self._ids))
+            self.running[ids[-1]] = Running(source.prompt, source.max_new_tokens, copy.deepcopy(source.sampler),
+                                            source.stop_ids, self.copy_cache(source.cache), source.prefilled,
+                                            list(source.tokens))
+        return ids
 
     def step(self) -> list[StepEvent]:
         """One forward pass; then every sequence whose logits it gave samples its next token."""

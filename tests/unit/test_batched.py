@@ -97,3 +97,30 @@ def test_batched_bench_prints_llama_batched_benchs_table(moerun):
         assert t == pytest.approx(t_pp + t_tg, abs=2e-3)
     refused = moerun("batched-bench", "-npp", "16", "-ntg", "4", "-npl", "2", "-c", "10")
     assert refused.exit_code == 2 and "hold none of the cases" in refused.stderr
+
+
+def test_forked_sequences_go_on_as_the_shared_prompt_does_alone(model):
+    """A sequence's cache copied into two more (llama-batched-bench's shared prompt): each of the
+    three decodes the lone run's tokens, seeded sampling included."""
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    with Runtime(model) as runtime:
+        prompt = prompts(runtime.spec.vocab)[2]
+        alone = list(runtime.generate(prompt, 8, sampling))
+        scheduler = runtime.scheduler()
+        first = scheduler.add(prompt, 8, sampling)
+        tokens = {first: []}
+        while not tokens[first]:
+            tokens[first] += [e.token for e in scheduler.step() if e.token is not None]
+        tokens.update({fork: list(tokens[first]) for fork in scheduler.fork(first, 2)})
+        while scheduler.running:
+            for event in scheduler.step():
+                if event.token is not None:
+                    tokens[event.sequence].append(event.token)
+    assert list(tokens.values()) == [alone] * 3
+
+
+def test_batched_bench_with_a_shared_prompt_counts_it_once(moerun):
+    result = moerun("batched-bench", "-npp", "16", "-ntg", "4", "-npl", "3", "-pps")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if line.startswith("|") and line[2:7].strip().isdigit())
+    assert [cell.strip() for cell in row.split("|")[1:5]] == ["16", "4", "3", str(16 + 3 * 4)]

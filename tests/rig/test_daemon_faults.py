@@ -2,6 +2,7 @@
 nothing is left behind."""
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -74,6 +75,31 @@ def test_kill_9_of_a_daemon_mid_generation(model, local_tokens, transport):
     assert tokens == local_tokens
     assert link.times_down == 1 and link.fallback_calls > 0 and stats.fallback_pairs > 0
     assert link.down_since - kill.struck_at < 10, "a dead daemon must be noticed well before the deadline"
+    assert not shm_segments()
+
+
+def test_kill_9_of_a_daemon_mid_batch_costs_no_sequence_its_answer(model):
+    """Three sequences decoded together (the scheduler's batched steps) while daemon d0 is
+    killed after four steps: each gets the tokens it gets alone with every expert on the parent."""
+    prompts = [PROMPT, PROMPT[:3], PROMPT[2:] + PROMPT[:2]]
+    with Runtime(model) as local:
+        alone = [list(local.generate(p, N_TOKENS, GREEDY)) for p in prompts]
+    rig = RigConfig(daemons=("cpu", "cpu"), hot=1, transport="shared", daemon_timeout_s=20)
+    with Runtime(model, rig=rig) as runtime:
+        link = runtime.rig.links[0]
+        scheduler = runtime.scheduler()
+        ids = [scheduler.add(p, N_TOKENS, GREEDY) for p in prompts]
+        tokens = {i: [] for i in ids}
+        for step in itertools.count(1):
+            if not scheduler.running:
+                break
+            for event in scheduler.step():
+                if event.token is not None:
+                    tokens[event.sequence].append(event.token)
+            if step == 4:
+                os.kill(link.local.process.pid, signal.SIGKILL)
+        assert [tokens[i] for i in ids] == alone
+        assert link.times_down == 1 and link.fallback_calls > 0
     assert not shm_segments()
 
 

@@ -42,6 +42,7 @@ class StepEvent:
 
 @dataclass
 class Running:
+    """A sequence in the batch: what it was asked for, its cache, how far it is."""
     prompt: list[int]
     max_new_tokens: int
     sampler: Sampler
@@ -49,6 +50,7 @@ class Running:
     cache: KVCache
     prefilled: int = 0                        # prompt tokens in the cache
     tokens: list[int] = field(default_factory=list)
+    history: list[int] = field(default_factory=list)     # the prompt, then the tokens: what the sampler sees
 
     @property
     def decoding(self) -> bool:
@@ -70,7 +72,7 @@ class Scheduler:
         """A sequence (a prompt of at least one token) to prefill and decode from the next step on; its id."""
         sequence_id = next(self._ids)
         self.running[sequence_id] = Running(list(prompt), max_new_tokens, Sampler(sampling), stop_ids,
-                                            self.new_cache())
+                                            self.new_cache(), history=list(prompt))
         self.stats.prompt_tokens += len(prompt)
         return sequence_id
 
@@ -83,7 +85,7 @@ class Scheduler:
             ids.append(next(self._ids))
             self.running[ids[-1]] = Running(source.prompt, source.max_new_tokens, copy.deepcopy(source.sampler),
                                             source.stop_ids, self.copy_cache(source.cache), source.prefilled,
-                                            list(source.tokens))
+                                            list(source.tokens), list(source.history))
         return ids
 
     def step(self) -> list[StepEvent]:
@@ -115,11 +117,12 @@ class Scheduler:
         batch where it ends."""
         token, finish, cache = None, None, sequence.cache
         if len(sequence.tokens) < sequence.max_new_tokens:
-            token = sequence.sampler(logits, [*sequence.prompt, *sequence.tokens])
+            token = sequence.sampler(logits, sequence.history)
         if token in sequence.stop_ids:
             token, finish = None, "stop"
         if token is not None:
             sequence.tokens.append(token)
+            sequence.history.append(token)
         if finish is None and len(sequence.tokens) >= sequence.max_new_tokens:
             finish = "length"
         elif finish is None and (cache.length >= self.ctx or cache.length >= cache.capacity):

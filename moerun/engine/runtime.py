@@ -253,6 +253,8 @@ class Runtime:
             for event in scheduler.step():
                 if event.token is not None:
                     tokens[event.sequence].append(event.token)
+                if event.finish == "pool":
+                    raise RequestError(self.pool_full(self.kv_pool + 1))
         return [tokens[i] for i in range(len(prompts))]
 
     def scheduler(self, stats: BatchStats | None = None) -> Scheduler:
@@ -281,7 +283,7 @@ class Runtime:
                 stats.finish = "context"
                 return logits
             if cache.length >= cache.capacity:
-                raise RequestError(self._pool_full(cache.length + 1))
+                raise RequestError(self.pool_full(cache.length + 1))
             logits = self._decode(token, cache, stats)
         return logits
 
@@ -361,12 +363,13 @@ class Runtime:
         if len(ids) > self.ctx:
             raise RequestError(f"the prompt has {len(ids)} tokens but the context is {self.ctx}; raise --ctx")
         if self.kv_pool is not None and len(ids) > self.kv_pool:
-            raise RequestError(self._pool_full(len(ids)))
+            raise RequestError(self.pool_full(len(ids)))
         bad = [i for i in ids if not 0 <= i < self.spec.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab - 1})")
 
-    def _pool_full(self, needed: int) -> str:
+    def pool_full(self, needed: int) -> str:
+        """What a sequence that outgrows --kv-pool is told."""
         return (f"the sequence needs {needed} KV positions but the KV pool holds {self.kv_pool} "
                 f"(--kv-pool); raise --kv-pool, or drop it to reserve the whole --ctx {self.ctx}")
 

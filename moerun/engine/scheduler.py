@@ -37,7 +37,8 @@ class StepEvent:
     sequence: int                 # the id add() gave
     token: int | None             # the token sampled, or None where the sequence ended without one
     finish: str | None            # why it left the batch: stop (a stop id), length (its max_new_tokens),
-                                  # context (a full context or KV pool); None: it goes on
+                                  # context (a full context), pool (a full --kv-pool: an error, as
+                                  # Runtime.generate raises it); None: it goes on
 
 
 @dataclass
@@ -125,8 +126,10 @@ class Scheduler:
             sequence.history.append(token)
         if finish is None and len(sequence.tokens) >= sequence.max_new_tokens:
             finish = "length"
-        elif finish is None and (cache.length >= self.ctx or cache.length >= cache.capacity):
+        elif finish is None and cache.length >= self.ctx:
             finish = "context"
+        elif finish is None and cache.length >= cache.capacity:
+            finish = "pool"
         if finish is not None:
             del self.running[sequence_id]
         return StepEvent(sequence_id, token, finish)

@@ -292,6 +292,11 @@ class Worker:
                     self.metrics.time_to_first_token.observe(slot.first_token_at - slot.job.arrived)
                 self.metrics.generation_tokens.inc()
                 self._send_text(slot.job, slot.stops.push(slot.decoder.push(event.token)))
+            if event.finish == "pool":
+                runtime = self._loaded()
+                slot.job.send(Failed(ApiError(400, runtime.pool_full(runtime.kv_pool + 1))))
+                self._close_slot(slots.pop(event.sequence), "failed")
+                continue
             if slot.stops.stopped and event.finish is None:
                 scheduler.remove(event.sequence)
             if slot.stops.stopped or event.finish is not None:

@@ -124,3 +124,14 @@ def test_batched_bench_with_a_shared_prompt_counts_it_once(moerun):
     assert result.exit_code == 0, result.output
     row = next(line for line in result.stdout.splitlines() if line.startswith("|") and line[2:7].strip().isdigit())
     assert [cell.strip() for cell in row.split("|")[1:5]] == ["16", "4", "3", str(16 + 3 * 4)]
+
+
+def test_a_sequence_outgrowing_the_kv_pool_is_the_same_error_as_alone(model):
+    greedy = SamplingParams(temperature=0.0)
+    with Runtime(model, ctx=64, kv_pool=10) as runtime:
+        prompt = prompts(runtime.spec.vocab)[0]                  # 5 tokens: room for 5 more
+        with pytest.raises(RequestError, match="the KV pool holds 10") as alone:
+            list(runtime.generate(prompt, 20, greedy))
+        with pytest.raises(RequestError) as together:
+            runtime.generate_batch([prompt, prompt[:2]], [20, 3], [greedy] * 2)
+    assert str(together.value) == str(alone.value)

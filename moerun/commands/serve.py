@@ -42,7 +42,7 @@ SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long be
               help="Most tokens a request may generate; also the default max_tokens "
                    "[default: what the context leaves after the prompt].")
 @click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Requests that may wait behind the one generating; more are refused with 429.")
+              help="Requests that may wait behind those generating; more are refused with 503 (Retry-After).")
 @click.option("--max-body", default="4MiB", show_default=True, metavar="SIZE",
               help="Largest request body, e.g. 4MiB or 500KB; larger ones are refused with 413 unread.")
 @click.option("-np", "--parallel", type=click.IntRange(min=1), default=1, show_default=True,

@@ -50,12 +50,16 @@ class Running:
     stop_ids: frozenset[int]
     cache: KVCache
     prefilled: int = 0                        # prompt tokens in the cache
-    tokens: list[int] = field(default_factory=list)
-    history: list[int] = field(default_factory=list)     # the prompt, then the tokens: what the sampler sees
+    history: list[int] = field(default_factory=list)     # the prompt, then its tokens: what the sampler sees
 
     @property
     def decoding(self) -> bool:
         return self.prefilled == len(self.prompt)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens sampled so far."""
+        return self.history[len(self.prompt):]
 
 
 class Scheduler:
@@ -86,7 +90,7 @@ class Scheduler:
             ids.append(next(self._ids))
             self.running[ids[-1]] = Running(source.prompt, source.max_new_tokens, copy.deepcopy(source.sampler),
                                             source.stop_ids, self.copy_cache(source.cache), source.prefilled,
-                                            list(source.tokens), list(source.history))
+                                            list(source.history))
         return ids
 
     def step(self) -> list[StepEvent]:
@@ -94,9 +98,10 @@ class Scheduler:
         decoding = [(i, s) for i, s in self.running.items() if s.decoding]
         prefilling = [(i, s) for i, s in self.running.items() if not s.decoding]
         share = max(1, (self.budget - len(decoding)) // len(prefilling)) if prefilling else 0
-        stepped = [(i, s, 0, [s.tokens[-1]]) for i, s in decoding]
-        stepped += [(i, s, len(chunk), chunk) for i, s in prefilling
-                    for chunk in (s.prompt[s.prefilled:s.prefilled + share],)]
+        stepped = [(i, s, 0, s.history[-1:]) for i, s in decoding]          # (id, sequence, prompt tokens, ids)
+        for i, s in prefilling:
+            chunk = s.prompt[s.prefilled:s.prefilled + share]
+            stepped.append((i, s, len(chunk), chunk))
         started = time.perf_counter()
         logits = self.model.forward_batch([(np.asarray(ids), s.cache) for _, s, _, ids in stepped])
         seconds = time.perf_counter() - started
@@ -117,14 +122,15 @@ class Scheduler:
         """The sequence's next token from the logits [V] after its last position; out of the
         batch where it ends."""
         token, finish, cache = None, None, sequence.cache
-        if len(sequence.tokens) < sequence.max_new_tokens:
+        generated = len(sequence.history) - len(sequence.prompt)
+        if generated < sequence.max_new_tokens:
             token = sequence.sampler(logits, sequence.history)
         if token in sequence.stop_ids:
             token, finish = None, "stop"
         if token is not None:
-            sequence.tokens.append(token)
             sequence.history.append(token)
-        if finish is None and len(sequence.tokens) >= sequence.max_new_tokens:
+            generated += 1
+        if finish is None and generated >= sequence.max_new_tokens:
             finish = "length"
         elif finish is None and cache.length >= self.ctx:
             finish = "context"

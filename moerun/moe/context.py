@@ -1,6 +1,6 @@
 """The context a parent holds: the model's own, unless its KV cache and the attention work that
 grows with the context would not fit what the parent's device has left beside its weights; then
-the most that fits. A pure function of the numbers the backend reports (`Backend.context_room`).
+the most that fits. A pure function of the numbers the backend reports (`Backend.context_memory`).
 """
 from __future__ import annotations
 

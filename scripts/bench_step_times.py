@@ -1,8 +1,10 @@
 """Forward times of one model by chunk size and start position (each timed to its logits on
-the host), then on a GPU the device time of one chunk by backend call (CUDA events around
-each call of the backend and of the expert executor; steps launched eagerly).
+the host), then the time of one chunk by backend call: on a GPU the device time (CUDA events
+around each call of the backend and of the expert executor; steps launched eagerly), on the CPU
+the wall time of each call (what does not shrink with --threads is the serial part).
 
     python scripts/bench_step_times.py -m /tmp/q36.gguf --device cuda:0
+    python scripts/bench_step_times.py -m /tmp/moerun-bench-4-layers.gguf --threads 16
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-m", "--model", required=True)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: every core)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    with Runtime(args.model, ctx=CAPACITY, ubatch=512, rig=RigConfig(device=args.device)) as runtime:
+    rig = RigConfig(device=args.device, threads=args.threads)
+    with Runtime(args.model, ctx=CAPACITY, ubatch=512, rig=rig) as runtime:
         def forward(cache, n_tokens: int) -> float:
             started = time.perf_counter()
             runtime.model.forward(rng.integers(0, 1000, n_tokens), cache, all_logits=False)
@@ -39,9 +43,41 @@ def main() -> None:
             cache = runtime.backend.new_cache(CAPACITY)
             row += [f"{n}@{cache.length} {forward(cache, n):.1f}" for n in (16, 64, 32)]
             print(f"round {round_}, ms (tokens@position):", ", ".join(row))
-        if runtime.backend.kind != "CPU":
-            for start, n_tokens in ((1536, 512), (2048, 16), (2048, 8), (2048, 1)):
-                print(f"{n_tokens}@{start}: device ms by call:", device_time_by_call(runtime, start, n_tokens, rng))
+        on_cpu = runtime.backend.kind == "CPU"
+        by_call, kind = (wall_time_by_call, "wall") if on_cpu else (device_time_by_call, "device")
+        for start, n_tokens in ((0, 512), (1536, 512), (2048, 16), (2048, 8), (2048, 1)):
+            print(f"{n_tokens}@{start}: {kind} ms by call:", by_call(runtime, start, n_tokens, rng))
+
+
+def wall_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dict[str, float]:
+    """One chunk of n_tokens at `start` on the CPU, the wall time of every backend and executor
+    call summed by name; "rest" is the forward's time outside them (Python between calls)."""
+    backend, model = runtime.backend, runtime.model
+    times = collections.defaultdict(float)
+
+    def timed(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            begin = time.perf_counter()
+            out = inner(*args, **kwargs)
+            times[label] += (time.perf_counter() - begin) * 1e3
+            if label == "experts.begin":
+                timed(out, "finish", "experts.finish")
+            return out
+        setattr(owner, name, call)
+
+    cache = backend.new_cache(CAPACITY)
+    while cache.length < start:
+        model.forward(rng.integers(0, 1000, 512), cache, all_logits=False)
+    for name in CALLS:
+        timed(backend, name, name)
+    timed(model.executor, "begin", "experts.begin")
+    begin = time.perf_counter()
+    model.forward(rng.integers(0, 1000, n_tokens), cache, all_logits=False)
+    times["rest"] = (time.perf_counter() - begin) * 1e3 - sum(times.values())
+    unwrap(runtime)
+    return {label: round(ms, 2) for label, ms in sorted(times.items(), key=lambda item: -item[1])}
 
 
 def device_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dict[str, float]:
@@ -74,9 +110,17 @@ def device_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dic
     backend.graphs_enabled = False
     model.forward(rng.integers(0, 1000, n_tokens), cache, all_logits=False)
     backend.device.stream.synchronize()
+    unwrap(runtime)
     for label, begin, end in events:
         times[label] += cupy.cuda.get_elapsed_time(begin, end)
     return {label: round(ms, 2) for label, ms in sorted(times.items(), key=lambda item: -item[1])}
+
+
+def unwrap(runtime: Runtime) -> None:
+    """The backend's and the executor's own methods again (timed() wrapped them on the instances)."""
+    for name in CALLS:
+        vars(runtime.backend).pop(name, None)
+    vars(runtime.model.executor).pop("begin", None)
 
 
 if __name__ == "__main__":

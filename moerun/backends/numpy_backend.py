@@ -207,7 +207,7 @@ class NumpyBackend:
         cos, sin = self._rope_tables(positions)
         if self._kernels is not None and self._rotary_dims == spec.head_dim_k:     # the kernels rotate whole heads
             return self._kernels.rope_append(self._attention_shape, q, k, v, q_norm, k_norm, cos, sin,
-                                             *cache.next_rows(layer, n_tokens))
+                                             *cache.next_rows(layer, n_tokens), self._kernel_threads)
         q = q.reshape(n_tokens, spec.n_heads, spec.head_dim_k)
         k = k.reshape(n_tokens, spec.n_kv_heads, spec.head_dim_k)
         if q_norm is not None:

@@ -81,7 +81,7 @@ class CpuKernels:
         lib.moe_rms_norm.argtypes = [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_float, c_void_p]
         lib.moe_rms_norm.restype = None
         lib.moe_rope_append.argtypes = [POINTER(AttentionShape), c_int64, c_void_p, c_void_p, c_void_p, c_int64,
-                                        c_int64, c_int64, *[c_void_p] * 7]
+                                        c_int64, c_int64, *[c_void_p] * 7, c_int]
         lib.moe_attention.argtypes = [POINTER(AttentionShape), c_void_p, c_int64, c_int64, c_void_p, c_void_p,
                                       c_void_p, c_int]
         lib.moe_quantize_rows.argtypes = [c_int64, c_void_p, c_int64, c_int64, c_void_p]
@@ -143,7 +143,7 @@ class CpuKernels:
 
     def rope_append(self, shape: AttentionShape, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                     q_norm: np.ndarray | None, k_norm: np.ndarray | None, cos: np.ndarray, sin: np.ndarray,
-                    k_rows: np.ndarray, v_rows: np.ndarray) -> np.ndarray:
+                    k_rows: np.ndarray, v_rows: np.ndarray, threads: int) -> np.ndarray:
         """q [T, NH*D], k [T, NKV*D] normed per head (where q_norm, k_norm [D] are given) and rotated
         by cos, sin [T, D/2]; k written into k_rows [T, NKV, D], v [T, NKV*Dv] into v_rows (the
         cache's rows, in its types: kv_types.empty_rows). Returns the rotated q [T, NH, D]."""
@@ -153,7 +153,7 @@ class CpuKernels:
                                           q.strides[0] // 4, k.strides[0] // 4, v.strides[0] // 4,
                                           None if q_norm is None else address(q_norm),
                                           None if k_norm is None else address(k_norm), address(cos),
-                                          address(sin), address(k_rows), address(v_rows), address(q_out))
+                                          address(sin), address(k_rows), address(v_rows), address(q_out), threads)
         if status:
             raise kernel_error(status)
         return q_out

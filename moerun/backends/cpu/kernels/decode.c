@@ -61,29 +61,62 @@ static void norm_rotate(const struct moe_attention* shape, const float* x, int64
     rotate(x, heads, dim, (int)shape->rope_neox, cos, sin, out);
 }
 
+// A rope_append task: ROPE_TOKENS tokens, a thread's scratch for their heads.
+#define ROPE_TOKENS 8
+
+struct rope_job {
+    const struct moe_attention* shape;
+    int64_t n_tokens;
+    const float *q, *k, *v;
+    int64_t q_stride, k_stride, v_stride;
+    const float *q_norm, *k_norm, *cos, *sin;
+    uint8_t *k_cache, *v_cache;
+    float* q_out;
+    int key_type, value_type;
+    int64_t key_bytes, value_bytes;
+    float* scratch;            // [threads, NH + NKV, D]: a token's normed heads, then its rotated keys
+};
+
+static void rope_task(void* context, int64_t task, int64_t next, int thread) {
+    (void)next;
+    const struct rope_job* job = context;
+    const struct moe_attention* shape = job->shape;
+    int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
+    float* normed = job->scratch + thread * (nh + nkv) * dim;               // [NH, D]
+    float* rotated = normed + nh * dim;                                       // [NKV, D]
+    int64_t end = (task + 1) * ROPE_TOKENS < job->n_tokens ? (task + 1) * ROPE_TOKENS : job->n_tokens;
+    for (int64_t t = task * ROPE_TOKENS; t < end; t++) {
+        const float* cos_t = job->cos + t * (dim / 2);
+        const float* sin_t = job->sin + t * (dim / 2);
+        norm_rotate(shape, job->k + t * job->k_stride, nkv, job->k_norm, cos_t, sin_t, normed, rotated);
+        for (int64_t h = 0; h < nkv; h++) {
+            quantize_row(job->key_type, rotated + h * dim, dim, job->k_cache + (t * nkv + h) * job->key_bytes);
+            quantize_row(job->value_type, job->v + t * job->v_stride + h * dim_v, dim_v,
+                         job->v_cache + (t * nkv + h) * job->value_bytes);
+        }
+        norm_rotate(shape, job->q + t * job->q_stride, nh, job->q_norm, cos_t, sin_t, normed, job->q_out + t * nh * dim);
+    }
+}
+
 int moe_rope_append(const struct moe_attention* shape, int64_t n_tokens, const float* q, const float* k,
                     const float* v, int64_t q_stride, int64_t k_stride, int64_t v_stride, const float* q_norm,
                     const float* k_norm, const float* cos, const float* sin, uint8_t* k_cache, uint8_t* v_cache,
-                    float* q_out) {
+                    float* q_out, int threads) {
     int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
     int key_type = cache_type(shape->key_type), value_type = cache_type(shape->value_type);
     if (key_type < 0 || value_type < 0) return MOE_UNSUPPORTED_TYPE;
     if (dim % TYPES[key_type].block_values || dim_v % TYPES[value_type].block_values) return MOE_BAD_SHAPE;
-    int64_t key_bytes = bytes_of(key_type, dim), value_bytes = bytes_of(value_type, dim_v);
-    float* normed = malloc((size_t)(nh + nkv) * dim * sizeof(float));      // [NH, D], then k rotated [NKV, D]
-    if (!normed) return MOE_NO_MEMORY;
-    float* rotated = normed + nh * dim;
-    for (int64_t t = 0; t < n_tokens; t++) {
-        const float* cos_t = cos + t * (dim / 2);
-        const float* sin_t = sin + t * (dim / 2);
-        norm_rotate(shape, k + t * k_stride, nkv, k_norm, cos_t, sin_t, normed, rotated);
-        for (int64_t h = 0; h < nkv; h++) {
-            quantize_row(key_type, rotated + h * dim, dim, k_cache + (t * nkv + h) * key_bytes);
-            quantize_row(value_type, v + t * v_stride + h * dim_v, dim_v, v_cache + (t * nkv + h) * value_bytes);
-        }
-        norm_rotate(shape, q + t * q_stride, nh, q_norm, cos_t, sin_t, normed, q_out + t * nh * dim);
-    }
-    free(normed);
+    int64_t tasks = (n_tokens + ROPE_TOKENS - 1) / ROPE_TOKENS;
+    threads = threads_for(threads < tasks ? threads : (int)tasks, (double)n_tokens * (nh + 2 * nkv) * dim * 4, 0);
+    float* scratch = malloc((size_t)threads * (nh + nkv) * dim * sizeof(float));
+    if (!scratch) return MOE_NO_MEMORY;
+    struct rope_job job = {shape, n_tokens, q, k, v, q_stride, k_stride, v_stride, q_norm, k_norm, cos, sin,
+                           k_cache, v_cache, q_out, key_type, value_type, bytes_of(key_type, dim),
+                           bytes_of(value_type, dim_v), scratch};
+    lock_kernels();
+    pool_run(threads, tasks, rope_task, &job);
+    unlock_kernels();
+    free(scratch);
     return MOE_OK;
 }
 
@@ -109,17 +142,60 @@ static void top_experts(const float* logits, int64_t n_experts, int64_t k, int r
         for (int64_t j = 0; j < k; j++) weights[j] /= kept;
 }
 
+// A routing task: ROUTE_TOKENS tokens' rows normed (before the router's product) or their top
+// experts chosen (after it), a thread's probabilities [E] as scratch.
+#define ROUTE_TOKENS 16
+
+struct route_job {
+    const float* x;
+    int64_t n_tokens, hidden, n_experts, k;
+    const float* norm;
+    float eps;
+    int renormalize;
+    float *h, *logits, *probs;     // h [T, H], logits [T, E], probs [threads, E]
+    int64_t* ids;
+    float* weights;
+};
+
+static int64_t route_end(const struct route_job* job, int64_t task) {
+    return (task + 1) * ROUTE_TOKENS < job->n_tokens ? (task + 1) * ROUTE_TOKENS : job->n_tokens;
+}
+
+static void route_norm_task(void* context, int64_t task, int64_t next, int thread) {
+    (void)next, (void)thread;
+    const struct route_job* job = context;
+    int64_t first = task * ROUTE_TOKENS, hidden = job->hidden;
+    norm_rows(job->x + first * hidden, hidden, route_end(job, task) - first, hidden, job->norm, job->eps,
+              job->h + first * hidden);
+}
+
+static void route_top_task(void* context, int64_t task, int64_t next, int thread) {
+    (void)next;
+    const struct route_job* job = context;
+    int64_t e = job->n_experts, k = job->k;
+    for (int64_t t = task * ROUTE_TOKENS; t < route_end(job, task); t++)
+        top_experts(job->logits + t * e, e, k, job->renormalize, job->probs + thread * e, job->ids + t * k,
+                    job->weights + t * k);
+}
+
 int moe_route(const struct moe_matrix* router, const float* x, int64_t n_tokens, const float* norm, float eps,
               int64_t k, int renormalize, float* h, int64_t* ids, float* weights, int threads) {
-    int64_t hidden = router->cols, n_experts = router->rows;
+    int64_t hidden = router->cols, n_experts = router->rows, tasks = (n_tokens + ROUTE_TOKENS - 1) / ROUTE_TOKENS;
     if (k < 1 || k > n_experts) return MOE_BAD_SHAPE;
-    float* logits = malloc((size_t)(n_tokens + 1) * n_experts * sizeof(float));     // and one token's probs
+    int task_threads = threads_for(threads < tasks ? threads : (int)tasks, (double)n_tokens * (hidden + k * n_experts), 0);
+    float* logits = malloc((size_t)(n_tokens + task_threads) * n_experts * sizeof(float));   // and each thread's probs
     if (!logits) return MOE_NO_MEMORY;
-    norm_rows(x, hidden, n_tokens, hidden, norm, eps, h);
+    struct route_job job = {x, n_tokens, hidden, n_experts, k, norm, eps, renormalize, h, logits,
+                            logits + n_tokens * n_experts, ids, weights};
+    lock_kernels();
+    pool_run(task_threads, tasks, route_norm_task, &job);
+    unlock_kernels();
     int status = moe_matmul(router, 1, h, n_tokens, logits, threads);
-    for (int64_t t = 0; status == MOE_OK && t < n_tokens; t++)
-        top_experts(logits + t * n_experts, n_experts, k, renormalize, logits + n_tokens * n_experts, ids + t * k,
-                    weights + t * k);
+    if (status == MOE_OK) {
+        lock_kernels();
+        pool_run(task_threads, tasks, route_top_task, &job);
+        unlock_kernels();
+    }
     free(logits);
     return status;
 }

@@ -88,7 +88,7 @@ struct moe_attention {
 // moe_rope_append: for each token, k [NKV*D] and q [NH*D] normed per head (where q_norm and
 // k_norm [D] are given) and rotated by cos, sin [T, D/2]; k into k_cache, v [NKV*Dv] into
 // v_cache (the rows of the first position to write, each head's row in the cache's type), q
-// into q_out [T, NH, D]; the strides are those of q, k and v's rows.
+// into q_out [T, NH, D]; the strides are those of q, k and v's rows; tokens spread over `threads`.
 // moe_attention: out [T, NH*Dv] = softmax(q·kᵀ · scale) · v for q [T, NH, D] at positions
 // start.., over keys [S, NKV, D] and values [S, NKV, Dv] (in the cache's types) up to each
 // position (S = start + T).
@@ -101,7 +101,7 @@ MOE_API void moe_rms_norm(const float* x, int64_t stride, int64_t rows, int64_t 
 MOE_API int moe_rope_append(const struct moe_attention* shape, int64_t n_tokens, const float* q, const float* k,
                             const float* v, int64_t q_stride, int64_t k_stride, int64_t v_stride,
                             const float* q_norm, const float* k_norm, const float* cos, const float* sin,
-                            uint8_t* k_cache, uint8_t* v_cache, float* q_out);
+                            uint8_t* k_cache, uint8_t* v_cache, float* q_out, int threads);
 MOE_API int moe_attention(const struct moe_attention* shape, const float* q, int64_t n_tokens, int64_t start,
                           const uint8_t* keys, const uint8_t* values, float* out, int threads);
 MOE_API int moe_quantize_rows(int64_t ggml_id, const float* x, int64_t rows, int64_t n, uint8_t* out);

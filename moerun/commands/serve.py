@@ -47,7 +47,7 @@ SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long be
               help="Largest request body, e.g. 4MiB or 500KB; larger ones are refused with 413 unread.")
 @click.option("-np", "--parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests decoded together, joining as slots free (continuous batching; the CPU parent "
-                   "without --split, and without prefix snapshots for now).")
+                   "without --split for now).")
 @click.option("--prefix-cache-slots", type=click.IntRange(min=0), default=4, show_default=True,
               help="Prefix snapshots kept in RAM: a request resumes from the longest one its prompt begins "
                    "with and prefills only the rest (0: none).")
@@ -100,10 +100,6 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
         if runtime_flags["device"] != "cpu" or runtime_flags["splits"]:
             raise click.ClickException("--parallel: requests are decoded together on the CPU parent without --split "
                                        "for now; give --parallel 1 (the default) here")
-        if prefix_cache_dir is not None or given_on_command_line("prefix_cache_slots") and prefix_cache_slots:
-            raise click.ClickException("--parallel: requests decoded together do not use prefix snapshots yet; drop "
-                                       "--prefix-cache-slots and --prefix-cache-dir, or --parallel")
-        prefix_cache_slots = 0
     listening = listening_socket(host, port)  # a busy port ends the command before anything loads
     if model is None:
         runtime_flags["daemons"] = runtime_flags["daemons"] or DEMO_DAEMONS

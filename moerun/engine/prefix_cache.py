@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moerun.backends.protocol import CacheState
+from moerun.backends.protocol import CacheState, KVCache
 from moerun.engine.snapshot_store import Snapshot, SnapshotStore, longest_prefix
 from moerun.errors import UsageError
 
@@ -116,6 +116,29 @@ class PrefixCache:
             self._snapshots.popitem(last=False)
             self.stats.evictions += 1
 
+    def keep(self, tokens: Sequence[int], cache: KVCache, logits: np.ndarray) -> None:
+        """A snapshot of `cache` holding `tokens`, with the logits [V] after them, unless one is kept already."""
+        if len(tokens) == cache.length and tokens not in self:
+            self.add(tokens, cache.snapshot(), logits)
+
     def due(self, position: int) -> bool:
         """Whether a prefill that reached `position` takes a snapshot there (every `interval`)."""
         return self.interval > 0 and position % self.interval == 0
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk from `start` to at most `end` ends: at the next position due a snapshot if
+        that comes first."""
+        return min(end, (start // self.interval + 1) * self.interval) if self.interval else end
+
+    def after_chunk(self, prompt: Sequence[int], cache: KVCache, logits: np.ndarray,
+                    resumed_from: Snapshot | None) -> bool:
+        """After a chunk of `prompt`'s prefill, which took `cache` to its length (the logits [V]
+        after it): a snapshot there where one is due. Before it is taken, and before the logits
+        after the whole prompt go out, the snapshot the prefill resumed from (None: none) must
+        stand; False where it did not: the prefill starts over without it."""
+        due = self.due(cache.length)
+        if (due or cache.length == len(prompt)) and resumed_from is not None and not self.confirm(resumed_from):
+            return False
+        if due:
+            self.keep(prompt[:cache.length], cache, logits)
+        return True

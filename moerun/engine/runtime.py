@@ -2,9 +2,9 @@
 every position — with their timing. It opens the backend, starts the layer shards (--split)
 and the rig when daemons are asked for (they load their experts first, all at once), loads
 the parent's weights (only its own layers and experts), builds the expert executor and hands
-it to the model. With a prefix cache, generation resumes from the longest snapshot of its
-prompt and takes new ones (engine/prefix_cache.py); given a Context, it goes on from tokens
-prefilled before (the depth of `moerun bench -d`).
+it to the model. With a prefix cache, generation, alone or batched (engine/scheduler.py),
+resumes from the longest snapshot of its prompt and takes new ones (engine/prefix_cache.py);
+given a Context, it goes on from tokens prefilled before (the depth of `moerun bench -d`).
 
 Shape legend: T prompt tokens, V vocab.
 """
@@ -239,9 +239,9 @@ class Runtime:
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                        sampling: Sequence[SamplingParams], stop_ids: frozenset[int] = frozenset(),
                        stats: BatchStats | None = None) -> list[list[int]]:
-        """Several sequences decoded together (engine/scheduler.py), each sampled as generate()
-        samples it alone; returns each one's tokens. On the CPU parent, without layer shards or
-        prefix snapshots (for now)."""
+        """Several sequences decoded together (engine/scheduler.py), each sampled, resumed from
+        prefix snapshots and snapshotted as generate() does it alone; returns each one's tokens.
+        On the CPU parent, without layer shards (for now)."""
         if not len(prompts) == len(max_new_tokens) == len(sampling):
             raise RequestError("generate_batch: one max_new_tokens and one sampling per prompt")
         scheduler = self.scheduler(stats)
@@ -258,11 +258,12 @@ class Runtime:
         return [tokens[i] for i in range(len(prompts))]
 
     def scheduler(self, stats: BatchStats | None = None) -> Scheduler:
-        """A batch of sequences this runtime decodes together, each step within ubatch tokens."""
+        """A batch of sequences this runtime decodes together, each step within ubatch tokens,
+        each sequence resuming from and keeping the runtime's prefix snapshots."""
         capacity = self.kv_pool or self.ctx
-        return Scheduler(self.model, self._new_cache,
+        return Scheduler(self.model, self._start,
                          lambda cache: self.backend.restore_cache(cache.snapshot(), capacity), self.ctx, self.ubatch,
-                         stats)
+                         stats, self.prefix_cache)
 
     def _sample(self, cache: KVCache, logits: np.ndarray, sampler: Sampler, history: list[int], max_new_tokens: int,
                 stop_ids: frozenset[int], stats: RunStats) -> Iterator[int]:
@@ -297,28 +298,26 @@ class Runtime:
         before the logits go out, the check must have passed, else the prompt starts over
         without that snapshot."""
         self._check_prompt(prompt)
-        capacity = self.kv_pool or self.ctx
-        snapshot = None if resumed is not None or self.prefix_cache is None else self.prefix_cache.longest(prompt)
-        if resumed is not None:
-            cache, logits = resumed, None
-            stats.restored_tokens = cache.length
-        elif snapshot is None:
-            cache, logits = self._new_cache(), None
-        else:
-            cache, logits = self.backend.restore_cache(snapshot.state, capacity), snapshot.logits[None]
-            stats.restored_tokens = len(snapshot.tokens)
+        cache, snapshot = (resumed, None) if resumed is not None else self._start(prompt)
+        logits = snapshot.logits[None] if snapshot is not None else None
+        stats.restored_tokens = cache.length
         for chunk in self._chunks(prompt, cache.length):
             logits = self.model.forward(chunk, cache, all_logits=False)
-            if self.prefix_cache is not None and self.prefix_cache.due(cache.length):
-                if not self._stands(snapshot):
-                    return self._prefill_again(prompt, stats)
-                self._snapshot(prompt[:cache.length], cache, logits)
-        if not self._stands(snapshot):
+            stands = self.prefix_cache is None or self.prefix_cache.after_chunk(prompt, cache, logits[-1], snapshot)
+            if not stands:
+                return self._prefill_again(prompt, stats)
+        if snapshot is not None and not self.prefix_cache.confirm(snapshot):    # the whole prompt: no chunk checked it
             return self._prefill_again(prompt, stats)
         return cache, logits
 
-    def _stands(self, snapshot: Snapshot | None) -> bool:
-        return snapshot is None or self.prefix_cache.confirm(snapshot)
+    def _start(self, ids: Sequence[int]) -> tuple[KVCache, Snapshot | None]:
+        """A cache to prefill `ids` into, and the snapshot it was restored from: the longest
+        snapshot of their prefix (all of them at most) where the prefix cache has one, else a
+        fresh cache and None."""
+        snapshot = self.prefix_cache.longest(ids) if self.prefix_cache is not None else None
+        if snapshot is None:
+            return self._new_cache(), None
+        return self.backend.restore_cache(snapshot.state, self.kv_pool or self.ctx), snapshot
 
     def _prefill_again(self, prompt: Sequence[int], stats: RunStats) -> tuple[KVCache, np.ndarray]:
         """The prompt once more, its snapshot having failed its check (and gone)."""
@@ -346,8 +345,8 @@ class Runtime:
         return self.backend.new_cache(self.kv_pool or self.ctx)
 
     def _snapshot(self, tokens: Sequence[int], cache: KVCache, logits: np.ndarray) -> None:
-        if self.prefix_cache is not None and len(tokens) == cache.length and tokens not in self.prefix_cache:
-            self.prefix_cache.add(tokens, cache.snapshot(), logits[-1])        # forward() gives host logits
+        if self.prefix_cache is not None:
+            self.prefix_cache.keep(tokens, cache, logits[-1])        # forward() gives host logits
 
     def _decode(self, token: int, cache: KVCache, stats: RunStats) -> np.ndarray:
         """One decode step: the token's forward pass, timed -> logits [1, V]."""
@@ -378,13 +377,12 @@ class Runtime:
         a short rest (a chat's next turn after its snapshot, say) in the steps the model replays
         captured, where it has them: a few replays cost less than one eager pass of many launches."""
         array = np.asarray(ids, dtype=np.int64)
-        interval = self.prefix_cache.interval if self.prefix_cache is not None else 0
         step = self.model.step_tokens
         while start < len(array):
             rest = len(array) - start
             size = min(step, self.ubatch) if 0 < step < rest <= SHORT_REST_STEPS * step else self.ubatch
             end = min(len(array), start + size)
-            if interval:
-                end = min(end, (start // interval + 1) * interval)
+            if self.prefix_cache is not None:
+                end = self.prefix_cache.chunk_end(start, end)
             yield array[start:end]
             start = end

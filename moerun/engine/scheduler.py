@@ -2,7 +2,11 @@
 step is one forward pass (MoEModel.forward_batch) over a token of every decoding sequence and,
 within the step's token budget, the next prefill chunk of each sequence still prefilling —
 decode tokens first, so a long prompt never stalls the others. Every sequence is sampled as
-Runtime.generate samples it alone, with its own sampler, stops and cache.
+Runtime.generate samples it alone, with its own sampler, stops and cache, and with a prefix
+cache resumes from its snapshots and takes new ones as generate does: a prompt starts from
+the longest snapshot of all its tokens but the last (which a step then prefills, for its
+logits), its chunks cut at the snapshot interval, and snapshots are taken at those positions,
+at the prompt's end as its first token is sampled and at the end of its answer.
 
 Shape legend: B sequences in a step, V vocab.
 """
@@ -17,15 +21,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moerun.backends.protocol import KVCache
+from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
+from moerun.engine.snapshot_store import Snapshot
 
 
 @dataclass
 class BatchStats:
-    """A scheduler's: the prompts' tokens and the seconds of the steps that only prefilled; the
-    steps that decoded (some prefilling as well), their seconds and the tokens they decoded (one
-    for each decoding sequence)."""
+    """A scheduler's: the prompts' tokens (those restored from prefix snapshots among them) and
+    the seconds of the steps that only prefilled; the steps that decoded (some prefilling as well),
+    their seconds and the tokens they decoded (one for each decoding sequence)."""
     prompt_tokens: int = 0
+    restored_tokens: int = 0      # prompt positions taken from prefix snapshots, not prefilled
     prefill_seconds: float = 0.0
     decode_steps: int = 0
     decoded_tokens: int = 0
@@ -51,6 +58,7 @@ class Running:
     cache: KVCache
     prefilled: int = 0                        # prompt tokens in the cache
     history: list[int] = field(default_factory=list)     # the prompt, then its tokens: what the sampler sees
+    resumed_from: Snapshot | None = None      # the prefix snapshot its cache was restored from, while it prefills
 
     @property
     def decoding(self) -> bool:
@@ -63,11 +71,14 @@ class Running:
 
 
 class Scheduler:
-    def __init__(self, model, new_cache, copy_cache, ctx: int, budget: int, stats: BatchStats | None = None):
-        """model: MoEModel; new_cache(): a fresh sequence's cache, copy_cache(cache): a copy of one;
-        ctx: a sequence's most positions; budget: the most tokens a step takes (a decode token per
-        sequence at least)."""
-        self.model, self.new_cache, self.copy_cache, self.ctx, self.budget = model, new_cache, copy_cache, ctx, budget
+    def __init__(self, model, start, copy_cache, ctx: int, budget: int, stats: BatchStats | None = None,
+                 prefix_cache: PrefixCache | None = None):
+        """model: MoEModel; start(ids): a cache to prefill ids into and the prefix snapshot it was
+        restored from (Runtime._start), copy_cache(cache): a copy of one; ctx: a sequence's most
+        positions; budget: the most tokens a step takes (a decode token per sequence at least);
+        prefix_cache: the snapshots start() restores, to keep new ones in."""
+        self.model, self.start, self.copy_cache, self.ctx, self.budget = model, start, copy_cache, ctx, budget
+        self.prefix_cache = prefix_cache
         self.running: dict[int, Running] = {}
         self.stats = stats if stats is not None else BatchStats()
         self._ids = itertools.count()
@@ -76,9 +87,11 @@ class Scheduler:
             stop_ids: frozenset[int] = frozenset()) -> int:
         """A sequence (a prompt of at least one token) to prefill and decode from the next step on; its id."""
         sequence_id = next(self._ids)
-        self.running[sequence_id] = Running(list(prompt), max_new_tokens, Sampler(sampling), stop_ids,
-                                            self.new_cache(), history=list(prompt))
+        cache, snapshot = self.start(prompt[:-1])
+        self.running[sequence_id] = Running(list(prompt), max_new_tokens, Sampler(sampling), stop_ids, cache,
+                                            cache.length, list(prompt), snapshot)
         self.stats.prompt_tokens += len(prompt)
+        self.stats.restored_tokens += cache.length
         return sequence_id
 
     def fork(self, sequence_id: int, copies: int) -> list[int]:
@@ -90,7 +103,7 @@ class Scheduler:
             ids.append(next(self._ids))
             self.running[ids[-1]] = Running(source.prompt, source.max_new_tokens, copy.deepcopy(source.sampler),
                                             source.stop_ids, self.copy_cache(source.cache), source.prefilled,
-                                            list(source.history))
+                                            list(source.history), source.resumed_from)
         return ids
 
     def step(self) -> list[StepEvent]:
@@ -100,7 +113,7 @@ class Scheduler:
         share = max(1, (self.budget - len(decoding)) // len(prefilling)) if prefilling else 0
         stepped = [(i, s, 0, s.history[-1:]) for i, s in decoding]          # (id, sequence, prompt tokens, ids)
         for i, s in prefilling:
-            chunk = s.prompt[s.prefilled:s.prefilled + share]
+            chunk = s.prompt[s.prefilled:self._chunk_end(s.prefilled, s.prefilled + share)]
             stepped.append((i, s, len(chunk), chunk))
         started = time.perf_counter()
         logits = self.model.forward_batch([(np.asarray(ids), s.cache) for _, s, _, ids in stepped])
@@ -114,9 +127,37 @@ class Scheduler:
         events = []
         for (i, sequence, prefilled, _), row in zip(stepped, logits):
             sequence.prefilled += prefilled
-            if sequence.decoding:
+            if prefilled and not self._after_chunk(sequence, row):
+                self._start_over(sequence)
+            elif sequence.decoding:
                 events.append(self._sample(i, sequence, row))
         return events
+
+    def _chunk_end(self, start: int, end: int) -> int:
+        return self.prefix_cache.chunk_end(start, end) if self.prefix_cache is not None else end
+
+    def _after_chunk(self, sequence: Running, logits: np.ndarray) -> bool:
+        """A prefill chunk in, the logits [V] after it: a snapshot where one is due; False where the
+        snapshot the sequence resumed from failed its check (Runtime._prefill's rule)."""
+        if self.prefix_cache is None:
+            return True
+        if not self.prefix_cache.after_chunk(sequence.prompt, sequence.cache, logits, sequence.resumed_from):
+            return False
+        if sequence.decoding:
+            sequence.resumed_from = None
+        return True
+
+    def _start_over(self, sequence: Running) -> None:
+        """The sequence's prefill once more, from the longest snapshot left or none, the one it
+        resumed from having failed its check (and gone)."""
+        self.stats.restored_tokens -= len(sequence.resumed_from.tokens)
+        sequence.cache, sequence.resumed_from = self.start(sequence.prompt[:-1])
+        sequence.prefilled = sequence.cache.length
+        self.stats.restored_tokens += sequence.prefilled
+
+    def _snapshot(self, tokens: Sequence[int], sequence: Running, logits: np.ndarray) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.keep(tokens, sequence.cache, logits)
 
     def _sample(self, sequence_id: int, sequence: Running, logits: np.ndarray) -> StepEvent:
         """The sequence's next token from the logits [V] after its last position; out of the
@@ -130,6 +171,8 @@ class Scheduler:
         if token is not None:
             sequence.history.append(token)
             generated += 1
+            if generated == 1:                              # the prompt's end, as Runtime._sample takes it
+                self._snapshot(sequence.prompt, sequence, logits)
         if finish is None and generated >= sequence.max_new_tokens:
             finish = "length"
         elif finish is None and cache.length >= self.ctx:
@@ -138,6 +181,8 @@ class Scheduler:
             finish = "pool"
         if finish is not None:
             del self.running[sequence_id]
+        if finish in ("stop", "length", "context"):          # the end of an answer, as Runtime.generate takes it
+            self._snapshot(sequence.history[:cache.length], sequence, logits)
         return StepEvent(sequence_id, token, finish)
 
     def remove(self, sequence_id: int) -> None:

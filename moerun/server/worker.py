@@ -1,6 +1,7 @@
 """The single worker that owns the Runtime and serves queued requests: one at a time, or with
 `parallel` slots up to that many decoded together (the runtime's scheduler: continuous batching,
-a request joining as a slot frees; on the CPU parent without layer shards or prefix snapshots).
+a request joining as a slot frees; on the CPU parent without layer shards). Either way a request
+resumes from the longest prefix snapshot of its prompt and leaves new ones (engine/prefix_cache.py).
 
 The runtime is synchronous, so one thread loads the model, then takes jobs from a
 first-in first-out queue and generates them, handing their text to the waiting async

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -210,6 +212,26 @@ def test_snapshots_on_disk_serve_a_restarted_server(demo_model, tmp_path):
     assert metric(samples[0], "moerun_prefix_cache_disk_hits_total") == 0
     assert metric(samples[1], "moerun_prefix_cache_disk_hits_total") == 1
     assert metric(samples[1], "moerun_prefix_cache_disk_files") >= 2 and list(folder.glob("*/*.snap"))
+
+
+def test_parallel_slots_keep_prefix_snapshots(demo_model, tmp_path, client, reference):
+    """`moerun serve --parallel 2`, its prefix cache on as by default: a prompt that begins with an
+    earlier one resumes from that one's snapshot while another request decodes beside it; each
+    text is the one-slot server's."""
+    first = reference.tokenizer.encode("A token arrives, the router looks at it")
+    later = [first + reference.tokenizer.encode(" and the daemon wakes"), reference.tokenizer.encode("The rig")]
+
+    def complete(to, prompt: list[int]) -> str:
+        return to.completions.create(model="demo-moe-v2", prompt=prompt, temperature=0, max_tokens=6).choices[0].text
+    with live_server(tmp_path / "server.log", "-m", demo_model, "--parallel", 2) as (url, _):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S) as together:
+            complete(together, first)
+            with ThreadPoolExecutor(2) as pool:
+                texts = list(pool.map(partial(complete, together), later))
+        samples = scrape(url)
+    assert metric(samples, "moerun_prefix_cache_hits_total") == 1
+    assert metric(samples, "moerun_prefix_cache_restored_tokens_total") >= len(first)
+    assert texts == [complete(client, prompt) for prompt in later]
 
 
 def wait_for_cancelled(server: str, before: float) -> dict:

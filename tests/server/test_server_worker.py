@@ -1,4 +1,5 @@
-"""The server's worker in-process: loading and /health, arrival order, cancellation between tokens."""
+"""The server's worker in-process: loading and /health, arrival order, cancellation between tokens,
+parallel slots and their prefix snapshots."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,7 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
+from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
 from moerun.gguf.reader import GGUFError
@@ -243,6 +245,34 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_finish(demo_model):
         assert sample(worker, "moerun_generation_tokens_total") < 200          # of 3000 asked for
     finally:
         worker.stop()
+
+
+def test_parallel_slots_resume_a_shared_prefix_from_its_snapshot(demo_model):
+    """--parallel 2 with the prefix cache (as `moerun serve` has it by default): a request whose
+    prompt begins with an earlier one's resumes from that prompt's snapshot while another request
+    decodes beside it; each text is the one-at-a-time worker's without a prefix cache."""
+    def serve(parallel: int, prefix_cache: PrefixCache | None) -> tuple[list[list], Worker]:
+        worker = Worker(lambda: Runtime(demo_model, prefix_cache=prefix_cache), Limits(parallel=parallel))
+        worker.start()
+        try:
+            wait_until(lambda: worker.ready)
+            first = worker.text_prompt("A token arrives, the router looks at it")
+            earlier, _ = serve_all(worker, [first], [4])
+            later, _ = serve_all(worker, [first + worker.text_prompt(" and the daemon wakes"), "The rig"], [6, 5])
+        finally:
+            worker.stop()
+        return earlier + later, worker
+
+    alone, _ = serve(1, None)
+    together, worker = serve(2, PrefixCache(slots=4, interval=0))
+    assert sample(worker, "moerun_prefix_cache_lookups_total") == 3
+    assert sample(worker, "moerun_prefix_cache_hits_total") == 1
+    assert sample(worker, "moerun_prefix_cache_restored_tokens_total") >= together[0][-1].prompt_tokens
+    assert sample(worker, "moerun_batch_sequences_count") > sample(worker, "moerun_batch_sequences_bucket", le="1.0")
+    for one, other in zip(alone, together):
+        assert "".join(e.text for e in other if isinstance(e, Piece)) == "".join(
+            e.text for e in one if isinstance(e, Piece))
+        assert other[-1] == one[-1] and isinstance(other[-1], Finished)
 
 
 def test_parallel_slots_on_a_gpu_parent_are_refused_before_anything_loads(moerun):

@@ -103,12 +103,12 @@ int64_t panel_rows(int64_t n, int64_t rows, int threads) {
 // runs as panels: whether a block of tokens' activations kept in L1 pays for the sums' loads and
 // stores depends on the core (work.h). A panel of zeros of the rows panel_rows gives that width
 // times CALIBRATION_TOKENS tokens, whole rows and each candidate chunk in turn for
-// CALIBRATION_ROUNDS rounds after one untimed pass, the fastest pass of each; a chunk must be
-// faster than whole rows by CHUNK_GAIN to be taken.
+// CALIBRATION_ROUNDS rounds after one untimed pass, the fastest pass of each; the fastest
+// candidate is taken (a margin for whole rows, 5%, drew them in 4 of 16 processes on an AVX-512
+// Xeon VM whose products run 22% faster in chunks of 1024: docs/benchmarks.md).
 #define CHUNK_WIDTHS 16          // widths measured at most (past them: whole rows)
 #define CALIBRATION_TOKENS 192
 #define CALIBRATION_ROUNDS 5
-#define CHUNK_GAIN 0.95
 static struct { int64_t n, chunk; } measured[CHUNK_WIDTHS];
 static int n_measured;
 
@@ -149,7 +149,7 @@ static int64_t fastest_chunk(const struct isa_kernels* isa, int64_t n) {
         }
     free(memory);
     int64_t chunk = n;
-    double fastest = best[0] * CHUNK_GAIN;
+    double fastest = best[0];
     for (int i = 1; i < CANDIDATES; i++)
         if (best[i] < fastest) fastest = best[i], chunk = chunks[i];
     return chunk;

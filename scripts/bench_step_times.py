@@ -52,43 +52,28 @@ def main() -> None:
 def wall_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dict[str, float]:
     """One chunk of n_tokens at `start` on the CPU, the wall time of every backend and executor
     call summed by name; "rest" is the forward's time outside them (Python between calls)."""
-    backend, model = runtime.backend, runtime.model
     times = collections.defaultdict(float)
 
-    def timed(owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-
+    def timer(label: str, inner):
         def call(*args, **kwargs):
             begin = time.perf_counter()
             out = inner(*args, **kwargs)
             times[label] += (time.perf_counter() - begin) * 1e3
-            if label == "experts.begin":
-                timed(out, "finish", "experts.finish")
             return out
-        setattr(owner, name, call)
+        return call
 
-    cache = backend.new_cache(CAPACITY)
-    while cache.length < start:
-        model.forward(rng.integers(0, 1000, 512), cache, all_logits=False)
-    for name in CALLS:
-        timed(backend, name, name)
-    timed(model.executor, "begin", "experts.begin")
-    begin = time.perf_counter()
-    model.forward(rng.integers(0, 1000, n_tokens), cache, all_logits=False)
-    times["rest"] = (time.perf_counter() - begin) * 1e3 - sum(times.values())
-    unwrap(runtime)
+    forward_ms = chunk_by_call(runtime, start, n_tokens, rng, timer)
+    times["rest"] = forward_ms - sum(times.values())
     return {label: round(ms, 2) for label, ms in sorted(times.items(), key=lambda item: -item[1])}
 
 
 def device_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dict[str, float]:
     """One eager chunk of n_tokens at `start`, CUDA events around every backend and executor call,
     each call begun on a drained stream (its time: its own launches and kernels, no queue before it)."""
-    backend, model = runtime.backend, runtime.model
+    backend = runtime.backend
     cupy, times, events = backend.device.cupy, collections.defaultdict(float), []
 
-    def timed(owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-
+    def timer(label: str, inner):
         def call(*args, **kwargs):
             begin, end = cupy.cuda.Event(), cupy.cuda.Event()
             backend.device.stream.synchronize()
@@ -96,8 +81,30 @@ def device_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dic
             out = inner(*args, **kwargs)
             end.record(backend.device.stream)
             events.append((label, begin, end))
+            return out
+        return call
+
+    backend.graphs_enabled = False
+    chunk_by_call(runtime, start, n_tokens, rng, timer)
+    backend.device.stream.synchronize()
+    for label, begin, end in events:
+        times[label] += cupy.cuda.get_elapsed_time(begin, end)
+    return {label: round(ms, 2) for label, ms in sorted(times.items(), key=lambda item: -item[1])}
+
+
+def chunk_by_call(runtime: Runtime, start: int, n_tokens: int, rng, timer) -> float:
+    """A fresh cache prefilled to `start`, then one chunk of n_tokens with every backend call of
+    CALLS and the executor's begin (and the finish of what it returns) as timer(label, method)
+    returns it; the methods are the instances' own again after. Returns the chunk's wall ms."""
+    backend, model = runtime.backend, runtime.model
+
+    def wrap(owner, name: str, label: str) -> None:
+        inner = timer(label, getattr(owner, name))
+
+        def call(*args, **kwargs):
+            out = inner(*args, **kwargs)
             if label == "experts.begin":
-                timed(out, "finish", "experts.finish")
+                wrap(out, "finish", "experts.finish")
             return out
         setattr(owner, name, call)
 
@@ -105,22 +112,16 @@ def device_time_by_call(runtime: Runtime, start: int, n_tokens: int, rng) -> dic
     while cache.length < start:
         model.forward(rng.integers(0, 1000, 512), cache, all_logits=False)
     for name in CALLS:
-        timed(backend, name, name)
-    timed(model.executor, "begin", "experts.begin")
-    backend.graphs_enabled = False
-    model.forward(rng.integers(0, 1000, n_tokens), cache, all_logits=False)
-    backend.device.stream.synchronize()
-    unwrap(runtime)
-    for label, begin, end in events:
-        times[label] += cupy.cuda.get_elapsed_time(begin, end)
-    return {label: round(ms, 2) for label, ms in sorted(times.items(), key=lambda item: -item[1])}
-
-
-def unwrap(runtime: Runtime) -> None:
-    """The backend's and the executor's own methods again (timed() wrapped them on the instances)."""
-    for name in CALLS:
-        vars(runtime.backend).pop(name, None)
-    vars(runtime.model.executor).pop("begin", None)
+        wrap(backend, name, name)
+    wrap(model.executor, "begin", "experts.begin")
+    begin = time.perf_counter()
+    try:
+        model.forward(rng.integers(0, 1000, n_tokens), cache, all_logits=False)
+    finally:
+        for name in CALLS:
+            vars(backend).pop(name, None)
+        vars(model.executor).pop("begin", None)
+    return (time.perf_counter() - begin) * 1e3
 
 
 if __name__ == "__main__":

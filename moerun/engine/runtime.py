@@ -306,7 +306,8 @@ class Runtime:
             stands = self.prefix_cache is None or self.prefix_cache.after_chunk(prompt, cache, logits[-1], snapshot)
             if not stands:
                 return self._prefill_again(prompt, stats)
-        if snapshot is not None and not self.prefix_cache.confirm(snapshot):    # the whole prompt: no chunk checked it
+        whole = snapshot is not None and len(snapshot.tokens) == len(prompt)    # no chunk ran to check it
+        if whole and not self.prefix_cache.confirm(snapshot):
             return self._prefill_again(prompt, stats)
         return cache, logits
 

@@ -61,6 +61,17 @@ static void norm_rotate(const struct moe_attention* shape, const float* x, int64
     rotate(x, heads, dim, (int)shape->rope_neox, cos, sin, out);
 }
 
+// Jobs of tokens in blocks, a block a task (rope_append's, the router's): where task `task` of
+// blocks of `per_task` tokens ends, and the threads a job of `tasks` blocks and about `work`
+// multiply-adds takes (at most one a block).
+static int64_t block_end(int64_t task, int64_t per_task, int64_t n_tokens) {
+    return (task + 1) * per_task < n_tokens ? (task + 1) * per_task : n_tokens;
+}
+
+static int block_threads(int threads, int64_t tasks, double work) {
+    return threads_for(threads < tasks ? threads : (int)tasks, work, 0);
+}
+
 // A rope_append task: ROPE_TOKENS tokens, a thread's scratch for their heads.
 #define ROPE_TOKENS 8
 
@@ -84,8 +95,7 @@ static void rope_task(void* context, int64_t task, int64_t next, int thread) {
     int64_t nh = shape->n_heads, nkv = shape->n_kv_heads, dim = shape->head_dim_k, dim_v = shape->head_dim_v;
     float* normed = job->scratch + thread * (nh + nkv) * dim;               // [NH, D]
     float* rotated = normed + nh * dim;                                       // [NKV, D]
-    int64_t end = (task + 1) * ROPE_TOKENS < job->n_tokens ? (task + 1) * ROPE_TOKENS : job->n_tokens;
-    for (int64_t t = task * ROPE_TOKENS; t < end; t++) {
+    for (int64_t t = task * ROPE_TOKENS; t < block_end(task, ROPE_TOKENS, job->n_tokens); t++) {
         const float* cos_t = job->cos + t * (dim / 2);
         const float* sin_t = job->sin + t * (dim / 2);
         norm_rotate(shape, job->k + t * job->k_stride, nkv, job->k_norm, cos_t, sin_t, normed, rotated);
@@ -94,7 +104,8 @@ static void rope_task(void* context, int64_t task, int64_t next, int thread) {
             quantize_row(job->value_type, job->v + t * job->v_stride + h * dim_v, dim_v,
                          job->v_cache + (t * nkv + h) * job->value_bytes);
         }
-        norm_rotate(shape, job->q + t * job->q_stride, nh, job->q_norm, cos_t, sin_t, normed, job->q_out + t * nh * dim);
+        float* q_out = job->q_out + t * nh * dim;
+        norm_rotate(shape, job->q + t * job->q_stride, nh, job->q_norm, cos_t, sin_t, normed, q_out);
     }
 }
 
@@ -107,7 +118,7 @@ int moe_rope_append(const struct moe_attention* shape, int64_t n_tokens, const f
     if (key_type < 0 || value_type < 0) return MOE_UNSUPPORTED_TYPE;
     if (dim % TYPES[key_type].block_values || dim_v % TYPES[value_type].block_values) return MOE_BAD_SHAPE;
     int64_t tasks = (n_tokens + ROPE_TOKENS - 1) / ROPE_TOKENS;
-    threads = threads_for(threads < tasks ? threads : (int)tasks, (double)n_tokens * (nh + 2 * nkv) * dim * 4, 0);
+    threads = block_threads(threads, tasks, (double)n_tokens * (nh + 2 * nkv) * dim * 4);
     float* scratch = malloc((size_t)threads * (nh + nkv) * dim * sizeof(float));
     if (!scratch) return MOE_NO_MEMORY;
     struct rope_job job = {shape, n_tokens, q, k, v, q_stride, k_stride, v_stride, q_norm, k_norm, cos, sin,
@@ -157,23 +168,19 @@ struct route_job {
     float* weights;
 };
 
-static int64_t route_end(const struct route_job* job, int64_t task) {
-    return (task + 1) * ROUTE_TOKENS < job->n_tokens ? (task + 1) * ROUTE_TOKENS : job->n_tokens;
-}
-
 static void route_norm_task(void* context, int64_t task, int64_t next, int thread) {
     (void)next, (void)thread;
     const struct route_job* job = context;
-    int64_t first = task * ROUTE_TOKENS, hidden = job->hidden;
-    norm_rows(job->x + first * hidden, hidden, route_end(job, task) - first, hidden, job->norm, job->eps,
-              job->h + first * hidden);
+    int64_t first = task * ROUTE_TOKENS, rows = block_end(task, ROUTE_TOKENS, job->n_tokens) - first;
+    const float* x = job->x + first * job->hidden;
+    norm_rows(x, job->hidden, rows, job->hidden, job->norm, job->eps, job->h + first * job->hidden);
 }
 
 static void route_top_task(void* context, int64_t task, int64_t next, int thread) {
     (void)next;
     const struct route_job* job = context;
     int64_t e = job->n_experts, k = job->k;
-    for (int64_t t = task * ROUTE_TOKENS; t < route_end(job, task); t++)
+    for (int64_t t = task * ROUTE_TOKENS; t < block_end(task, ROUTE_TOKENS, job->n_tokens); t++)
         top_experts(job->logits + t * e, e, k, job->renormalize, job->probs + thread * e, job->ids + t * k,
                     job->weights + t * k);
 }
@@ -182,7 +189,7 @@ int moe_route(const struct moe_matrix* router, const float* x, int64_t n_tokens,
               int64_t k, int renormalize, float* h, int64_t* ids, float* weights, int threads) {
     int64_t hidden = router->cols, n_experts = router->rows, tasks = (n_tokens + ROUTE_TOKENS - 1) / ROUTE_TOKENS;
     if (k < 1 || k > n_experts) return MOE_BAD_SHAPE;
-    int task_threads = threads_for(threads < tasks ? threads : (int)tasks, (double)n_tokens * (hidden + k * n_experts), 0);
+    int task_threads = block_threads(threads, tasks, (double)n_tokens * (hidden + k * n_experts));
     float* logits = malloc((size_t)(n_tokens + task_threads) * n_experts * sizeof(float));   // and each thread's probs
     if (!logits) return MOE_NO_MEMORY;
     struct route_job job = {x, n_tokens, hidden, n_experts, k, norm, eps, renormalize, h, logits,

@@ -2,7 +2,8 @@
 a row's values per pass) changes where the data sits in the caches, never the results: every
 panel size and chunk gives the bits of the fused tile one token at a time, on every
 instruction set, for rows of every length (a row's last values past its full vectors
-included)."""
+included). A matrix unit (amx) sums in another order: every blocking gives its own bits, within
+float32 rounding of the fused tile's."""
 from __future__ import annotations
 
 import ctypes
@@ -41,6 +42,10 @@ def test_every_blocking_gives_the_same_bits(kernels, set_blocking, ggml_type, ro
     for isa in kernels.isas():
         kernels.use_isa(isa)
         one_at_a_time = np.concatenate([kernels.matmul(stored, x[t:t + 1], threads=1) for t in range(len(x))])
+        if kernels.unit_tokens and cols % 32 == 0:
+            on_unit = kernels.matmul(stored, x, threads=1)
+            assert np.linalg.norm(on_unit - one_at_a_time) <= 2e-6 * np.linalg.norm(one_at_a_time), isa
+            one_at_a_time = on_unit
         for panel, chunk in BLOCKINGS:
             set_blocking(panel, chunk)
             for threads in (1, 3):

@@ -91,9 +91,9 @@ def test_grouped_ffn_matches_numpy(kernels, types, hidden, ffn, fused, n_tokens,
 
 
 def test_threads_do_not_change_the_result(kernels):
-    rng = np.random.default_rng(3)               # 40 tokens x 4 experts: enough work for several threads
-    x = rng.normal(size=(40, 256)).astype(np.float32)
-    rows, ids, weights = routed(40, 4, rng)
+    rng = np.random.default_rng(3)      # 100 tokens x 4 experts: several threads' work, a matrix unit's experts
+    x = rng.normal(size=(100, 256)).astype(np.float32)
+    rows, ids, weights = routed(100, 4, rng)
     results = []
     for threads in (1, 2, 3, 7):
         experts, _ = experts_of((T.Q4_K, T.Q6_K), 256, 256, False, kernels, threads)
@@ -106,7 +106,9 @@ def test_threads_do_not_change_the_result(kernels):
                          ids=lambda t: f"{t[0].name}-{t[1].name}")
 def test_one_token_at_a_time_equals_the_batch(kernels, types):
     """60 tokens over 12 experts (about 20 each) go through tiles dequantized first; one token at a
-    time through the fused tiles: the same bits, on every instruction set."""
+    time through the fused tiles: the same bits, on every instruction set; with a matrix unit
+    (amx: the experts with 24 tokens or more, another order of summation), within float32
+    rounding."""
     experts, _ = experts_of(types, 256, 256, False, kernels, threads=2)
     rng = np.random.default_rng(5)
     x = rng.normal(size=(60, 256)).astype(np.float32)
@@ -117,7 +119,10 @@ def test_one_token_at_a_time_equals_the_batch(kernels, types):
         for t in range(0, 60, 7):
             pick = rows == t
             one = experts.grouped_ffn(0, x[t:t + 1], np.zeros(pick.sum(), np.int64), ids[pick], weights[pick])
-            np.testing.assert_array_equal(one[0], batch[t], err_msg=f"{isa}, token {t}")
+            if kernels.unit_tokens:
+                assert relative_error(batch[t], one[0]) < BOUND, f"{isa}, token {t}"
+            else:
+                np.testing.assert_array_equal(one[0], batch[t], err_msg=f"{isa}, token {t}")
 
 
 def test_bad_pairs_are_refused(kernels):

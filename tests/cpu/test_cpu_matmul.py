@@ -76,6 +76,33 @@ def test_dequantized_values_are_ggml_s(kernels, ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_a_matrix_unit_gives_each_token_the_same_bits_in_any_call(kernels, ggml_type):
+    """On a matrix unit (amx: from 24 tokens) a token's products do not depend on the threads
+    or on which tokens share its call (its rows of a tile are its own), and stay within float32
+    rounding of the fused tile's."""
+    units = []
+    for isa in kernels.isas():
+        kernels.use_isa(isa)
+        if kernels.unit_tokens:
+            units.append(isa)
+    if not units:
+        pytest.skip(f"no matrix unit here (instruction sets: {', '.join(kernels.isas())})")
+    rng = np.random.default_rng(8)
+    rows, cols, tokens = 45, 512, 48
+    raw = random_stored(ggml_type, rows, cols, rng)
+    stored = [matrix(raw, ggml_type, rows, cols)]
+    x = rng.normal(size=(tokens, cols)).astype(np.float32)
+    for isa in units:
+        kernels.use_isa(isa)
+        whole = kernels.matmul(stored, x, threads=1)
+        np.testing.assert_array_equal(kernels.matmul(stored, x, threads=5), whole, err_msg=isa)
+        halves = [kernels.matmul(stored, x[t:t + 24], threads=2) for t in (0, 24)]
+        np.testing.assert_array_equal(np.concatenate(halves), whole, err_msg=f"{isa}, 24 at a time")
+        fused = np.concatenate([kernels.matmul(stored, x[t:t + 1], threads=1) for t in range(tokens)])
+        assert relative_error(whole, fused) < BOUND, isa
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_results_do_not_depend_on_threads_or_batching(kernels, ggml_type):
     """19 tokens at once go through tiles dequantized first; one or a few at a time through the
     fused tiles (at most 12 tokens on any instruction set): the same bits, whatever the threads."""

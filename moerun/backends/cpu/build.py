@@ -32,6 +32,7 @@ COMMON_SOURCES = ("types.c", "isa.c", "pool.c", "work.c", "ffn.c", "matmul.c", "
                   "serve.c")
 AVX2 = ("-mavx2", "-mfma", "-mf16c")
 AVX512 = (*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl")
+AMX = (*AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ class Variant:
 
 SCALAR = Variant("scalar", "isa_scalar.c")
 VARIANTS = {     # machine -> the instruction sets built for it (isa.c knows the same names)
-    "x86_64": (SCALAR, Variant("avx2", "isa_avx2.c", AVX2), Variant("avx512", "isa_avx512.c", AVX512)),
+    "x86_64": (SCALAR, Variant("avx2", "isa_avx2.c", AVX2), Variant("avx512", "isa_avx512.c", AVX512),
+               Variant("amx", "isa_amx.c", AMX)),
     "aarch64": (SCALAR, Variant("neon", "isa_neon.c")),
 }
 MACHINES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}

@@ -93,12 +93,18 @@ class CpuKernels:
         lib.moe_isa_name.argtypes = [c_int]
         lib.moe_isa_name.restype = c_char_p
         lib.moe_current_isa.restype = c_char_p
+        lib.moe_unit_tokens.restype = c_int64
         lib.moe_use_isa.argtypes = [c_char_p]
 
     @property
     def isa(self) -> str:
-        """The instruction set the kernels run with: avx512_vnni, avx512, avx2, neon or scalar."""
+        """The instruction set the kernels run with: amx, avx512, avx2, neon or scalar."""
         return self.lib.moe_current_isa().decode()
+
+    @property
+    def unit_tokens(self) -> int:
+        """From how many tokens its matrix unit (amx) takes the products; 0 without one."""
+        return self.lib.moe_unit_tokens()
 
     def isas(self) -> list[str]:
         """Those this machine can run, best first (the first is the default)."""

@@ -10,6 +10,9 @@
 //            gate/up early go on with the first experts' down rows.
 // A job with few tasks (a decode step's few experts) takes fewer rows a task, so that every
 // thread has several and none waits long for the last.
+// With a matrix unit, an expert with at least its least_tokens pairs goes to it, and two more
+// kinds of tasks, one per expert, split its operands into planes: before the gate/up tasks,
+// its tokens' x (which its gate/up tasks wait for); after them, its h (which down waits for).
 #include <math.h>
 #include <string.h>
 #include "pool.h"
@@ -36,19 +39,64 @@ struct ffn_job {
     float* out;                          // [T, H]
     int64_t ffn_rows, ffn_blocks;        // rows of F a gate/up task computes; tasks per expert
     int64_t down_rows;                   // rows of H a down task computes
-    int64_t gate_up_tasks;               // n_groups · ffn_blocks, numbered first
+    int64_t gate_up_tasks;               // n_groups · ffn_blocks
     struct scratch* scratch;
+    // the matrix unit's
+    int unit;                            // whether it takes the experts with enough pairs
+    int64_t split_tasks;                 // n_groups with the unit, else 0: the x splits, then gate/up, the h splits, down
+    int64_t* group_tile;                 // [n_groups] the first tile of a group's planes
+    atomic_int_fast64_t* group_split;    // [n_groups] x split (1), h split (2)
+    uint16_t *x_planes, *h_planes;       // [tiles] of H values, of F values
 };
+
+// Whether the group's pairs go to the matrix unit.
+static int on_unit(const struct ffn_job* job, int64_t group) {
+    return job->unit && job->group_start[group + 1] - job->group_start[group] >= job->isa->unit->least_tokens;
+}
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // The first rows of m that task `task` reads (NULL for -1): a gate/up task's of its expert
 // (m gate or up), a down task's of the first expert (m down).
+// (Tasks numbered as gate/up tasks first: the split tasks left out.)
 static const uint8_t* first_rows(const struct ffn_job* job, const struct moe_matrix* m, int64_t task) {
     if (task < 0) return NULL;
     if (task < job->gate_up_tasks)
         return stored_row(m, job->group_expert[task / job->ffn_blocks], task % job->ffn_blocks * job->ffn_rows);
     return stored_row(&job->experts->down, job->group_expert[0], (task - job->gate_up_tasks) * job->down_rows);
+}
+
+// One group's operands into planes: its tokens' x (stage 1) or, once its gate/up tasks are
+// done, its h (stage 2).
+static void split_task(const struct ffn_job* job, int64_t group, int stage) {
+    if (!on_unit(job, group)) return;
+    int64_t first_pair = job->group_start[group], n = job->group_start[group + 1] - first_pair;
+    const struct matrix_unit* unit = job->isa->unit;
+    if (stage == 1) {
+        unit->split_tokens(job->x, job->pair_token + first_pair, n, job->hidden,
+                           job->x_planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, job->hidden));
+    } else {
+        pool_wait(&job->group_done[group], job->ffn_blocks);
+        unit->split_tokens(job->h + first_pair * job->ffn, NULL, n, job->ffn,
+                           job->h_planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, job->ffn));
+    }
+    atomic_store_explicit(&job->group_split[group], stage, memory_order_release);
+}
+
+// A gate/up task on the unit: its rows of gate and of up for all of the group's tokens at once.
+static void unit_gate_up(const struct ffn_job* job, int64_t group, int64_t first_row, int64_t end_row,
+                         struct scratch* s) {
+    pool_wait(&job->group_split[group], 1);
+    int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
+    int64_t n = job->group_start[group + 1] - first_pair, count = end_row - first_row;
+    const uint16_t* planes = job->x_planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, job->hidden);
+    unit_product(job->isa, &job->experts->gate, job->gate_type, expert, first_row, count, planes, n, s->planes, s->outs[0], count);
+    unit_product(job->isa, &job->experts->up, job->up_type, expert, first_row, count, planes, n, s->planes, s->outs[1], count);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = 0; r < count; r++) {
+            float g = s->outs[0][i * count + r], u = s->outs[1][i * count + r];
+            job->h[(first_pair + i) * job->ffn + first_row + r] = g / (1.f + expf(-g)) * u;
+        }
 }
 
 static void gate_up_task(const struct ffn_job* job, int64_t task, int64_t next_task, int thread) {
@@ -59,7 +107,8 @@ static void gate_up_task(const struct ffn_job* job, int64_t task, int64_t next_t
     int64_t n = job->group_start[group + 1] - first_pair;
     const int64_t* tokens = job->pair_token + first_pair;
     const struct moe_matrix *gate = &job->experts->gate, *up = &job->experts->up;
-    for (int64_t row = first_row; row < end_row; row += TILE_ROWS) {
+    if (on_unit(job, group)) unit_gate_up(job, group, first_row, end_row, s);
+    else for (int64_t row = first_row; row < end_row; row += TILE_ROWS) {
         int count = (int)min64(TILE_ROWS, end_row - row);
         int last = row + TILE_ROWS >= end_row;
         tile_product(job->isa, gate, job->gate_type, expert, row, count,
@@ -87,6 +136,19 @@ static void down_task(const struct ffn_job* job, int64_t task, int64_t next_task
     for (int64_t group = 0; group < job->n_groups; group++) {
         int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
         int64_t n = job->group_start[group + 1] - first_pair;
+        if (on_unit(job, group)) {
+            pool_wait(&job->group_split[group], 2);
+            int64_t count = end_row - first_row;
+            const uint16_t* planes = job->h_planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, job->ffn);
+            unit_product(job->isa, down, job->down_type, expert, first_row, count, planes, n, s->planes,
+                         s->outs[0], count);
+            for (int64_t i = 0; i < n; i++) {
+                float weight = job->pair_weight[first_pair + i];
+                float* out = job->out + job->pair_token[first_pair + i] * job->hidden + first_row;
+                for (int64_t r = 0; r < count; r++) out[r] += weight * s->outs[0][i * count + r];
+            }
+            continue;
+        }
         pool_wait(&job->group_done[group], job->ffn_blocks);
         for (int64_t row = first_row; row < end_row; row += TILE_ROWS) {
             int count = (int)min64(TILE_ROWS, end_row - row);
@@ -105,12 +167,26 @@ static void down_task(const struct ffn_job* job, int64_t task, int64_t next_task
     }
 }
 
+// A task's number among the gate/up and down tasks (first_rows'), or -1: a split task, or none.
+static int64_t product_task(const struct ffn_job* job, int64_t task) {
+    int64_t splits = job->split_tasks;
+    if (task < splits) return -1;
+    task -= splits;
+    if (task < job->gate_up_tasks) return task;
+    return task < job->gate_up_tasks + splits ? -1 : task - splits;
+}
+
 static void ffn_task(void* context, int64_t task, int64_t next_task, int thread) {
     const struct ffn_job* job = context;
-    if (task < job->gate_up_tasks)
-        gate_up_task(job, task, next_task, thread);
+    int64_t product = product_task(job, task), next = product_task(job, next_task);
+    if (task < job->split_tasks)
+        split_task(job, task, 1);
+    else if (product < 0)
+        split_task(job, task - job->split_tasks - job->gate_up_tasks, 2);
+    else if (product < job->gate_up_tasks)
+        gate_up_task(job, product, next, thread);
     else
-        down_task(job, task, next_task, thread);
+        down_task(job, product, next, thread);
 }
 
 // Pairs sorted by expert (stable: a token's order within an expert stays), the experts that
@@ -119,8 +195,8 @@ static int group_pairs(struct ffn_job* job, const int64_t* rows, const int64_t* 
                        int64_t n_pairs) {
     int64_t n_experts = job->experts->n_experts;
     int64_t* sorted = workspace(SLOT_PAIRS, (size_t)n_pairs * (2 * sizeof(int64_t) + sizeof(float)));
-    int64_t* groups = workspace(SLOT_GROUPS, (size_t)(3 * n_experts + 2) * sizeof(int64_t) +
-                                                 (size_t)n_experts * sizeof(atomic_int_fast64_t));
+    int64_t* groups = workspace(SLOT_GROUPS, (size_t)(4 * n_experts + 2) * sizeof(int64_t) +
+                                                 (size_t)(2 * n_experts) * sizeof(atomic_int_fast64_t));
     if (!sorted || !groups) return MOE_NO_MEMORY;
     int64_t* pair_token = sorted;
     int64_t* pair_index = sorted + n_pairs;
@@ -128,7 +204,9 @@ static int group_pairs(struct ffn_job* job, const int64_t* rows, const int64_t* 
     int64_t* start = groups;                         // [E + 1] where each expert's pairs go
     int64_t* group_expert = groups + n_experts + 1;  // [E]
     int64_t* group_start = group_expert + n_experts; // [E + 1]
-    atomic_int_fast64_t* group_done = (atomic_int_fast64_t*)(group_start + n_experts + 1);   // [E]
+    int64_t* group_tile = group_start + n_experts + 1;                                      // [E]
+    atomic_int_fast64_t* group_done = (atomic_int_fast64_t*)(group_tile + n_experts);       // [E]
+    atomic_int_fast64_t* group_split = group_done + n_experts;                              // [E]
     memset(start, 0, (size_t)(n_experts + 1) * sizeof(int64_t));
     for (int64_t p = 0; p < n_pairs; p++) start[experts[p] + 1]++;
     job->n_groups = 0;
@@ -136,6 +214,7 @@ static int group_pairs(struct ffn_job* job, const int64_t* rows, const int64_t* 
         if (start[e + 1]) {
             group_expert[job->n_groups] = e;
             atomic_init(&group_done[job->n_groups], 0);
+            atomic_init(&group_split[job->n_groups], 0);
             group_start[job->n_groups++] = start[e];
         }
         start[e + 1] += start[e];
@@ -153,6 +232,8 @@ static int group_pairs(struct ffn_job* job, const int64_t* rows, const int64_t* 
     job->group_expert = group_expert;
     job->group_start = group_start;
     job->group_done = group_done;
+    job->group_tile = group_tile;
+    job->group_split = group_split;
     return MOE_OK;
 }
 
@@ -174,14 +255,28 @@ static int run(struct ffn_job* job, const int64_t* rows, const int64_t* experts,
         if (job->group_start[g + 1] - job->group_start[g] > most_pairs)
             most_pairs = job->group_start[g + 1] - job->group_start[g];
     int64_t widest = job->hidden > job->ffn ? job->hidden : job->ffn;
-    job->scratch = thread_scratch(threads, 3, widest, 2, most_pairs);
+    job->unit = unit_takes(job->isa, most_pairs, job->hidden) && unit_takes(job->isa, most_pairs, job->ffn);
+    job->scratch = job->unit ? panel_scratch(threads, 3, ROWS_PER_TASK, widest, 2, most_pairs, 1)
+                             : thread_scratch(threads, 3, widest, 2, most_pairs);
     job->h = workspace(SLOT_H, (size_t)(n_pairs * job->ffn) * sizeof(float));
     if (!job->scratch || !job->h) return MOE_NO_MEMORY;
+    if (job->unit) {
+        int64_t tiles = 0;
+        for (int64_t g = 0; g < job->n_groups; g++) {
+            job->group_tile[g] = tiles;
+            if (on_unit(job, g)) tiles += unit_tiles(job->group_start[g + 1] - job->group_start[g]);
+        }
+        job->x_planes = workspace(SLOT_PLANES, (size_t)unit_token_values(tiles * UNIT_TOKENS, job->hidden) * 2);
+        job->h_planes = workspace(SLOT_H_PLANES, (size_t)unit_token_values(tiles * UNIT_TOKENS, job->ffn) * 2);
+        if (!job->x_planes || !job->h_planes) return MOE_NO_MEMORY;
+        job->split_tasks = job->n_groups;
+    }
     job->ffn_rows = split_rows(job->ffn, job->n_groups, threads, TASKS_PER_THREAD, FEWEST_TASK_ROWS);
     job->ffn_blocks = (job->ffn + job->ffn_rows - 1) / job->ffn_rows;
     job->down_rows = split_rows(job->hidden, 1, threads, TASKS_PER_THREAD, FEWEST_TASK_ROWS);
     job->gate_up_tasks = job->n_groups * job->ffn_blocks;
-    pool_run(threads, job->gate_up_tasks + (job->hidden + job->down_rows - 1) / job->down_rows, ffn_task, job);
+    int64_t down_tasks = (job->hidden + job->down_rows - 1) / job->down_rows;
+    pool_run(threads, 2 * job->split_tasks + job->gate_up_tasks + down_tasks, ffn_task, job);
     return MOE_OK;
 }
 

@@ -10,13 +10,15 @@ extern const struct isa_kernels isa_scalar;
 #if defined(__x86_64__)
 extern const struct isa_kernels isa_avx2 __attribute__((weak));
 extern const struct isa_kernels isa_avx512 __attribute__((weak));
+extern const struct isa_kernels isa_amx __attribute__((weak));
+int amx_usable(void) __attribute__((weak));        // isa_amx.c: the tiles usable by this process
 #elif defined(__aarch64__)
 extern const struct isa_kernels isa_neon __attribute__((weak));
 #endif
 
 // Best first.
-static const struct isa_kernels* candidates[3];
-static int usable[3];
+static const struct isa_kernels* candidates[4];
+static int usable[4];
 static int n_candidates;
 static const struct isa_kernels* selected;
 
@@ -34,8 +36,10 @@ static void find_candidates(void) {
     unsigned eax, ebx, ecx = 0, edx;
     __get_cpuid(1, &eax, &ebx, &ecx, &edx);       // F16C: clang's __builtin_cpu_supports does not know it
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && (ecx & bit_F16C);
-    add(&isa_avx512, avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl"));
+    int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl");
+    add(&isa_amx, avx512 && amx_usable && amx_usable());
+    add(&isa_avx512, avx512);
     add(&isa_avx2, avx2);
 #elif defined(__aarch64__)
     add(&isa_neon, 1);
@@ -67,6 +71,8 @@ const char* moe_isa_name(int index) {
 }
 
 const char* moe_current_isa(void) { return current_isa()->name; }
+
+int64_t moe_unit_tokens(void) { return current_isa()->unit ? current_isa()->unit->least_tokens : 0; }
 
 int moe_use_isa(const char* name) {
     find_candidates();

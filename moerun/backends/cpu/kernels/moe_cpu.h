@@ -169,6 +169,38 @@ struct stored_tile {
     int64_t stride;
 };
 
+// A matrix unit (x86's AMX): the products of many tokens on tiles of bfloat16, float32-exact.
+// Each float32 operand is split into three bfloat16 planes (x = hi + mid + lo, where
+// hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid): all 24 bits of a float) and the
+// plane products that reach 2^-18 of the product (6 of the 9) are summed in float32 by the
+// tile unit: float32 products in another order of summation than the vector tiles', so a product
+// of least_tokens tokens or more differs from the same product at fewer in its last bits
+// (not by thread count, panel rows or which other tokens are in the call).
+//   token planes: [ceil(T / 16)][UNIT_PLANES][n / 32][UNIT_TILE] bfloat16, a tile of 16
+//                 tokens by 32 values as 16 rows of pairs (value 2i and 2i + 1 of each token)
+//   row planes:   [ceil(rows / 16)][UNIT_PLANES][n / 32][UNIT_TILE] bfloat16, a tile of 16 rows
+//                 by 32 values as they lie; rows past `rows` zero
+// Rows must be a multiple of 32 values long (unit_takes).
+#define UNIT_PLANES 3
+#define UNIT_TOKENS 16              // tokens (and rows) of a tile
+#define UNIT_TILE 512               // bfloat16s of a tile: 16 rows of 64 bytes
+struct matrix_unit {
+    int64_t least_tokens;
+    // planes of tokens x[tokens[i]] (tokens NULL: rows 0 .. n_tokens - 1 of x) into `planes`
+    void (*split_tokens)(const float* x, const int64_t* tokens, int64_t n_tokens, int64_t n, uint16_t* planes);
+    // a tile of `rows` <= 16 stored rows of type index T (row_bytes apart), dequantized, into
+    // one tile of row planes (UNIT_PLANES · n / 32 tiles)
+    void (*split_stored[N_TYPES])(const uint8_t* first, int64_t row_bytes, int rows, int64_t n, uint16_t* tiles);
+    // out[t * stride + r] = row r · token t for r < rows, t < n_tokens
+    void (*multiply)(const uint16_t* rows, int64_t n_rows, int64_t n, const uint16_t* tokens, int64_t n_tokens,
+                     float* out, int64_t stride);
+};
+
+static inline int64_t unit_tiles(int64_t n_tokens) { return (n_tokens + UNIT_TOKENS - 1) / UNIT_TOKENS; }
+// bfloat16s of the planes of n_tokens tokens of n values, and of `rows` rows
+static inline int64_t unit_token_values(int64_t n_tokens, int64_t n) { return unit_tiles(n_tokens) * UNIT_PLANES * n * 16; }
+static inline int64_t unit_row_values(int64_t rows, int64_t n) { return UNIT_PLANES * unit_tiles(rows) * UNIT_TOKENS * n; }
+
 typedef void (*dequantize_fn)(const uint8_t* row, int64_t n, float* w);
 typedef void (*fused_fn)(const struct stored_tile* tile, const int64_t* tokens, int64_t n_tokens);
 
@@ -182,7 +214,13 @@ struct isa_kernels {
     void (*multiply)(const struct panel* panel, const int64_t* tokens, int64_t n_tokens);
     void (*row_products)(const float* const* a, int64_t rows, const float* b, int64_t ldb, int64_t k, int64_t n,
                          float* const* c, int accumulate);     // tiles.h
+    const struct matrix_unit* unit;     // NULL: none
 };
+
+// Whether the unit multiplies n_tokens tokens with rows of n values.
+static inline int unit_takes(const struct isa_kernels* isa, int64_t n_tokens, int64_t n) {
+    return isa->unit && n_tokens >= isa->unit->least_tokens && n % 32 == 0;
+}
 
 // isa.c: the kernels in use; for Python, the instruction sets usable here (best first), the
 // one in use, and choosing one by name (0 if it is not usable here).
@@ -190,4 +228,5 @@ const struct isa_kernels* current_isa(void);
 MOE_API int moe_isa_count(void);
 MOE_API const char* moe_isa_name(int index);
 MOE_API const char* moe_current_isa(void);
+MOE_API int64_t moe_unit_tokens(void);      // the least tokens the current one's matrix unit takes, 0: none
 MOE_API int moe_use_isa(const char* name);

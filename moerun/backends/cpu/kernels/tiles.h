@@ -7,6 +7,7 @@
 //   ROW_MR, ROW_NV         rows and vectors of columns of row_products' tile (ROW_MR·ROW_NV sums,
 //                          ROW_NV vectors of b and one broadcast value in registers)
 //   ISA_NAME, ISA_TABLE    its name and the struct isa_kernels this file defines
+//   MATRIX_UNIT            (optional) its struct matrix_unit
 // then includes this file.
 //
 // A tile is TILE_ROWS weight rows times each of a list of tokens' activations, in float32:
@@ -201,4 +202,7 @@ const struct isa_kernels ISA_TABLE = {
     .fused_tokens = FUSED_TOKENS,
     .multiply = multiply,
     .row_products = row_products,
+#ifdef MATRIX_UNIT
+    .unit = &MATRIX_UNIT,
+#endif
 };

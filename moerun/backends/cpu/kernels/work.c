@@ -70,6 +70,18 @@ void tile_product(const struct isa_kernels* isa, const struct moe_matrix* m, int
     panel_product(isa, m, type, expert, row, count, next, x, tokens, n_tokens, buffer, NULL, out, TILE_ROWS);
 }
 
+void unit_product(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert, int64_t row,
+                  int64_t count, const uint16_t* token_planes, int64_t n_tokens, uint16_t* row_planes, float* out,
+                  int64_t stride) {
+    const uint8_t* first = stored_row(m, expert, row);
+    int64_t n = m->cols;
+    for (int64_t r = 0; r < count; r += UNIT_TOKENS)
+        isa->unit->split_stored[type](first + r * m->row_bytes, m->row_bytes,
+                                      count - r < UNIT_TOKENS ? (int)(count - r) : UNIT_TOKENS, n,
+                                      row_planes + unit_row_values(r, n));
+    isa->unit->multiply(row_planes, count, n, token_planes, n_tokens, out, stride);
+}
+
 // ---- blocking ---------------------------------------------------------------------------------
 
 #define FEWEST_PANEL_ROWS 16
@@ -200,12 +212,15 @@ void* workspace(int slot, size_t bytes) {
     return buffers[slot].data;
 }
 
-struct scratch* panel_scratch(int threads, int sets, int64_t rows, int64_t n, int outs, int64_t max_tokens) {
+struct scratch* panel_scratch(int threads, int sets, int64_t rows, int64_t n, int outs, int64_t max_tokens,
+                              int planes) {
     size_t panel_bytes = round_up(rows * n * sizeof(float));
+    size_t planes_bytes = planes ? round_up(unit_row_values(rows, n) * sizeof(uint16_t)) : 0;
     size_t sums_bytes = round_up((rows + TILE_ROWS - 1) / TILE_ROWS * TILE_SUMS * sizeof(float));
     size_t out_bytes = round_up(max_tokens * rows * sizeof(float));
     size_t head = round_up(threads * sizeof(struct scratch));
-    char* memory = workspace(SLOT_SCRATCH, head + threads * (sets * panel_bytes + sums_bytes + outs * out_bytes));
+    char* memory = workspace(SLOT_SCRATCH,
+                             head + threads * (sets * panel_bytes + sums_bytes + outs * out_bytes + planes_bytes));
     if (!memory) return NULL;
     struct scratch* scratch = (struct scratch*)memory;
     char* cursor = memory + head;
@@ -214,6 +229,8 @@ struct scratch* panel_scratch(int threads, int sets, int64_t rows, int64_t n, in
         scratch[thread].sums = (float*)cursor;
         cursor += sums_bytes;
         for (int i = 0; i < outs; i++, cursor += out_bytes) scratch[thread].outs[i] = (float*)cursor;
+        scratch[thread].planes = planes ? (uint16_t*)cursor : NULL;
+        cursor += planes_bytes;
     }
     return scratch;
 }

@@ -50,6 +50,13 @@ void tile_product(const struct isa_kernels* isa, const struct moe_matrix* m, int
                   int count, const uint8_t* next, const float* x, const int64_t* tokens, int64_t n_tokens,
                   float* buffer, float* out);
 
+// The same product on the matrix unit (unit_takes): the rows dequantized into their planes,
+// `row_planes` (unit_row_values(count, m->cols)), times the tokens' planes (split_tokens):
+// out[t * stride + r].
+void unit_product(const struct isa_kernels* isa, const struct moe_matrix* m, int type, int64_t expert, int64_t row,
+                  int64_t count, const uint16_t* token_planes, int64_t n_tokens, uint16_t* row_planes, float* out,
+                  int64_t stride);
+
 // Blocking at many tokens. A task dequantizes a panel of rows once and multiplies it with
 // every token, NT_MAX tokens at a time: the panel stays in L2, and the activations, read once
 // per panel, come from L3 or memory rows / panel_rows times in all (rows / TILE_ROWS times
@@ -65,6 +72,9 @@ void tile_product(const struct isa_kernels* isa, const struct moe_matrix* m, int
 //   measure_chunk(isa, n): times whole rows against chunks of 1024 and 512 values, once per n
 //   chunk_values(n): values of a row of n per pass over a panel (n, or a multiple of 16)
 #define PANELS_PER_THREAD 4
+// A panel on the matrix unit keeps its rows as planes (6 bytes a value): the width panel_rows
+// sizes it by.
+#define UNIT_PANEL_WIDTH(n) ((n) * 3 / 2)
 int64_t panel_rows(int64_t n, int64_t rows, int threads);
 void measure_chunk(const struct isa_kernels* isa, int64_t n);
 int64_t chunk_values(int64_t n);
@@ -73,21 +83,24 @@ int64_t chunk_values(int64_t n);
 MOE_API void moe_set_blocking(int64_t rows, int64_t chunk);
 MOE_API void moe_blocking(int64_t n, int64_t rows, int threads, int64_t* panel, int64_t* chunk);
 
-// One thread's scratch: `sets` panels [rows, n], the sums of one panel's tiles, and `outs`
-// outputs [max_tokens, rows].
+// One thread's scratch: `sets` panels [rows, n], the sums of one panel's tiles, `outs`
+// outputs [max_tokens, rows], and with a matrix unit the planes of a panel.
 struct scratch {
     float* rows[3];
     float* sums;
     float* outs[2];
+    uint16_t* planes;
 };
 
-// Scratch of each thread (indexed by thread), NULL if it cannot grow; thread_scratch's panels
-// are TILE_ROWS rows, what tile_product takes.
-struct scratch* panel_scratch(int threads, int sets, int64_t rows, int64_t n, int outs, int64_t max_tokens);
+// Scratch of each thread (indexed by thread), NULL if it cannot grow; `planes` whether it
+// holds a panel's planes; thread_scratch's panels are TILE_ROWS rows, what tile_product takes.
+struct scratch* panel_scratch(int threads, int sets, int64_t rows, int64_t n, int outs, int64_t max_tokens,
+                              int planes);
 static inline struct scratch* thread_scratch(int threads, int sets, int64_t n, int outs, int64_t max_tokens) {
-    return panel_scratch(threads, sets, TILE_ROWS, n, outs, max_tokens);
+    return panel_scratch(threads, sets, TILE_ROWS, n, outs, max_tokens, 0);
 }
 
 // A workspace buffer that keeps its memory between calls, grown as needed (64-byte aligned).
-enum workspace_slot { SLOT_H, SLOT_PAIRS, SLOT_GROUPS, SLOT_SCRATCH, SLOT_PADDED, N_SLOTS };
+enum workspace_slot { SLOT_H, SLOT_PAIRS, SLOT_GROUPS, SLOT_SCRATCH, SLOT_PADDED, SLOT_PLANES, SLOT_H_PLANES,
+                      N_SLOTS };
 void* workspace(int slot, size_t bytes);

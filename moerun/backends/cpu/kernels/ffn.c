@@ -43,7 +43,8 @@ struct ffn_job {
     struct scratch* scratch;
     // the matrix unit's
     int unit;                            // whether it takes the experts with enough pairs
-    int64_t split_tasks;                 // n_groups with the unit, else 0: the x splits, then gate/up, the h splits, down
+    int64_t split_tasks;                 // n_groups with the unit, else 0; the order of tasks:
+                                         // x splits, gate/up, h splits, down
     int64_t* group_tile;                 // [n_groups] the first tile of a group's planes
     atomic_int_fast64_t* group_split;    // [n_groups] x split (1), h split (2)
     uint16_t *x_planes, *h_planes;       // [tiles] of H values, of F values
@@ -90,8 +91,10 @@ static void unit_gate_up(const struct ffn_job* job, int64_t group, int64_t first
     int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
     int64_t n = job->group_start[group + 1] - first_pair, count = end_row - first_row;
     const uint16_t* planes = job->x_planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, job->hidden);
-    unit_product(job->isa, &job->experts->gate, job->gate_type, expert, first_row, count, planes, n, s->planes, s->outs[0], count);
-    unit_product(job->isa, &job->experts->up, job->up_type, expert, first_row, count, planes, n, s->planes, s->outs[1], count);
+    unit_product(job->isa, &job->experts->gate, job->gate_type, expert, first_row, count, planes, n, s->planes,
+                 s->outs[0], count);
+    unit_product(job->isa, &job->experts->up, job->up_type, expert, first_row, count, planes, n, s->planes,
+                 s->outs[1], count);
     for (int64_t i = 0; i < n; i++)
         for (int64_t r = 0; r < count; r++) {
             float g = s->outs[0][i * count + r], u = s->outs[1][i * count + r];

@@ -22,10 +22,9 @@ int amx_usable(void) {
     return tiles && (eax >> 5 & 1) && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-// Every thread loads the tile configuration once: 8 tiles of 16 rows of 64 bytes.
+// The tile configuration, loaded by each product (another library in the process may have
+// loaded its own, or released the tiles): 8 tiles of 16 rows of 64 bytes.
 static void configure(void) {
-    static __thread int configured;
-    if (configured) return;
     struct __attribute__((packed)) {
         uint8_t palette, start_row, reserved[14];
         uint16_t bytes[16];
@@ -33,7 +32,6 @@ static void configure(void) {
     } config = {.palette = 1};
     for (int i = 0; i < 8; i++) config.bytes[i] = ROW_BYTES, config.rows[i] = UNIT_TOKENS;
     _tile_loadconfig(&config);
-    configured = 1;
 }
 
 // 16 floats as three bfloat16 planes (each rounded to nearest even; the rests exact in float32).
@@ -120,13 +118,14 @@ static void store_products(const float c[UNIT_TOKENS][UNIT_TOKENS], int rows, in
 
 // Token tiles one by one, two row tiles at a time (C tiles 0 and 1) over every chunk of values.
 static void unit_multiply(const uint16_t* rows, int64_t n_rows, int64_t n, const uint16_t* tokens, int64_t n_tokens,
-                     float* out, int64_t stride) {
+                          float* out, int64_t stride) {
     configure();
     int64_t chunks = n / 32, row_tiles = unit_tiles(n_rows), plane = chunks * UNIT_TILE;
     float c[2][UNIT_TOKENS][UNIT_TOKENS] __attribute__((aligned(64)));
     for (int64_t tile = 0; tile < unit_tiles(n_tokens); tile++) {
         const uint16_t* b = tokens + tile * UNIT_PLANES * chunks * UNIT_TILE;
-        int tile_tokens = n_tokens - tile * UNIT_TOKENS < UNIT_TOKENS ? (int)(n_tokens - tile * UNIT_TOKENS) : UNIT_TOKENS;
+        int64_t left = n_tokens - tile * UNIT_TOKENS;
+        int tile_tokens = left < UNIT_TOKENS ? (int)left : UNIT_TOKENS;
         for (int64_t row_tile = 0; row_tile < row_tiles; row_tile += 2) {
             int pair = row_tile + 1 < row_tiles;
             const uint16_t* a = rows + row_tile * UNIT_PLANES * plane;
@@ -149,6 +148,7 @@ static void unit_multiply(const uint16_t* rows, int64_t n_rows, int64_t n, const
             }
         }
     }
+    _tile_release();        // no tile state left to save at a switch of threads
 }
 
 static const struct matrix_unit amx_unit;
@@ -194,7 +194,7 @@ TYPES(SPLIT_TILE)
 
 #define SPLIT_ENTRY(name, type, values, bytes) [type] = split_##name,
 static const struct matrix_unit amx_unit = {
-    .least_tokens = 24,         // 768 x 2048 Q4_K on one Xeon core: 0.9x the vector tiles at 13 tokens, even at 24, 1.3x at 48
+    .least_tokens = 24,     // 768 x 2048 Q4_K on a Xeon core: 0.87x the vector tiles at 13 tokens, 1x at 24, 1.3x at 48
     .split_tokens = unit_split_tokens,
     .split_stored = {TYPES(SPLIT_ENTRY)},
     .multiply = unit_multiply,

@@ -62,7 +62,8 @@ static void matmul_task(void* context, int64_t task, int64_t next_task, int thre
     float* out = job->y + job->first_column[i] + first;
     if (job->planes) {
         pool_wait(&job->split_done, job->split_tasks);
-        unit_product(job->isa, matrix, job->types[i], 0, first, count, job->planes, job->n_tokens, s->planes, out, job->width);
+        unit_product(job->isa, matrix, job->types[i], 0, first, count, job->planes, job->n_tokens, s->planes, out,
+                     job->width);
         return;
     }
     const uint8_t* next = j < 0 ? NULL : stored_row(&job->matrices[j], 0, after);

@@ -198,8 +198,10 @@ struct matrix_unit {
 
 static inline int64_t unit_tiles(int64_t n_tokens) { return (n_tokens + UNIT_TOKENS - 1) / UNIT_TOKENS; }
 // bfloat16s of the planes of n_tokens tokens of n values, and of `rows` rows
-static inline int64_t unit_token_values(int64_t n_tokens, int64_t n) { return unit_tiles(n_tokens) * UNIT_PLANES * n * 16; }
-static inline int64_t unit_row_values(int64_t rows, int64_t n) { return UNIT_PLANES * unit_tiles(rows) * UNIT_TOKENS * n; }
+static inline int64_t unit_token_values(int64_t n_tokens, int64_t n) {
+    return unit_tiles(n_tokens) * UNIT_PLANES * n * UNIT_TOKENS;
+}
+static inline int64_t unit_row_values(int64_t rows, int64_t n) { return unit_token_values(rows, n); }
 
 typedef void (*dequantize_fn)(const uint8_t* row, int64_t n, float* w);
 typedef void (*fused_fn)(const struct stored_tile* tile, const int64_t* tokens, int64_t n_tokens);

@@ -67,6 +67,33 @@ static const uint8_t* first_rows(const struct ffn_job* job, const struct moe_mat
     return stored_row(&job->experts->down, job->group_expert[0], (task - job->gate_up_tasks) * job->down_rows);
 }
 
+// Where a group's planes of n values start in `planes` (x_planes, n = H; h_planes, n = F).
+static uint16_t* group_planes(const struct ffn_job* job, uint16_t* planes, int64_t group, int64_t n) {
+    return planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, n);
+}
+
+// h = silu(g) · u for the group's pairs from first_pair on, rows row .. row + count - 1 of F,
+// from their products g and u [pairs, stride].
+static void store_h(const struct ffn_job* job, int64_t first_pair, int64_t n, int64_t row, int64_t count,
+                    const float* g, const float* u, int64_t stride) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = 0; r < count; r++) {
+            float gate = g[i * stride + r], up = u[i * stride + r];
+            job->h[(first_pair + i) * job->ffn + row + r] = gate / (1.f + expf(-gate)) * up;
+        }
+}
+
+// Each pair's weight times its down products [pairs, stride] added into its token's rows
+// row .. row + count - 1 of out.
+static void add_down(const struct ffn_job* job, int64_t first_pair, int64_t n, int64_t row, int64_t count,
+                     const float* products, int64_t stride) {
+    for (int64_t i = 0; i < n; i++) {
+        float weight = job->pair_weight[first_pair + i];
+        float* out = job->out + job->pair_token[first_pair + i] * job->hidden + row;
+        for (int64_t r = 0; r < count; r++) out[r] += weight * products[i * stride + r];
+    }
+}
+
 // One group's operands into planes: its tokens' x (stage 1) or, once its gate/up tasks are
 // done, its h (stage 2).
 static void split_task(const struct ffn_job* job, int64_t group, int stage) {
@@ -75,11 +102,11 @@ static void split_task(const struct ffn_job* job, int64_t group, int stage) {
     const struct matrix_unit* unit = job->isa->unit;
     if (stage == 1) {
         unit->split_tokens(job->x, job->pair_token + first_pair, n, job->hidden,
-                           job->x_planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, job->hidden));
+                           group_planes(job, job->x_planes, group, job->hidden));
     } else {
         pool_wait(&job->group_done[group], job->ffn_blocks);
         unit->split_tokens(job->h + first_pair * job->ffn, NULL, n, job->ffn,
-                           job->h_planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, job->ffn));
+                           group_planes(job, job->h_planes, group, job->ffn));
     }
     atomic_store_explicit(&job->group_split[group], stage, memory_order_release);
 }
@@ -90,16 +117,12 @@ static void unit_gate_up(const struct ffn_job* job, int64_t group, int64_t first
     pool_wait(&job->group_split[group], 1);
     int64_t expert = job->group_expert[group], first_pair = job->group_start[group];
     int64_t n = job->group_start[group + 1] - first_pair, count = end_row - first_row;
-    const uint16_t* planes = job->x_planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, job->hidden);
+    const uint16_t* planes = group_planes(job, job->x_planes, group, job->hidden);
     unit_product(job->isa, &job->experts->gate, job->gate_type, expert, first_row, count, planes, n, s->planes,
                  s->outs[0], count);
     unit_product(job->isa, &job->experts->up, job->up_type, expert, first_row, count, planes, n, s->planes,
                  s->outs[1], count);
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t r = 0; r < count; r++) {
-            float g = s->outs[0][i * count + r], u = s->outs[1][i * count + r];
-            job->h[(first_pair + i) * job->ffn + first_row + r] = g / (1.f + expf(-g)) * u;
-        }
+    store_h(job, first_pair, n, first_row, count, s->outs[0], s->outs[1], count);
 }
 
 static void gate_up_task(const struct ffn_job* job, int64_t task, int64_t next_task, int thread) {
@@ -120,11 +143,7 @@ static void gate_up_task(const struct ffn_job* job, int64_t task, int64_t next_t
         tile_product(job->isa, up, job->up_type, expert, row, count,
                      last ? first_rows(job, up, next_task) : stored_row(up, expert, row + TILE_ROWS), job->x,
                      tokens, n, s->rows[1], s->outs[1]);
-        for (int64_t i = 0; i < n; i++)
-            for (int r = 0; r < count; r++) {
-                float g = s->outs[0][i * TILE_ROWS + r], u = s->outs[1][i * TILE_ROWS + r];
-                job->h[(first_pair + i) * job->ffn + row + r] = g / (1.f + expf(-g)) * u;
-            }
+        store_h(job, first_pair, n, row, count, s->outs[0], s->outs[1], TILE_ROWS);
     }
     atomic_fetch_add_explicit(&job->group_done[group], 1, memory_order_release);
 }
@@ -142,14 +161,9 @@ static void down_task(const struct ffn_job* job, int64_t task, int64_t next_task
         if (on_unit(job, group)) {
             pool_wait(&job->group_split[group], 2);
             int64_t count = end_row - first_row;
-            const uint16_t* planes = job->h_planes + unit_token_values(job->group_tile[group] * UNIT_TOKENS, job->ffn);
-            unit_product(job->isa, down, job->down_type, expert, first_row, count, planes, n, s->planes,
-                         s->outs[0], count);
-            for (int64_t i = 0; i < n; i++) {
-                float weight = job->pair_weight[first_pair + i];
-                float* out = job->out + job->pair_token[first_pair + i] * job->hidden + first_row;
-                for (int64_t r = 0; r < count; r++) out[r] += weight * s->outs[0][i * count + r];
-            }
+            unit_product(job->isa, down, job->down_type, expert, first_row, count,
+                         group_planes(job, job->h_planes, group, job->ffn), n, s->planes, s->outs[0], count);
+            add_down(job, first_pair, n, first_row, count, s->outs[0], count);
             continue;
         }
         pool_wait(&job->group_done[group], job->ffn_blocks);
@@ -161,11 +175,7 @@ static void down_task(const struct ffn_job* job, int64_t task, int64_t next_task
                                                               : first_rows(job, down, next_task);
             tile_product(job->isa, down, job->down_type, expert, row, count, next, job->h,
                          job->pair_index + first_pair, n, s->rows[2], s->outs[0]);
-            for (int64_t i = 0; i < n; i++) {
-                float weight = job->pair_weight[first_pair + i];
-                float* out = job->out + job->pair_token[first_pair + i] * job->hidden + row;
-                for (int r = 0; r < count; r++) out[r] += weight * s->outs[0][i * TILE_ROWS + r];
-            }
+            add_down(job, first_pair, n, row, count, s->outs[0], TILE_ROWS);
         }
     }
 }

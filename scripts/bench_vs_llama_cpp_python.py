@@ -29,7 +29,10 @@ Both sides start from an empty context on random token ids:
 At a depth D (-d): both go on from D random tokens already in the sequence, prefilled once,
 untimed, their state restored before each run (llama-cpp-python: save_state / load_state;
 moerun: `moerun bench -d D`), as llama-bench's --n-depth does.
-One warm-up run of each test, then -r timed runs; the table shows their mean.
+One warm-up run of each test, then -r timed runs; the table shows their mean. With --rounds N
+the two sides run in turn N times (llama-cpp-python, moerun, llama-cpp-python, ...), so that a
+shared machine's passing load falls on both; the table shows the mean over every round and each
+round's ratio.
 KV caches: llama.cpp's default (f16) and moerun's CPU default (f32), or both --cache-type
 (llama-cpp-python with flash attention, which its quantized value caches need).
 """
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import time
 import venv
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,6 +155,7 @@ def main() -> None:
     parser.add_argument("-n", "--gen", type=int, default=128, help="generated tokens (tg)")
     parser.add_argument("-d", "--depth", type=int, default=0, help="tokens of context before each test")
     parser.add_argument("-r", "--repetitions", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="both sides this many times, in turn")
     parser.add_argument("--cache-type", choices=sorted(GGML_TYPES), default=None,
                         help="both sides' KV cache keys and values [default: each side's own]")
     parser.add_argument("--venv", default=str(Path.home() / ".cache" / "moerun" / "llama-cpp-python"),
@@ -166,25 +171,39 @@ def main() -> None:
     llama_command = [python, __file__, "--llama-side", "-m", args.model, "--threads", str(args.threads),
                      "-p", str(args.prompt), "-n", str(args.gen), "-d", str(args.depth), "-r", str(args.repetitions),
                      *(("--cache-type", args.cache_type) if args.cache_type else ())]
-    llama = subprocess.run(llama_command, capture_output=True, text=True)
+    rates = {"llama": defaultdict(list), "moerun": defaultdict(list)}      # side -> test -> [mean t/s a round]
+    for _ in range(args.rounds):
+        for test, seconds in llama_run(llama_command, python).items():
+            tokens = args.prompt if test.startswith("pp") else args.gen
+            rates["llama"][test].append(mean([tokens / s for s in seconds]))
+        for test, samples in moerun_side(args).items():
+            rates["moerun"][test].append(mean(samples))
+
+    depth = f", after {args.depth} tokens of context" if args.depth else ""
+    cache = f", KV caches {args.cache_type}" if args.cache_type else ""
+    rounds = f", {args.rounds} rounds in turn" if args.rounds > 1 else ""
+    print(f"{Path(args.model).name}, {args.threads} threads{depth}{cache}, {args.repetitions} timed runs each "
+          f"(mean){rounds}\n")
+    print("| test | moerun t/s | llama-cpp-python t/s | moerun / llama | each round |")
+    print("|---|---:|---:|---:|---|")
+    for test, llama in rates["llama"].items():
+        ours = rates["moerun"][test]
+        each = ", ".join(f"{a / b:.2f}" for a, b in zip(ours, llama))
+        print(f"| {test} | {mean(ours):.1f} | {mean(llama):.1f} | {mean(ours) / mean(llama):.2f} | {each} |")
+
+
+def llama_run(command: list, python: Path) -> dict[str, list[float]]:
+    """One run of the llama-cpp-python side: {test: [seconds of each timed run]}."""
+    llama = subprocess.run(command, capture_output=True, text=True)
     if llama.returncode:
         how = f"signal {-llama.returncode}" if llama.returncode < 0 else f"status {llama.returncode}"
         raise SystemExit(f"Error: llama-cpp-python's side ended with {how} ({python}); its last output:\n"
                          + "\n".join(llama.stderr.splitlines()[-5:]))
-    llama_seconds = json.loads(llama.stdout)
-    moerun_rates = moerun_side(args)
+    return json.loads(llama.stdout)
 
-    depth = f", after {args.depth} tokens of context" if args.depth else ""
-    cache = f", KV caches {args.cache_type}" if args.cache_type else ""
-    print(f"{Path(args.model).name}, {args.threads} threads{depth}{cache}, {args.repetitions} timed runs each "
-          f"(mean)\n")
-    print("| test | moerun t/s | llama-cpp-python t/s | moerun / llama |")
-    print("|---|---:|---:|---:|")
-    for test, seconds in llama_seconds.items():
-        tokens = args.prompt if test.startswith("pp") else args.gen
-        llama = sum(tokens / s for s in seconds) / len(seconds)
-        ours = sum(moerun_rates[test]) / len(moerun_rates[test])
-        print(f"| {test} | {ours:.1f} | {llama:.1f} | {ours / llama:.2f} |")
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ import time
 import venv
 from collections import defaultdict
 from pathlib import Path
+from statistics import fmean
 
 ROOT = Path(__file__).resolve().parent.parent
 GGML_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}    # ggml type ids of KV caches
@@ -163,6 +164,8 @@ def main() -> None:
     parser.add_argument("--llama-version", default="0.3.36")
     parser.add_argument("--llama-side", action="store_true", help=argparse.SUPPRESS)   # run in the venv
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be 1 or more (got {args.rounds})")
     if args.llama_side:
         llama_side(args)
         return
@@ -175,9 +178,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for test, seconds in llama_run(llama_command, python).items():
             tokens = args.prompt if test.startswith("pp") else args.gen
-            rates["llama"][test].append(mean([tokens / s for s in seconds]))
+            rates["llama"][test].append(fmean([tokens / s for s in seconds]))
         for test, samples in moerun_side(args).items():
-            rates["moerun"][test].append(mean(samples))
+            rates["moerun"][test].append(fmean(samples))
 
     depth = f", after {args.depth} tokens of context" if args.depth else ""
     cache = f", KV caches {args.cache_type}" if args.cache_type else ""
@@ -189,7 +192,7 @@ def main() -> None:
     for test, llama in rates["llama"].items():
         ours = rates["moerun"][test]
         each = ", ".join(f"{a / b:.2f}" for a, b in zip(ours, llama))
-        print(f"| {test} | {mean(ours):.1f} | {mean(llama):.1f} | {mean(ours) / mean(llama):.2f} | {each} |")
+        print(f"| {test} | {fmean(ours):.1f} | {fmean(llama):.1f} | {fmean(ours) / fmean(llama):.2f} | {each} |")
 
 
 def llama_run(command: list, python: Path) -> dict[str, list[float]]:
@@ -200,10 +203,6 @@ def llama_run(command: list, python: Path) -> dict[str, list[float]]:
         raise SystemExit(f"Error: llama-cpp-python's side ended with {how} ({python}); its last output:\n"
                          + "\n".join(llama.stderr.splitlines()[-5:]))
     return json.loads(llama.stdout)
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 if __name__ == "__main__":

@@ -340,6 +340,13 @@ class PagedKVCache:
     def advance(self, n_tokens: int) -> None:
         self.length += n_tokens
 
+    def truncate(self, length: int) -> None:
+        """Keep positions 0..length-1 (their rows stay; the next ones are written over). Only
+        attention layers can: a DeltaNet layer's state has taken the dropped positions in."""
+        if self.conv:
+            raise ValueError("a DeltaNet layer's state cannot drop positions")
+        self.length = min(self.length, length)
+
     def snapshot(self) -> CacheState:
         attention = [layer for layer in range(len(self._k)) if layer not in self.conv]
         return CacheState(self.length, keys={i: self._k[i][:self.length].copy() for i in attention},

@@ -38,6 +38,8 @@ class KVCache(Protocol):
 
     def advance(self, n_tokens: int) -> None: ...   # n more positions written
 
+    def truncate(self, length: int) -> None: ...     # positions from `length` on dropped (a rejected draft's)
+
     def snapshot(self) -> CacheState: ...           # what resuming at `length` needs, on the host
 
 

@@ -14,6 +14,7 @@ from moerun.backends import GpuError, is_gpu_error
 from moerun.config import RUN_OPTIONS, load_config_file, rig_config
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.runtime import Runtime
+from moerun.engine.speculative import SPEC_TYPES, SpecParams
 from moerun.errors import MoerunError
 
 DEMO_DAEMONS = ("cpu", "cpu")   # `moerun run` and `serve` run the built-in demo with two CPU expert daemons
@@ -47,6 +48,29 @@ def _quiet_broken_pipe() -> None:
     silence with status 128 + SIGPIPE, stdout pointed at /dev/null so the final flush cannot fail."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     sys.exit(128 + signal.SIGPIPE)
+
+
+def speculation_options(command):
+    """--spec-type, --draft-max, --draft-min, --spec-gate/--no-spec-gate (llama.cpp's names), handed to
+    the command as one `speculation` (SpecParams, engine/speculative.py)."""
+    @functools.wraps(command)
+    def wrapper(*args, spec_type, draft_max, draft_min, spec_gate, **kwargs):
+        return command(*args, speculation=SpecParams(spec_type, draft_max, draft_min, spec_gate), **kwargs)
+
+    options = [
+        click.option("--spec-type", type=click.Choice(SPEC_TYPES), default="none", show_default=True,
+                     help="Speculative decoding: ngram drafts from the sequence itself (llama.cpp's lookup); auto: "
+                          "the best drafter there is (ngram); greedy output and sampled distributions as without."),
+        click.option("--draft-max", "--draft", "--draft-n", "draft_max", type=click.IntRange(min=1), default=16,
+                     show_default=True, help="Most tokens one verify step checks."),
+        click.option("--draft-min", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Fewer tokens drafted than this: a plain step instead."),
+        click.option("--spec-gate/--no-spec-gate", default=True, show_default=True,
+                     help="Pause drafting while verify steps yield fewer tokens a second than plain steps."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
 
 
 def config_option(command):

@@ -13,11 +13,13 @@ from moerun.commands.options import (
     model_or_demo,
     open_runtime,
     runtime_options,
+    speculation_options,
 )
 from moerun.commands.output import report_stats
 from moerun.engine.report import stats_document, timing_line
 from moerun.engine.runtime import RunStats, Runtime
 from moerun.engine.sampler import SamplingParams
+from moerun.engine.speculative import SpecParams
 from moerun.gguf.chat import render_messages
 
 DEFAULT_PROMPT = "The experts"
@@ -52,8 +54,10 @@ DEFAULT_PROMPT = "The experts"
 @click.option("--stats", is_flag=True, help="Print throughput, MoE and per-daemon figures to stderr.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), default=None, help="Write the stats as JSON.")
 @friendly_errors
+@speculation_options
 def run(model, prompt, prompt_file, system_prompt, chat, n_predict, ignore_eos, temp, top_k, top_p, min_p,
-        repeat_penalty, presence_penalty, frequency_penalty, repeat_last_n, seed, stats, stats_json, **runtime_flags):
+        repeat_penalty, presence_penalty, frequency_penalty, repeat_last_n, seed, speculation, stats, stats_json,
+        **runtime_flags):
     """Generate text, streaming it to stdout.
 
     Without -m, runs the built-in demo model — on the CPU with two CPU expert daemons
@@ -76,22 +80,24 @@ def run(model, prompt, prompt_file, system_prompt, chat, n_predict, ignore_eos, 
         max_new_tokens = n_predict if n_predict >= 0 else runtime.ctx
         run_stats = RunStats()
         if (chat or system) and prompt is None:
-            _chat_loop(runtime, system, max_new_tokens, sampling, run_stats)
+            _chat_loop(runtime, system, max_new_tokens, sampling, speculation, run_stats)
         else:
             text = prompt if prompt is not None else DEFAULT_PROMPT
             if chat or system:
                 text = render_messages(tokenizer, [*system, {"role": "user", "content": text}])
-            _generate(runtime, tokenizer.encode(text), max_new_tokens, sampling, run_stats)
+            _generate(runtime, tokenizer.encode(text), max_new_tokens, sampling, speculation, run_stats)
             click.echo()
         report_stats(stats_document(runtime, run_stats, seed=seed), stats, stats_json)
         if not stats:
             click.echo(timing_line(run_stats), err=True)
 
 
-def _generate(runtime: Runtime, ids: list[int], n_predict: int, sampling: SamplingParams, stats: RunStats) -> str:
+def _generate(runtime: Runtime, ids: list[int], n_predict: int, sampling: SamplingParams, speculation: SpecParams,
+              stats: RunStats) -> str:
     decoder = runtime.tokenizer.stream_decoder()
     pieces = []
-    for token in runtime.generate(ids, n_predict, sampling, runtime.tokenizer.stop_ids, stats):
+    for token in runtime.generate(ids, n_predict, sampling, runtime.tokenizer.stop_ids, stats,
+                                  speculation=speculation):
         piece = decoder.push(token)
         pieces.append(piece)
         click.echo(piece, nl=False)
@@ -104,7 +110,7 @@ def _generate(runtime: Runtime, ids: list[int], n_predict: int, sampling: Sampli
 
 
 def _chat_loop(runtime: Runtime, system: list[dict], n_predict: int, sampling: SamplingParams,
-               stats: RunStats) -> None:
+               speculation: SpecParams, stats: RunStats) -> None:
     """Read user turns from stdin until EOF; the whole conversation (after the system message, if
     any) is re-prefilled each turn."""
     messages: list[dict] = list(system)
@@ -119,6 +125,6 @@ def _chat_loop(runtime: Runtime, system: list[dict], n_predict: int, sampling: S
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         ids = runtime.tokenizer.encode(render_messages(runtime.tokenizer, messages))
-        reply = _generate(runtime, ids, n_predict, sampling, stats)
+        reply = _generate(runtime, ids, n_predict, sampling, speculation, stats)
         click.echo()
         messages.append({"role": "assistant", "content": reply})

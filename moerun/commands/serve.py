@@ -21,6 +21,7 @@ from moerun.commands.options import (
     model_or_demo,
     open_runtime,
     runtime_options,
+    speculation_options,
 )
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.units import parse_bytes
@@ -71,9 +72,10 @@ SHUTDOWN_GRACE_S = 5     # on Ctrl-C, requests still generating get this long be
               help="Listen on an address other machines reach (--host) without an API key.")
 @runtime_options
 @friendly_errors
+@speculation_options
 def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, max_queue, max_body, parallel,
           prefix_cache_slots, snapshot_interval, prefix_cache_dir, prefix_cache_budget, api_key, api_key_file,
-          public_health, public_metrics, insecure, **runtime_flags):
+          public_health, public_metrics, insecure, speculation, **runtime_flags):
     """Serve the OpenAI chat and completions API over HTTP, with /health and /metrics.
 
     Requests queue in arrival order and are served one at a time, each resuming from the longest
@@ -97,6 +99,9 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     if not access.keys and not is_loopback(host):
         logger.warning(f"--insecure: no API key, so whoever reaches --host {host} may use the server")
     if parallel > 1:
+        if speculation.enabled:
+            raise click.ClickException("--spec-type: requests decoded together (--parallel) do not speculate yet; "
+                                       "give --parallel 1 or --spec-type none")
         if runtime_flags["device"] != "cpu" or runtime_flags["splits"]:
             raise click.ClickException("--parallel: requests are decoded together on the CPU parent without --split "
                                        "for now; give --parallel 1 (the default) here")
@@ -127,7 +132,7 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     worker = Worker(partial(open_runtime, model, runtime_flags, prefix_cache=prefix_cache),
                     Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue,
                            parallel=parallel),
-                    on_load_failure=stop_serving, on_ready=announce)
+                    on_load_failure=stop_serving, on_ready=announce, speculation=speculation)
     app = create_app(worker, model_id, max_body_bytes, access)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     server.run(sockets=[listening])

@@ -43,11 +43,14 @@ def stats_document(runtime: Runtime, run: RunStats, **extra) -> dict:
 
 def timing_line(run: RunStats) -> str:
     """The closing figures llama.cpp prints, in one line: prompt eval and eval time and speed."""
-    per_token = f"{run.decode_seconds * 1e3 / run.decode_steps:.2f} ms per token, " if run.decode_steps else ""
+    per_token = f"{run.decode_seconds * 1e3 / run.decode_tokens:.2f} ms per token, " if run.decode_tokens else ""
+    spec = run.speculation
+    accepted = (f"; {spec.accepted_tokens} of {spec.drafted_tokens} drafted tokens accepted in {spec.verify_steps} "
+                f"verifies" if spec is not None else "")
     return (f"moerun: prompt eval {run.prompt_tokens} tokens in {run.prefill_seconds * 1e3:.2f} ms "
             f"({run.prefill_tokens_per_second:.2f} t/s); eval {run.decode_steps} runs in "
             f"{run.decode_seconds * 1e3:.2f} ms ({per_token}{run.decode_tokens_per_second:.2f} t/s); "
-            f"{run.generated_tokens} tokens generated")
+            f"{run.generated_tokens} tokens generated{accepted}")
 
 
 def stats_table(doc: dict, width: int | None = None) -> str:
@@ -56,12 +59,17 @@ def stats_table(doc: dict, width: int | None = None) -> str:
     lines = [
         f"prefill: {doc['prompt_tokens']} tokens in {doc['prefill_seconds']:.3f} s "
         f"({doc['prefill_tokens_per_second']:.2f} tokens/s)",
-        f"decode:  {doc['decode_steps']} tokens in {doc['decode_seconds']:.3f} s "
+        f"decode:  {doc['decode_tokens']} tokens in {doc['decode_seconds']:.3f} s "
         f"({doc['decode_tokens_per_second']:.2f} tokens/s)",
         f"MoE:     {doc['hot_only_layer_share']:.1%} of layer calls hot-only, "
         f"{doc['remote_pair_share']:.1%} of {doc['routed_pairs']} routed pairs remote, "
         f"{doc['fallback_pairs']} computed by the parent after a daemon failed",
     ]
+    spec = doc.get("speculation")
+    if spec is not None:
+        lines.append(f"spec:    {spec['verify_steps']} verifies, {spec['accepted_tokens']} of {spec['drafted_tokens']} "
+                     f"drafted tokens accepted ({spec['mean_accepted']:.2f} a verify), {spec['paused_steps']} plain "
+                     f"steps while the gate paused drafting")
     if doc.get("host_pairs"):
         lines.append(f"host:    {doc['host_pairs']} pairs to experts in host RAM: {doc['cache_hit_rate']:.1%} from the "
                      f"expert cache ({doc['cache_swaps']} swaps, {doc['cache_bytes_in'] / 2**20:.0f} MiB in), "

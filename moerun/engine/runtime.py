@@ -27,6 +27,7 @@ from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.engine.scheduler import BatchStats, Scheduler
 from moerun.engine.snapshot_store import Snapshot
+from moerun.engine.speculative import NgramDrafter, SpecGate, SpecParams, SpecStats
 from moerun.engine.weights import load_weights
 from moerun.errors import MoerunError
 from moerun.gguf.reader import GGUFError, GGUFFile
@@ -60,10 +61,12 @@ class RunStats:
     prompt_tokens: int = 0
     prefill_seconds: float = 0.0
     generated_tokens: int = 0
-    decode_steps: int = 0        # single-token forward passes after the prompt
+    decode_steps: int = 0        # forward passes after the prompt (a speculative verify is one)
+    decode_tokens: int = 0       # the tokens whose distributions they gave (= decode_steps without speculation)
     decode_seconds: float = 0.0
     finish: str = ""             # why generation ended: stop (a stop token), length (max tokens), context (full)
     restored_tokens: int = 0     # prompt positions taken from a prefix snapshot, not prefilled
+    speculation: SpecStats | None = None     # with --spec-type: its verify steps, drafts and acceptance
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -71,11 +74,12 @@ class RunStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return self.decode_steps / self.decode_seconds if self.decode_seconds else 0.0
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "prefill_tokens_per_second": self.prefill_tokens_per_second,
-                "decode_tokens_per_second": self.decode_tokens_per_second}
+                "decode_tokens_per_second": self.decode_tokens_per_second,
+                "speculation": self.speculation.to_dict() if self.speculation is not None else None}
 
 
 @dataclass(frozen=True)
@@ -214,14 +218,17 @@ class Runtime:
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int] = frozenset(), stats: RunStats | None = None,
-                 context: Context | None = None) -> Iterator[int]:
+                 context: Context | None = None, speculation: SpecParams = SpecParams()) -> Iterator[int]:
         """Yield up to max_new_tokens sampled ids; a stop id ends generation and is
         not yielded. Stops early, without error, when the context is full; stats.finish says
         which of the three ended it. Time spent by the caller between tokens is not counted
         in `stats`. With `context`, the prompt goes on from its tokens (at least one token of
-        it), which were prefilled before: their cache is restored before the prefill's clock starts."""
+        it), which were prefilled before: their cache is restored before the prefill's clock starts.
+        With `speculation` enabled, decode verifies drafted tokens (engine/speculative.py): the same
+        tokens greedy, the same distribution sampling."""
         stats = stats if stats is not None else RunStats()
         sampler = Sampler(sampling)
+        gate = self._gate(speculation, stats)
         if context is not None and not prompt:
             raise RequestError("nothing to go on with after the context: give at least one token")
         history = [*context.tokens, *prompt] if context is not None else list(prompt)
@@ -233,8 +240,23 @@ class Runtime:
         stats.prefill_seconds = time.perf_counter() - started
 
         stats.finish = "length"
-        logits = yield from self._sample(cache, logits, sampler, history, max_new_tokens, stop_ids, stats)
+        logits = yield from self._sample(cache, logits, sampler, history, max_new_tokens, stop_ids, stats, gate)
         self._snapshot(history[:cache.length], cache, logits)      # the end of an answer: a chat's next turn
+
+    def _gate(self, speculation: SpecParams, stats: RunStats) -> SpecGate | None:
+        """The speculation gate of a sequence, counting into stats.speculation; None when off. Refused
+        where a verify's rejected positions cannot be dropped yet: a DeltaNet layer's state, the
+        layer shards' caches."""
+        if not speculation.enabled:
+            return None
+        if self.spec.delta_net is not None:
+            raise RequestError(f"--spec-type {speculation.spec_type}: {self.spec.rule.gguf_arch}'s DeltaNet layers "
+                               f"cannot roll back a rejected draft yet; give --spec-type none")
+        if self.shards is not None:
+            raise RequestError(f"--spec-type {speculation.spec_type}: the layer shards' KV caches cannot drop a "
+                               f"rejected draft yet; give --spec-type none, or run without --split")
+        stats.speculation = stats.speculation or SpecStats()        # a chat's turns add up
+        return SpecGate(speculation, stats.speculation)
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                        sampling: Sequence[SamplingParams], stop_ids: frozenset[int] = frozenset(),
@@ -266,27 +288,61 @@ class Runtime:
                          stats, self.prefix_cache)
 
     def _sample(self, cache: KVCache, logits: np.ndarray, sampler: Sampler, history: list[int], max_new_tokens: int,
-                stop_ids: frozenset[int], stats: RunStats) -> Iterator[int]:
-        """generate()'s tokens after the prompt; returns the last logits computed."""
-        for _ in range(max_new_tokens):
-            token = sampler(logits[-1], history)
+                stop_ids: frozenset[int], stats: RunStats, gate: SpecGate | None) -> Iterator[int]:
+        """generate()'s tokens after the prompt; returns the last logits computed. Each pass
+        leaves the cache holding `history` and `logits` [1, V] the distribution after it. With a
+        gate, a pass verifies the drafter's tokens after the one sampled (engine/speculative.py):
+        each draft the sampler accepts counts as drawn, the cache keeps the positions taken."""
+        drafter = NgramDrafter() if gate is not None else None
+        excluded = None                                 # the draft rejected at this position
+        produced = 0
+        while produced < max_new_tokens:
+            token = sampler(logits[-1], history, excluded)
             if token in stop_ids:
                 stats.finish = "stop"
                 return logits
+            produced += 1
             stats.generated_tokens += 1
             yield token
-            if stats.generated_tokens == 1:            # the prompt's end, taken after its first token is out
+            if produced == 1:            # the prompt's end, taken after its first token is out
                 self._snapshot(history, cache, logits)
             history.append(token)
-            if stats.generated_tokens == max_new_tokens:
+            if produced == max_new_tokens:
                 return logits
             if cache.length >= self.ctx:
                 stats.finish = "context"
                 return logits
             if cache.length >= cache.capacity:
                 raise RequestError(self.pool_full(cache.length + 1))
-            logits = self._decode(token, cache, stats)
-        return logits
+            room = min(gate.room(), max_new_tokens - produced,
+                       min(self.ctx, cache.capacity) - cache.length - 1) if gate is not None else 0
+            drafts = drafter.draft(history, room) if room > 0 else []
+            if not drafts or len(drafts) < gate.params.draft_min:
+                logits, excluded = self._decode(token, cache, stats, gate), None
+                continue
+            started = time.perf_counter()
+            rows = self.model.forward(np.array([token, *drafts]), cache, all_logits=True)    # [W, V]
+            taken, excluded = 0, None
+            for drafted in drafts:
+                if not sampler.accepts(rows[taken], history, drafted):
+                    excluded = drafted
+                    break
+                if drafted in stop_ids:
+                    stats.finish = "stop"
+                    break
+                taken += 1
+                produced += 1
+                stats.generated_tokens += 1
+                yield drafted
+                history.append(drafted)
+                if produced == max_new_tokens:
+                    break
+            cache.truncate(len(history))
+            logits = rows[taken:taken + 1]
+            self._count_verify(stats, gate, len(drafts), taken, time.perf_counter() - started,
+                               produced < max_new_tokens)
+            if stats.finish == "stop":
+                return logits
 
     def _prefill(self, prompt: Sequence[int], stats: RunStats,
                  resumed: KVCache | None = None) -> tuple[KVCache, np.ndarray]:
@@ -349,13 +405,27 @@ class Runtime:
         if self.prefix_cache is not None:
             self.prefix_cache.keep(tokens, cache, logits[-1])        # forward() gives host logits
 
-    def _decode(self, token: int, cache: KVCache, stats: RunStats) -> np.ndarray:
+    def _decode(self, token: int, cache: KVCache, stats: RunStats, gate: SpecGate | None = None) -> np.ndarray:
         """One decode step: the token's forward pass, timed -> logits [1, V]."""
         started = time.perf_counter()
         logits = self.model.forward(np.array([token]), cache, all_logits=False)
-        stats.decode_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        stats.decode_seconds += seconds
         stats.decode_steps += 1
+        stats.decode_tokens += 1
+        if gate is not None:
+            gate.plain_step(seconds)
         return logits
+
+    @staticmethod
+    def _count_verify(stats: RunStats, gate: SpecGate, drafted: int, taken: int, seconds: float,
+                      goes_on: bool) -> None:
+        """A verify pass: its drafts, those taken, and (where generation goes on) the distribution
+        after them: one token more."""
+        stats.decode_seconds += seconds
+        stats.decode_steps += 1
+        stats.decode_tokens += taken + goes_on
+        gate.verify_step(drafted, taken, seconds)
 
     def _check_prompt(self, ids: Sequence[int]) -> None:
         if len(ids) == 0:

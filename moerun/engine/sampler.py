@@ -56,14 +56,38 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        """logits [V] of the next position; history = ids so far (prompt included)."""
+    def __call__(self, logits: np.ndarray, history: Sequence[int], excluded: int | None = None) -> int:
+        """logits [V] of the next position; history = ids so far (prompt included). `excluded`:
+        a drafted token the verify rejected here (engine/speculative.py), drawn from the rest of
+        the distribution, renormalised (greedy: it was not the argmax, so nothing changes)."""
+        ids, probs = self.candidates(logits, history)
+        if self.params.greedy:
+            return int(ids[0])
+        if excluded is not None and np.any(ids == excluded):
+            keep = ids != excluded
+            ids, probs = ids[keep], probs[keep] / probs[keep].sum()
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def accepts(self, logits: np.ndarray, history: Sequence[int], drafted: int) -> bool:
+        """Whether the token drawn here is the drafted one: greedy, whether it is the argmax;
+        sampling, with the probability the distribution gives it (speculative sampling's rule
+        for a draft that proposes one token: with a rejection drawn from the rest, the draws
+        keep the distribution)."""
+        ids, probs = self.candidates(logits, history)
+        if self.params.greedy:
+            return int(ids[0]) == drafted
+        chance = probs[ids == drafted]
+        return bool(chance.size) and self.rng.random() < float(chance[0])
+
+    def candidates(self, logits: np.ndarray, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids a draw picks from and their probabilities, as llama.cpp's chain leaves them;
+        greedy: the argmax alone."""
         p = self.params
         logits = apply_penalties(logits.astype(np.float32), history[-p.repeat_last_n:] if p.repeat_last_n else [], p)
         if p.banned_ids:
             logits[list(p.banned_ids)] = -np.inf
         if p.greedy:
-            return int(np.argmax(logits))
+            return np.array([np.argmax(logits)]), np.ones(1)
         ids = np.argsort(-logits, kind="stable")                  # candidates, best first
         if p.top_k:
             ids = ids[: p.top_k]
@@ -74,8 +98,7 @@ class Sampler:
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs[0]
             ids = ids[keep]
-        probs = softmax(logits[ids] / np.float32(p.temperature))
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        return ids, softmax(logits[ids] / np.float32(p.temperature))
 
 
 def apply_penalties(logits: np.ndarray, recent: Sequence[int], p: SamplingParams) -> np.ndarray:

@@ -22,6 +22,7 @@ from typing import Any
 
 from moerun.engine.runtime import RequestError, RunStats, Runtime
 from moerun.engine.scheduler import Scheduler
+from moerun.engine.speculative import SpecParams
 from moerun.gguf.chat import ChatTemplateError, render_messages
 from moerun.gguf.tokenizer import TokenizerError, TooManyTokens
 from moerun.rig.shards import ShardFailed
@@ -108,9 +109,11 @@ class Slot:
 class Worker:
     def __init__(self, open_runtime: Callable[[], Runtime], limits: Limits = Limits(),
                  metrics: ServerMetrics | None = None, on_load_failure: Callable[[], None] = lambda: None,
-                 on_ready: Callable[[], None] = lambda: None):
-        """`on_ready` and `on_load_failure` are called from the worker's thread once loading ends."""
+                 on_ready: Callable[[], None] = lambda: None, speculation: SpecParams = SpecParams()):
+        """`on_ready` and `on_load_failure` are called from the worker's thread once loading ends;
+        `speculation`: how each request alone decodes (engine/speculative.py)."""
         self.limits = limits
+        self.speculation = speculation
         self.metrics = metrics or ServerMetrics()
         self.runtime: Runtime | None = None
         self.load_error: str | None = None
@@ -348,7 +351,7 @@ class Worker:
         decoder = runtime.tokenizer.stream_decoder(skip_special=True)
         stops = StopMatcher(job.generation.stop)
         tokens = runtime.generate(job.prompt_ids, job.max_tokens, job.generation.sampling,
-                                  runtime.tokenizer.stop_ids, stats)
+                                  runtime.tokenizer.stop_ids, stats, speculation=self.speculation)
         first_token_at = 0.0
         for token in tokens:
             if stats.generated_tokens == 1:

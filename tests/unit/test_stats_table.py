@@ -6,7 +6,7 @@ import pytest
 from moerun.engine.report import DAEMON_COLUMNS, stats_table
 
 RUN = {"prompt_tokens": 5, "prefill_seconds": 0.5, "prefill_tokens_per_second": 10.0, "decode_steps": 4,
-       "decode_seconds": 0.2, "decode_tokens_per_second": 20.0, "hot_only_layer_share": 0.25,
+       "decode_tokens": 4, "decode_seconds": 0.2, "decode_tokens_per_second": 20.0, "hot_only_layer_share": 0.25,
        "remote_pair_share": 0.5, "routed_pairs": 64, "fallback_pairs": 3}
 LONG = {"name": "d0 tcp://a-very-long-host-name.rack-7.example.internal:5555", "transport": "stream",
         "calls": 123456, "mib_sent": 1.5, "mib_received": 2.25, "parent_wait_ms": 3.5, "daemon_compute_ms": 4.5,

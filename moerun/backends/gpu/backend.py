@@ -126,6 +126,12 @@ class GpuKVCache:
     def advance(self, n_tokens: int) -> None:
         self.length += n_tokens
 
+    def truncate(self, length: int) -> None:
+        """Keep positions 0..length-1, as PagedKVCache.truncate."""
+        if self.conv:
+            raise ValueError("a DeltaNet layer's state cannot drop positions")
+        self.length = min(self.length, length)
+
     def snapshot(self) -> CacheState:
         """Into page-locked arrays (CuPy's pool keeps the memory of dropped ones for the next),
         every copy queued before the one wait."""

@@ -1,0 +1,130 @@
+"""Speculative decoding: a drafter proposes the tokens that may come next, one forward pass
+verifies them all (the last sampled token and the drafts: W = 1 + drafts positions), and the
+sampler keeps the drafts it would have drawn itself (Sampler.accepts) plus one token of its own,
+so the output is what plain decoding gives: the same tokens greedy, the same distribution
+sampling. The cache keeps the accepted positions and drops the rest (KVCache.truncate).
+
+The drafter here is n-gram lookup (llama.cpp's `lookup`, prompt lookup decoding): the longest
+of the sequence's last 1..NGRAM_MAX tokens that occurred before proposes what followed it there.
+The gate measures what a verify gains (tokens per step) and costs (seconds per step, by width)
+against a plain step, and pauses drafting while it loses.
+
+Shape legend: W verified positions, V vocab.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from moerun.errors import UsageError
+
+SPEC_TYPES = ("none", "ngram", "auto")   # auto: the best drafter the model and rig have (today: ngram)
+NGRAM_MAX = 4
+NGRAM_MIN = 1
+SMOOTHING = 0.2              # the gate's moving averages: this much of each new step
+MARGIN = 0.97                # speculation keeps running while it is at least this fast as plain steps
+FIRST_PAUSE = 8              # plain steps the gate waits after a loss, doubled after each further one
+LONGEST_PAUSE = 256
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    spec_type: str = "none"
+    draft_max: int = 16          # tokens a verify step checks at most (llama.cpp's --draft-max)
+    draft_min: int = 0           # fewer drafted than this: a plain step instead (--draft-min)
+    gated: bool = True           # False (--no-spec-gate): draft at every step, even where it loses
+
+    def __post_init__(self) -> None:
+        if self.spec_type not in SPEC_TYPES:
+            raise UsageError(f"--spec-type must be one of {', '.join(SPEC_TYPES)} (got {self.spec_type!r})")
+        if self.draft_max < 1 or self.draft_min < 0 or self.draft_min > self.draft_max:
+            raise UsageError(f"--draft-min {self.draft_min} and --draft-max {self.draft_max}: give "
+                             f"0 <= --draft-min <= --draft-max and --draft-max >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.spec_type != "none"
+
+
+class NgramDrafter:
+    """Drafts from the sequence itself: for n from NGRAM_MAX down to NGRAM_MIN, the last n tokens'
+    latest earlier occurrence, and the tokens that followed it. The n-grams are indexed as the
+    sequence grows (each position once), so a draft costs a few lookups at any length."""
+
+    def __init__(self) -> None:
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
+        self._indexed = 0          # positions whose preceding n-grams are in the index
+
+    def draft(self, history: Sequence[int], most: int) -> list[int]:
+        """Up to `most` tokens that may follow `history` (none where nothing matches)."""
+        for end in range(max(self._indexed, 1), len(history)):   # n-grams that something followed
+            for n, ends in self._ends.items():
+                if end >= n:
+                    ends[tuple(history[end - n:end])] = end
+        self._indexed = max(self._indexed, len(history))
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if len(history) < n:
+                continue
+            start = self._ends[n].get(tuple(history[-n:]))
+            if start is not None:
+                return list(history[start:start + most])
+        return []
+
+
+@dataclass
+class SpecStats:
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    paused_steps: int = 0        # plain steps the gate chose while speculation lost
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "mean_accepted": self.mean_accepted}
+
+
+@dataclass
+class SpecGate:
+    """Whether the next step drafts, and how many tokens: from the measured seconds of plain
+    steps and of verify steps and the tokens each verify yielded (moving averages). While
+    verifies yield fewer tokens per second than plain steps (by MARGIN), drafting pauses for
+    FIRST_PAUSE plain steps, twice as many after each further loss (at most LONGEST_PAUSE), then
+    is measured again; a verify that wins resets the pause."""
+    params: SpecParams
+    stats: SpecStats = field(default_factory=SpecStats)
+    plain_seconds: float = 0.0   # per plain step
+    spec_rate: float = 0.0       # tokens per second of verify steps
+    pause: int = 0               # plain steps left before drafting again
+    next_pause: int = FIRST_PAUSE
+
+    def room(self) -> int:
+        """Tokens the next step may draft: 0 while paused."""
+        if self.pause and self.params.gated:
+            self.pause -= 1
+            self.stats.paused_steps += 1
+            return 0
+        return self.params.draft_max
+
+    def plain_step(self, seconds: float) -> None:
+        self.plain_seconds = _averaged(self.plain_seconds, seconds)
+
+    def verify_step(self, drafted: int, accepted: int, seconds: float) -> None:
+        """A verify of `drafted` tokens that kept `accepted`, and gave one token more."""
+        self.stats.verify_steps += 1
+        self.stats.drafted_tokens += drafted
+        self.stats.accepted_tokens += accepted
+        self.spec_rate = _averaged(self.spec_rate, (accepted + 1) / seconds if seconds > 0 else float("inf"))
+        if not self.plain_seconds:
+            return
+        if self.spec_rate * self.plain_seconds < MARGIN:          # fewer tokens a second than a plain step's 1
+            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, LONGEST_PAUSE)
+            self.spec_rate = 0.0                                  # measured afresh after the pause
+        else:
+            self.next_pause = FIRST_PAUSE
+
+
+def _averaged(average: float, value: float) -> float:
+    return value if not average else (1 - SMOOTHING) * average + SMOOTHING * value

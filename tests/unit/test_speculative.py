@@ -1,0 +1,176 @@
+"""Speculative decoding (engine/speculative.py): verifying drafts never changes the output.
+Greedy, the tokens of plain decoding on every architecture, whether the drafts are right, wrong
+or cut short by a stop token, the token limit or the context; sampling, the distribution of
+plain sampling (chi-squared tests of the sampler's accept-or-redraw rule, and of the first two
+tokens on a tiny model); the n-gram drafter and the gate on their own."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import moerun.engine.runtime as runtime_module
+from moerun.engine.runtime import RequestError, RunStats, Runtime
+from moerun.engine.sampler import Sampler, SamplingParams
+from moerun.engine.speculative import FIRST_PAUSE, NgramDrafter, SpecGate, SpecParams
+from moerun.errors import UsageError
+from tests.support.hf_models import ARCHS, HYBRID_ARCHS, tiny_model
+from tests.support.to_gguf import write_gguf
+
+GREEDY = SamplingParams(temperature=0.0)
+FORCED = SpecParams("ngram", draft_max=6, gated=False)       # a verify at every step that has drafts
+NEW_TOKENS = 256
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model(request, tmp_path_factory):
+    return write_gguf(tiny_model(request.param), tmp_path_factory.mktemp("spec") / f"{request.param}.gguf", "Q8_0")
+
+
+def prompt_of(runtime: Runtime, n: int = 12) -> list[int]:
+    return np.random.default_rng(3).integers(0, runtime.spec.vocab, n).tolist()
+
+
+class ScriptedDrafter:
+    """Drafts what plain decoding gave after the prompt, every `wrong`-th draft with one token
+    changed: verifies that accept every draft, part of one, or none."""
+
+    def __init__(self, prompt: list[int], plain: list[int], vocab: int, wrong: int = 3):
+        self.sequence, self.start, self.vocab, self.wrong, self.calls = prompt + plain, len(prompt), vocab, wrong, 0
+
+    def draft(self, history, most):
+        self.calls += 1
+        drafts = self.sequence[len(history):len(history) + most]
+        if drafts and self.calls % self.wrong == 0:
+            at = self.calls % len(drafts)
+            drafts[at] = (drafts[at] + 1) % self.vocab
+        return drafts
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Runtime.generate's drafter replaced by ScriptedDrafter over (prompt, plain tokens)."""
+    def use(prompt, plain, vocab, wrong=3):
+        monkeypatch.setattr(runtime_module, "NgramDrafter", lambda: ScriptedDrafter(prompt, plain, vocab, wrong))
+    return use
+
+
+def test_greedy_speculation_gives_the_plain_tokens(model, scripted):
+    with Runtime(model, ubatch=16) as runtime:
+        prompt = prompt_of(runtime)
+        plain = list(runtime.generate(prompt, NEW_TOKENS, GREEDY))
+        ngram_stats = RunStats()
+        ngram = list(runtime.generate(prompt, NEW_TOKENS, GREEDY, stats=ngram_stats, speculation=FORCED))
+        scripted(prompt, plain, runtime.spec.vocab)
+        stats = RunStats()
+        drafted = list(runtime.generate(prompt, NEW_TOKENS, GREEDY, stats=stats, speculation=FORCED))
+    assert ngram == plain and drafted == plain
+    assert ngram_stats.speculation.verify_steps > 0
+    spec = stats.speculation
+    assert 0 < spec.accepted_tokens < spec.drafted_tokens, "drafts accepted, and drafts rejected"
+    assert stats.decode_tokens == NEW_TOKENS - 1 and stats.decode_steps < NEW_TOKENS // 2
+
+
+@pytest.mark.parametrize("limit", ["stop", "length", "context"])
+def test_drafts_past_a_stop_the_token_limit_or_the_context_are_not_taken(model, scripted, limit):
+    ctx = 12 + 23 if limit == "context" else None
+    with Runtime(model, ubatch=16, ctx=ctx) as runtime:
+        prompt = prompt_of(runtime)
+        most = 7 if limit == "length" else 40
+        first = list(runtime.generate(prompt, 40, GREEDY))
+        new = next(i for i in range(5, 40) if first[i] not in first[:i])        # a token not generated before
+        stop_ids = frozenset({first[new]}) if limit == "stop" else frozenset()
+        plain_stats, spec_stats = RunStats(), RunStats()
+        plain = list(runtime.generate(prompt, most, GREEDY, stop_ids, plain_stats))
+        scripted(prompt, first, runtime.spec.vocab, wrong=1000)            # every draft right
+        spec = list(runtime.generate(prompt, most, GREEDY, stop_ids, spec_stats,
+                                     speculation=SpecParams("ngram", draft_max=16, gated=False)))
+        after = list(runtime.generate(prompt, 5, GREEDY))                 # the same runtime, afterwards
+    assert spec == plain and plain_stats.finish == spec_stats.finish == limit
+    assert spec_stats.speculation.verify_steps > 0
+    assert after == first[:5]
+
+
+def test_sampling_accept_or_redraw_keeps_the_distribution():
+    """A drafted token taken with the probability the distribution gives it, else a draw from
+    the rest: the draws' frequencies fit the distribution (chi-squared, 5 sigma)."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal(50).astype(np.float32) * 2
+    sampler = Sampler(SamplingParams(temperature=0.9, top_k=12, top_p=1.0, min_p=0.0, seed=5))
+    ids, probs = sampler.candidates(logits, [])
+    draws = 40_000
+    counts = dict.fromkeys(ids.tolist(), 0)
+    for i in range(draws):
+        drafted = int(ids[i % 3])                                  # likely and less likely drafts
+        token = drafted if sampler.accepts(logits, [], drafted) else sampler(logits, [], excluded=drafted)
+        counts[token] += 1
+    expected = draws * probs
+    chi2 = sum((counts[int(t)] - e) ** 2 / e for t, e in zip(ids, expected))
+    dof = len(ids) - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
+
+
+def test_the_first_two_sampled_tokens_keep_their_distribution(monkeypatch, tmp_path):
+    """On a tiny model: the joint distribution of the first two tokens (the second a verified
+    draft: taken or redrawn) against p(x1) · p(x2 | x1) from the model's logits."""
+    path = write_gguf(tiny_model("qwen3moe"), tmp_path / "m.gguf", "Q8_0")
+    sampling = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
+    with Runtime(path, ubatch=16) as runtime:
+        prompt = prompt_of(runtime, 6)
+        first_ids, first_probs = Sampler(sampling).candidates(runtime.logits(prompt)[-1], prompt)
+        second = {int(x1): Sampler(sampling).candidates(runtime.logits([*prompt, int(x1)])[-1], [*prompt, int(x1)])
+                  for x1 in first_ids}
+        drafted = {x1: int(ids[0]) for x1, (ids, _) in second.items()}       # the likeliest second token
+        monkeypatch.setattr(runtime_module, "NgramDrafter",
+                            lambda: type("D", (), {"draft": lambda self, history, most: [drafted[history[-1]]]})())
+        counts: dict[tuple[int, int], int] = {}
+        runs = 1500
+        for seed in range(runs):
+            pair = tuple(runtime.generate(prompt, 2, SamplingParams(**{**sampling.__dict__, "seed": seed}),
+                                          speculation=SpecParams("ngram", gated=False)))
+            counts[pair] = counts.get(pair, 0) + 1
+    chi2, cells = 0.0, 0
+    for x1, p1 in zip(first_ids, first_probs):
+        ids, probs = second[int(x1)]
+        for x2, p2 in zip(ids, probs):
+            expected = runs * p1 * p2
+            chi2 += (counts.get((int(x1), int(x2)), 0) - expected) ** 2 / expected
+            cells += 1
+    support = {(int(a), int(b)) for a in first_ids for b in second[int(a)][0]}
+    assert sum(counts.values()) == runs and set(counts) <= support
+    dof = cells - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
+
+
+def test_the_ngram_drafter_proposes_what_followed_the_longest_match():
+    drafter = NgramDrafter()
+    history = [5, 6, 7, 8, 9, 1, 2, 6, 7, 3, 6, 7]
+    assert drafter.draft(history, 3) == [3, 6, 7]          # (6, 7) last followed by 3
+    history += [3]
+    assert drafter.draft(history, 4) == [6, 7, 3]           # (6, 7, 3) followed by 6, 7, 3: the sequence up to its end
+    assert drafter.draft([1, 2, 3], 4) == []                # nothing seen twice
+    assert NgramDrafter().draft([4, 4, 4, 4], 2) == [4]
+
+
+def test_the_gate_pauses_drafting_while_verifies_lose_and_measures_again():
+    gate = SpecGate(SpecParams("ngram", draft_max=8))
+    gate.plain_step(0.010)
+    gate.verify_step(drafted=8, accepted=0, seconds=0.030)            # one token in 30 ms: slower than plain
+    assert [gate.room() for _ in range(FIRST_PAUSE)] == [0] * FIRST_PAUSE
+    assert gate.room() == 8 and gate.stats.paused_steps == FIRST_PAUSE
+    gate.verify_step(drafted=8, accepted=0, seconds=0.030)
+    assert sum(gate.room() == 0 for _ in range(4 * FIRST_PAUSE)) == 2 * FIRST_PAUSE    # the pause doubled
+    gate.verify_step(drafted=8, accepted=5, seconds=0.015)            # six tokens in 15 ms: it wins
+    assert gate.room() == 8
+
+
+def test_speculation_is_refused_where_a_draft_cannot_be_rolled_back(tmp_path):
+    path = write_gguf(tiny_model(HYBRID_ARCHS[0]), tmp_path / "hybrid.gguf", "Q8_0")
+    with Runtime(path, ubatch=16) as runtime:
+        with pytest.raises(RequestError, match="DeltaNet"):
+            list(runtime.generate([1, 2, 3], 4, GREEDY, speculation=SpecParams("ngram")))
+
+
+@pytest.mark.parametrize("kwargs", [dict(spec_type="eagle"), dict(draft_max=0), dict(draft_min=5, draft_max=4)])
+def test_bad_speculation_settings_are_usage_errors(kwargs):
+    with pytest.raises(UsageError):
+        SpecParams(**{"spec_type": "ngram", **kwargs})

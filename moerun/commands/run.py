@@ -71,7 +71,7 @@ def run(model, prompt, prompt_file, system_prompt, chat, n_predict, ignore_eos, 
     model = model_or_demo(model)
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
     system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-    with open_runtime(model, runtime_flags) as runtime:
+    with open_runtime(model, runtime_flags, speculation=speculation) as runtime:
         tokenizer = runtime.tokenizer
         sampling = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                   repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,

@@ -129,7 +129,7 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     def announce() -> None:
         logger.info(f"serving {model_id} at {url_of(listening)} (OpenAI API at /v1)")
 
-    worker = Worker(partial(open_runtime, model, runtime_flags, prefix_cache=prefix_cache),
+    worker = Worker(partial(open_runtime, model, runtime_flags, prefix_cache=prefix_cache, speculation=speculation),
                     Limits(max_prompt_tokens=max_prompt_tokens, max_tokens=max_tokens, max_queue=max_queue,
                            parallel=parallel),
                     on_load_failure=stop_serving, on_ready=announce, speculation=speculation)

@@ -27,7 +27,7 @@ from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.engine.scheduler import BatchStats, Scheduler
 from moerun.engine.snapshot_store import Snapshot
-from moerun.engine.speculative import NgramDrafter, SpecGate, SpecParams, SpecStats
+from moerun.engine.speculative import ModelDrafter, NgramDrafter, SpecGate, SpecParams, SpecStats
 from moerun.engine.weights import load_weights
 from moerun.errors import MoerunError
 from moerun.gguf.reader import GGUFError, GGUFFile
@@ -94,13 +94,16 @@ class Context:
 class Runtime:
     def __init__(self, path: str | Path, *, ctx: int | None = None, kv_pool: int | None = None,
                  ubatch: int = DEFAULT_UBATCH, expert_cache_bytes: int = DEFAULT_EXPERT_CACHE_BYTES,
-                 rig: RigConfig = RigConfig(), count_routing: bool = False, prefix_cache: PrefixCache | None = None):
+                 rig: RigConfig = RigConfig(), count_routing: bool = False, prefix_cache: PrefixCache | None = None,
+                 draft_model: str | Path | None = None):
         """count_routing: count how often each expert is routed to (routing_counts());
-        prefix_cache: where generate() resumes from and keeps snapshots."""
+        prefix_cache: where generate() resumes from and keeps snapshots; draft_model: a model of
+        the same vocabulary that drafts for speculative decoding, on the parent's device."""
         if ubatch < 1:
             raise RequestError(f"--ubatch must be at least 1 (got {ubatch})")
         self.gguf = GGUFFile(path)
         self.rig: Rig | None = None
+        self.draft: Runtime | None = None                # --model-draft
         self.shards: LayerShards | None = None           # the layers after the parent's (--split)
         self.cpus: HostShares | None = None
         self._tokenizer: Tokenizer | None = None
@@ -141,6 +144,8 @@ class Runtime:
             self.backend.new_cache(self.kv_pool or self.ctx)       # a GPU's: allocated now, reused per sequence
             if prefix_cache is not None:
                 prefix_cache.open_store(self.gguf.fingerprint(), f"{self.backend.kind}:{self.backend.kv_types.label}")
+            if draft_model is not None:
+                self.draft = self._open_draft(draft_model, rig)
         except BaseException:
             self.close()
             raise
@@ -180,8 +185,24 @@ class Runtime:
         """int64 [L, E]: how often each expert was routed to (a Runtime made with count_routing)."""
         return self.model.routing.counts
 
+    def _open_draft(self, path: str | Path, rig: RigConfig) -> Runtime:
+        """The draft model, all on the parent's device with the parent's threads and KV types, its
+        context the target's; refused unless its vocabulary is the target's, token for token."""
+        draft = Runtime(path, ctx=self.ctx, ubatch=self.ubatch,
+                        rig=RigConfig(device=rig.device, graphs=rig.graphs, threads=rig.threads, kv_dtype=rig.kv_dtype,
+                                      cache_type_k=rig.cache_type_k, cache_type_v=rig.cache_type_v))
+        tokens, draft_tokens = (runtime.gguf.metadata.get("tokenizer.ggml.tokens") for runtime in (self, draft))
+        if draft.spec.vocab != self.spec.vocab or tokens != draft_tokens:
+            draft.close()
+            raise RequestError(f"--model-draft {path}: its vocabulary ({draft.spec.vocab} tokens) is not the "
+                               f"model's ({self.spec.vocab}): a draft model must share the target's tokenizer")
+        return draft
+
     def close(self) -> None:
         """Stop the daemons this runtime spawned, finish writing snapshots, release the model file."""
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
         if self.prefix_cache is not None:
             self.prefix_cache.close()
         if self.rig is not None:
@@ -243,6 +264,15 @@ class Runtime:
         logits = yield from self._sample(cache, logits, sampler, history, max_new_tokens, stop_ids, stats, gate)
         self._snapshot(history[:cache.length], cache, logits)      # the end of an answer: a chat's next turn
 
+    def _drafter(self, params: SpecParams) -> NgramDrafter | ModelDrafter:
+        """The sequence's drafter: the draft model's (spec types draft, and auto where there is one),
+        else n-gram lookup."""
+        if self.draft is None or params.spec_type == "ngram":
+            return NgramDrafter()
+        model = self.draft.model
+        return ModelDrafter(lambda ids, cache: model.forward(ids, cache, all_logits=False),
+                            self.draft._new_cache(), self.ubatch)
+
     def _gate(self, speculation: SpecParams, stats: RunStats) -> SpecGate | None:
         """The speculation gate of a sequence, counting into stats.speculation; None when off. Refused
         where a verify's rejected positions cannot be dropped yet: a DeltaNet layer's state, the
@@ -252,6 +282,8 @@ class Runtime:
         if self.spec.delta_net is not None:
             raise RequestError(f"--spec-type {speculation.spec_type}: {self.spec.rule.gguf_arch}'s DeltaNet layers "
                                f"cannot roll back a rejected draft yet; give --spec-type none")
+        if speculation.spec_type == "draft" and self.draft is None:
+            raise RequestError("--spec-type draft: this runtime has no draft model (--model-draft FILE)")
         if self.shards is not None:
             raise RequestError(f"--spec-type {speculation.spec_type}: the layer shards' KV caches cannot drop a "
                                f"rejected draft yet; give --spec-type none, or run without --split")
@@ -293,7 +325,7 @@ class Runtime:
         leaves the cache holding `history` and `logits` [1, V] the distribution after it. With a
         gate, a pass verifies the drafter's tokens after the one sampled (engine/speculative.py):
         each draft the sampler accepts counts as drawn, the cache keeps the positions taken."""
-        drafter = NgramDrafter() if gate is not None else None
+        drafter = self._drafter(gate.params) if gate is not None else None
         excluded = None                                 # the draft rejected at this position
         produced = 0
         while produced < max_new_tokens:
@@ -316,11 +348,11 @@ class Runtime:
                 raise RequestError(self.pool_full(cache.length + 1))
             room = min(gate.room(), max_new_tokens - produced,
                        min(self.ctx, cache.capacity) - cache.length - 1) if gate is not None else 0
+            started = time.perf_counter()
             drafts = drafter.draft(history, room) if room > 0 else []
             if not drafts or len(drafts) < gate.params.draft_min:
                 logits, excluded = self._decode(token, cache, stats, gate), None
                 continue
-            started = time.perf_counter()
             rows = self.model.forward(np.array([token, *drafts]), cache, all_logits=True)    # [W, V]
             taken, excluded = 0, None
             for drafted in drafts:

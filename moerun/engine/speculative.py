@@ -4,8 +4,10 @@ sampler keeps the drafts it would have drawn itself (Sampler.accepts) plus one t
 so the output is what plain decoding gives: the same tokens greedy, the same distribution
 sampling. The cache keeps the accepted positions and drops the rest (KVCache.truncate).
 
-The drafter here is n-gram lookup (llama.cpp's `lookup`, prompt lookup decoding): the longest
-of the sequence's last 1..NGRAM_MAX tokens that occurred before proposes what followed it there.
+Two drafters: n-gram lookup (llama.cpp's `lookup`, prompt lookup decoding: the longest of the
+sequence's last 1..NGRAM_MAX tokens that occurred before proposes what followed it there), and a
+draft model (`--model-draft`: a smaller model of the same vocabulary, drafting greedily with a KV
+cache of its own that follows the sequence).
 The gate measures what a verify gains (tokens per step) and costs (seconds per step, by width)
 against a plain step, and pauses drafting while it loses.
 
@@ -13,12 +15,15 @@ Shape legend: W verified positions, V vocab.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
+from moerun.backends.protocol import KVCache
 from moerun.errors import UsageError
 
-SPEC_TYPES = ("none", "ngram", "auto")   # auto: the best drafter the model and rig have (today: ngram)
+SPEC_TYPES = ("none", "ngram", "draft", "auto")   # auto: the draft model where one is given, else ngram
 NGRAM_MAX = 4
 NGRAM_MIN = 1
 SMOOTHING = 0.2              # the gate's moving averages: this much of each new step
@@ -33,10 +38,13 @@ class SpecParams:
     draft_max: int = 16          # tokens a verify step checks at most (llama.cpp's --draft-max)
     draft_min: int = 0           # fewer drafted than this: a plain step instead (--draft-min)
     gated: bool = True           # False (--no-spec-gate): draft at every step, even where it loses
+    draft_model: str | None = None   # --model-draft FILE: the draft model (spec types draft and auto)
 
     def __post_init__(self) -> None:
         if self.spec_type not in SPEC_TYPES:
             raise UsageError(f"--spec-type must be one of {', '.join(SPEC_TYPES)} (got {self.spec_type!r})")
+        if self.spec_type == "draft" and self.draft_model is None:
+            raise UsageError("--spec-type draft needs a draft model: --model-draft FILE (-md)")
         if self.draft_max < 1 or self.draft_min < 0 or self.draft_min > self.draft_max:
             raise UsageError(f"--draft-min {self.draft_min} and --draft-max {self.draft_max}: give "
                              f"0 <= --draft-min <= --draft-max and --draft-max >= 1")
@@ -69,6 +77,34 @@ class NgramDrafter:
             if start is not None:
                 return list(history[start:start + most])
         return []
+
+
+class ModelDrafter:
+    """Drafts with a draft model: its greedy tokens after the sequence. Its cache follows the
+    sequence from call to call: positions past the first token where they part (a rejected
+    draft) are dropped, the sequence's new tokens fed in chunks of `chunk`, then each draft but
+    the last fed to give the next."""
+
+    def __init__(self, forward: Callable[[np.ndarray, KVCache], np.ndarray], cache: KVCache, chunk: int):
+        self._forward, self._cache, self._chunk = forward, cache, chunk
+        self._tokens: list[int] = []            # what the cache holds
+        self._known = 0                         # of those, the sequence's own (it only grows)
+
+    def draft(self, history: Sequence[int], most: int) -> list[int]:
+        same = self._known
+        while same < min(len(self._tokens), len(history)) and self._tokens[same] == history[same]:
+            same += 1
+        same = min(same, len(history) - 1)      # the last token fed again: its logits start the draft
+        self._cache.truncate(same)
+        for start in range(same, len(history), self._chunk):
+            logits = self._forward(np.asarray(history[start:start + self._chunk]), self._cache)
+        drafts = [int(np.argmax(logits[-1]))]
+        while len(drafts) < most:
+            logits = self._forward(np.array(drafts[-1:]), self._cache)
+            drafts.append(int(np.argmax(logits[-1])))
+        self._tokens[same:] = [*history[same:], *drafts[:-1]]
+        self._known = len(history)
+        return drafts
 
 
 @dataclass

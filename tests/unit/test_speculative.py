@@ -174,3 +174,50 @@ def test_speculation_is_refused_where_a_draft_cannot_be_rolled_back(tmp_path):
 def test_bad_speculation_settings_are_usage_errors(kwargs):
     with pytest.raises(UsageError):
         SpecParams(**{"spec_type": "ngram", **kwargs})
+
+
+@pytest.fixture(scope="module")
+def draft_pair(tmp_path_factory):
+    """A target, a draft of another seed (same vocabulary, rarely right) and one of another vocabulary."""
+    folder = tmp_path_factory.mktemp("draft")
+    return (write_gguf(tiny_model("qwen3moe"), folder / "target.gguf", "Q8_0"),
+            write_gguf(tiny_model("olmoe", seed=1), folder / "draft.gguf", "Q8_0"),
+            write_gguf(tiny_model("qwen3moe", vocab_size=352), folder / "other.gguf", "Q8_0"))
+
+
+def test_a_draft_model_drafts_and_the_output_stays_plain(draft_pair):
+    target, draft, _ = draft_pair
+    for drafter in (target, draft):            # the target drafting for itself: every draft right
+        with Runtime(target, ubatch=16, draft_model=drafter) as runtime:
+            prompt = prompt_of(runtime)
+            plain = list(runtime.generate(prompt, 64, GREEDY))
+            stats = RunStats()
+            spec = list(runtime.generate(prompt, 64, GREEDY, stats=stats,
+                                         speculation=SpecParams("draft", draft_max=5, gated=False,
+                                                                draft_model=str(drafter))))
+            sampled = list(runtime.generate(prompt, 16, SamplingParams(seed=4),
+                                            speculation=SpecParams("auto", draft_model=str(drafter))))
+        assert spec == plain and len(sampled) == 16
+        assert stats.speculation.verify_steps > 0
+        if drafter == target:
+            assert stats.speculation.accepted_tokens == stats.speculation.drafted_tokens > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(draft_pair):
+    target, _, other = draft_pair
+    with pytest.raises(RequestError, match="vocabulary"):
+        Runtime(target, draft_model=other)
+    with Runtime(target) as runtime, pytest.raises(RequestError, match="no draft model"):
+        list(runtime.generate([1, 2], 2, GREEDY, speculation=SpecParams("draft", draft_model=str(target))))
+
+
+def test_run_speculates_from_the_command_line(draft_pair, moerun):
+    target, draft, _ = draft_pair
+    plain = moerun("run", "-m", target, "-p", "ab", "-n", "24", "--temp", "0", "--ignore-eos")
+    for flags in (("--spec-type", "ngram", "--no-spec-gate"), ("-md", draft, "--draft-max", "4")):
+        result = moerun("run", "-m", target, "-p", "ab", "-n", "24", "--temp", "0", "--ignore-eos", "--stats", *flags)
+        assert result.exit_code == 0, result.output
+        assert result.stdout == plain.stdout
+        assert "spec:" in result.stderr and "verifies" in result.stderr
+    refused = moerun("run", "-m", target, "--spec-type", "draft")
+    assert refused.exit_code == 1 and "--model-draft" in refused.stderr

@@ -375,6 +375,7 @@ class Runtime:
                                produced < max_new_tokens)
             if stats.finish == "stop":
                 return logits
+        return logits
 
     def _prefill(self, prompt: Sequence[int], stats: RunStats,
                  resumed: KVCache | None = None) -> tuple[KVCache, np.ndarray]:

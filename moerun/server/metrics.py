@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.runtime import Runtime
+from moerun.engine.speculative import SpecStats
 
 OUTCOMES = ("stop", "length", "cancelled", "failed", "rejected")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
@@ -51,8 +52,23 @@ class ServerMetrics:
         self.time_per_output_token = Histogram("moerun_time_per_output_token_seconds",
                                                "A request's time from its first token to its last, per token after "
                                                "the first", buckets=TOKEN_BUCKETS, registry=registry)
+        self.spec_verify_steps = Counter("moerun_spec_verify_steps", "Speculative verify passes (--spec-type)",
+                                         registry=registry)
+        self.spec_drafted_tokens = Counter("moerun_spec_drafted_tokens", "Tokens drafted for verification",
+                                           registry=registry)
+        self.spec_accepted_tokens = Counter("moerun_spec_accepted_tokens", "Drafted tokens the sampler kept",
+                                            registry=registry)
+        self.spec_paused_steps = Counter("moerun_spec_paused_steps",
+                                         "Plain decode steps while the gate held drafting back", registry=registry)
         self.batch_sequences = Histogram("moerun_batch_sequences", "Requests in each batched step (--parallel)",
                                          buckets=BATCH_BUCKETS, registry=registry)
+
+    def count_speculation(self, spec: SpecStats) -> None:
+        """A request's speculation counters, added at its end."""
+        self.spec_verify_steps.inc(spec.verify_steps)
+        self.spec_drafted_tokens.inc(spec.drafted_tokens)
+        self.spec_accepted_tokens.inc(spec.accepted_tokens)
+        self.spec_paused_steps.inc(spec.paused_steps)
 
     def watch(self, runtime: Runtime) -> None:
         """Show the loaded runtime's daemon and MoE counters from now on."""

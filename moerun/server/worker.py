@@ -368,6 +368,8 @@ class Worker:
         metrics.prompt_tokens_per_second.set(stats.prefill_tokens_per_second)
         if stats.decode_steps:
             metrics.generation_tokens_per_second.set(stats.decode_tokens_per_second)
+        if stats.speculation is not None:
+            metrics.count_speculation(stats.speculation)
         metrics.request_duration.observe(time.monotonic() - job.arrived)
         if job.cancelled:
             return "cancelled"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import moerun.engine.runtime as runtime_module
+from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.runtime import RequestError, RunStats, Runtime
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.engine.speculative import FIRST_PAUSE, NgramDrafter, SpecGate, SpecParams
@@ -221,3 +222,20 @@ def test_run_speculates_from_the_command_line(draft_pair, moerun):
         assert "spec:" in result.stderr and "verifies" in result.stderr
     refused = moerun("run", "-m", target, "--spec-type", "draft")
     assert refused.exit_code == 1 and "--model-draft" in refused.stderr
+
+
+def test_a_speculating_answer_leaves_a_snapshot_the_next_turn_resumes_from(model, scripted):
+    """The answer's last tokens taken inside a verify: its end snapshot (cache and logits after
+    it) is what the next turn resumes from, and gives the tokens of a fresh prefill."""
+    with Runtime(model, ubatch=16) as fresh:
+        prompt = prompt_of(fresh)
+        first = list(fresh.generate(prompt, 40, GREEDY))
+        turn = [*prompt, *first[:7], 1, 2, 3]
+        expected = list(fresh.generate(turn, 12, GREEDY))
+    with Runtime(model, ubatch=16, prefix_cache=PrefixCache(slots=4, interval=0)) as runtime:
+        scripted(prompt, first, runtime.spec.vocab, wrong=1000)
+        answer = list(runtime.generate(prompt, 7, GREEDY, speculation=SpecParams("ngram", draft_max=16, gated=False)))
+        stats = RunStats()
+        resumed = list(runtime.generate(turn, 12, GREEDY, stats=stats))
+    assert answer == first[:7]
+    assert stats.restored_tokens == len(prompt) + 7 and resumed == expected

@@ -53,7 +53,7 @@ from moerun.backends.numpy_ops import (
     silu,
     softplus,
 )
-from moerun.backends.protocol import CacheState, ContextFull, Forward, swiglu_by_products
+from moerun.backends.protocol import CacheState, ContextFull, Forward, RecurrentStates, swiglu_by_products
 from moerun.errors import UsageError
 from moerun.gguf.quants import RowTable, T, row_ids, row_nbytes
 from moerun.gguf.reader import GGUFError, GGUFFile
@@ -341,11 +341,18 @@ class PagedKVCache:
         self.length += n_tokens
 
     def truncate(self, length: int) -> None:
-        """Keep positions 0..length-1 (their rows stay; the next ones are written over). Only
-        attention layers can: a DeltaNet layer's state has taken the dropped positions in."""
-        if self.conv:
-            raise ValueError("a DeltaNet layer's state cannot drop positions")
+        """Keep positions 0..length-1 of the attention layers (their rows stay; the next ones are
+        written over). A DeltaNet layer's state has taken the dropped positions in: the caller
+        restores one from before them (restore_recurrent)."""
         self.length = min(self.length, length)
+
+    def recurrent_states(self) -> RecurrentStates:
+        return RecurrentStates({i: a.copy() for i, a in self.conv.items()}, {i: a.copy() for i, a in self.ssm.items()})
+
+    def restore_recurrent(self, states: RecurrentStates) -> None:
+        for mine, saved in ((self.conv, states.conv), (self.ssm, states.ssm)):
+            for layer, state in saved.items():
+                mine[layer][...] = state
 
     def snapshot(self) -> CacheState:
         attention = [layer for layer in range(len(self._k)) if layer not in self.conv]

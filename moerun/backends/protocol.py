@@ -30,6 +30,14 @@ class ContextFull(MoerunError):
         super().__init__(f"the sequence needs {needed} positions but the context holds {capacity}")
 
 
+@dataclass
+class RecurrentStates:
+    """Copies of a cache's DeltaNet layer states at one position, on the cache's device: conv
+    [W-1, C] and ssm [HV, DK, DV] by layer (empty dicts for a model without DeltaNet layers)."""
+    conv: dict[int, Any] = field(default_factory=dict)
+    ssm: dict[int, Any] = field(default_factory=dict)
+
+
 class KVCache(Protocol):
     capacity: int                 # positions it can hold
     length: int                   # positions it holds
@@ -38,7 +46,11 @@ class KVCache(Protocol):
 
     def advance(self, n_tokens: int) -> None: ...   # n more positions written
 
-    def truncate(self, length: int) -> None: ...     # positions from `length` on dropped (a rejected draft's)
+    def truncate(self, length: int) -> None: ...     # attention positions from `length` on dropped
+
+    def recurrent_states(self) -> RecurrentStates: ...             # a copy of the DeltaNet layers' states
+
+    def restore_recurrent(self, states: RecurrentStates) -> None: ...   # them again, in place
 
     def snapshot(self) -> CacheState: ...           # what resuming at `length` needs, on the host
 

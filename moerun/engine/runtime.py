@@ -21,7 +21,7 @@ import numpy as np
 
 from moerun.backends import open_backend
 from moerun.backends.kv_types import KVTypes
-from moerun.backends.protocol import CacheState, KVCache
+from moerun.backends.protocol import CacheState, KVCache, RecurrentStates
 from moerun.engine.model import MoEModel
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
@@ -191,6 +191,11 @@ class Runtime:
         draft = Runtime(path, ctx=self.ctx, ubatch=self.ubatch,
                         rig=RigConfig(device=rig.device, graphs=rig.graphs, threads=rig.threads, kv_dtype=rig.kv_dtype,
                                       cache_type_k=rig.cache_type_k, cache_type_v=rig.cache_type_v))
+        if draft.spec.delta_net is not None:
+            draft.close()
+            raise RequestError(f"--model-draft {path}: a draft model with DeltaNet layers "
+                               f"({draft.spec.rule.gguf_arch}) cannot drop its rejected drafts yet; draft with an "
+                               f"attention-only model or ngram")
         tokens, draft_tokens = (runtime.gguf.metadata.get("tokenizer.ggml.tokens") for runtime in (self, draft))
         if draft.spec.vocab != self.spec.vocab or tokens != draft_tokens:
             draft.close()
@@ -275,13 +280,9 @@ class Runtime:
 
     def _gate(self, speculation: SpecParams, stats: RunStats) -> SpecGate | None:
         """The speculation gate of a sequence, counting into stats.speculation; None when off. Refused
-        where a verify's rejected positions cannot be dropped yet: a DeltaNet layer's state, the
-        layer shards' caches."""
+        where a verify's rejected positions cannot be dropped yet: the layer shards' caches."""
         if not speculation.enabled:
             return None
-        if self.spec.delta_net is not None:
-            raise RequestError(f"--spec-type {speculation.spec_type}: {self.spec.rule.gguf_arch}'s DeltaNet layers "
-                               f"cannot roll back a rejected draft yet; give --spec-type none")
         if speculation.spec_type == "draft" and self.draft is None:
             raise RequestError("--spec-type draft: this runtime has no draft model (--model-draft FILE)")
         if self.shards is not None:
@@ -353,6 +354,7 @@ class Runtime:
             if not drafts or len(drafts) < gate.params.draft_min:
                 logits, excluded = self._decode(token, cache, stats, gate), None
                 continue
+            start, states = cache.length, cache.recurrent_states()
             rows = self.model.forward(np.array([token, *drafts]), cache, all_logits=True)    # [W, V]
             taken, excluded = 0, None
             for drafted in drafts:
@@ -369,7 +371,7 @@ class Runtime:
                 history.append(drafted)
                 if produced == max_new_tokens:
                     break
-            cache.truncate(len(history))
+            self._keep(cache, history, start, states)
             logits = rows[taken:taken + 1]
             self._count_verify(stats, gate, len(drafts), taken, time.perf_counter() - started,
                                produced < max_new_tokens)
@@ -449,6 +451,19 @@ class Runtime:
         if gate is not None:
             gate.plain_step(seconds)
         return logits
+
+    def _keep(self, cache: KVCache, history: list[int], start: int, states: RecurrentStates) -> None:
+        """After a verify that wrote positions from `start` on: the cache holding `history` only.
+        Attention drops the positions past it; DeltaNet layers, whose states took every verified
+        token in, go back to their states before the verify and take the kept tokens in again."""
+        if cache.length == len(history):
+            return
+        if not states.conv:
+            cache.truncate(len(history))
+            return
+        cache.restore_recurrent(states)
+        cache.truncate(start)
+        self.model.forward(np.array(history[start:]), cache, all_logits=False)
 
     @staticmethod
     def _count_verify(stats: RunStats, gate: SpecGate, drafted: int, taken: int, seconds: float,

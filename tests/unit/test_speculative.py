@@ -164,11 +164,22 @@ def test_the_gate_pauses_drafting_while_verifies_lose_and_measures_again():
     assert gate.room() == 8
 
 
-def test_speculation_is_refused_where_a_draft_cannot_be_rolled_back(tmp_path):
+def test_a_hybrid_model_rolls_its_deltanet_states_back_to_the_kept_drafts(tmp_path, scripted):
+    """qwen35moe: a verify's DeltaNet layers take every verified token in; where drafts are
+    rejected their states go back and take the kept ones in again, so the tokens stay plain;
+    such a model cannot draft (its cache cannot drop a rejected draft)."""
     path = write_gguf(tiny_model(HYBRID_ARCHS[0]), tmp_path / "hybrid.gguf", "Q8_0")
     with Runtime(path, ubatch=16) as runtime:
-        with pytest.raises(RequestError, match="DeltaNet"):
-            list(runtime.generate([1, 2, 3], 4, GREEDY, speculation=SpecParams("ngram")))
+        prompt = prompt_of(runtime)
+        plain = list(runtime.generate(prompt, 96, GREEDY))
+        scripted(prompt, plain, runtime.spec.vocab)
+        stats = RunStats()
+        spec = list(runtime.generate(prompt, 96, GREEDY, stats=stats, speculation=FORCED))
+    assert spec == plain
+    assert 0 < stats.speculation.accepted_tokens < stats.speculation.drafted_tokens
+    other = write_gguf(tiny_model("qwen3moe"), tmp_path / "target.gguf", "Q8_0")
+    with pytest.raises(RequestError, match="DeltaNet"):
+        Runtime(other, draft_model=path)
 
 
 @pytest.mark.parametrize("kwargs", [dict(spec_type="eagle"), dict(draft_max=0), dict(draft_min=5, draft_max=4)])

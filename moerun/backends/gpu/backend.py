@@ -51,7 +51,7 @@ from moerun.backends.gpu.weights import DeviceMatrix, Uploader
 from moerun.backends.kv_types import KVTypes, check_gpu_kv_types
 from moerun.backends.numpy_ops import rope_frequencies
 from moerun.backends.progress import UploadProgress
-from moerun.backends.protocol import CacheState, ContextFull, Forward, swiglu_by_products
+from moerun.backends.protocol import CacheState, ContextFull, Forward, RecurrentStates, swiglu_by_products
 from moerun.errors import UsageError
 from moerun.gguf.reader import GGUFFile
 from moerun.models.spec import ModelSpec
@@ -127,10 +127,21 @@ class GpuKVCache:
         self.length += n_tokens
 
     def truncate(self, length: int) -> None:
-        """Keep positions 0..length-1, as PagedKVCache.truncate."""
-        if self.conv:
-            raise ValueError("a DeltaNet layer's state cannot drop positions")
+        """Keep positions 0..length-1 of the attention layers, as PagedKVCache.truncate."""
         self.length = min(self.length, length)
+
+    def recurrent_states(self) -> RecurrentStates:
+        """Device copies, queued on the backend's stream (what writes the states)."""
+        with self.stream:
+            return RecurrentStates({i: a.copy() for i, a in self.conv.items()},
+                                   {i: a.copy() for i, a in self.ssm.items()})
+
+    def restore_recurrent(self, states: RecurrentStates) -> None:
+        """In place (captured steps keep pointing at the same buffers), on the backend's stream."""
+        with self.stream:
+            for mine, saved in ((self.conv, states.conv), (self.ssm, states.ssm)):
+                for layer, state in saved.items():
+                    mine[layer][...] = state
 
     def snapshot(self) -> CacheState:
         """Into page-locked arrays (CuPy's pool keeps the memory of dropped ones for the next),

@@ -27,6 +27,7 @@ SPEC_TYPES = ("none", "ngram", "draft", "auto")   # auto: the draft model where 
 NGRAM_MAX = 4
 NGRAM_MIN = 1
 SMOOTHING = 0.2              # the gate's moving averages: this much of each new step
+FADE = 0.9                   # the acceptance counts keep this much of the past at each verify
 MARGIN = 0.97                # speculation keeps running while it is at least this fast as plain steps
 FIRST_PAUSE = 8              # plain steps the gate waits after a loss, doubled after each further one
 LONGEST_PAUSE = 256
@@ -124,25 +125,67 @@ class SpecStats:
 
 @dataclass
 class SpecGate:
-    """Whether the next step drafts, and how many tokens: from the measured seconds of plain
-    steps and of verify steps and the tokens each verify yielded (moving averages). While
-    verifies yield fewer tokens per second than plain steps (by MARGIN), drafting pauses for
-    FIRST_PAUSE plain steps, twice as many after each further loss (at most LONGEST_PAUSE), then
-    is measured again; a verify that wins resets the pause."""
+    """Whether the next step drafts, and how many tokens, from what it measures: the seconds of
+    a plain step and of verify steps by width W (moving averages), and how often a drafted
+    token is accepted (alpha: accepted against rejected drafts, counts that fade by FADE a
+    verify). A verify of k drafts yields 1 + alpha + ... + alpha^k tokens where each is accepted
+    with alpha after the one before; the gate drafts the k (at most --draft-max) that yields the
+    most tokens a second, a width not measured yet costing what the nearest measured ones say
+    (linearly; past the widest, at the slope up to it). While verifies yield fewer tokens a
+    second than plain steps (by MARGIN), drafting pauses for FIRST_PAUSE plain steps, twice as
+    many after each further loss (at most LONGEST_PAUSE), then is measured again; a verify that
+    wins resets the pause. Ungated (--no-spec-gate): --draft-max at every step."""
     params: SpecParams
     stats: SpecStats = field(default_factory=SpecStats)
     plain_seconds: float = 0.0   # per plain step
     spec_rate: float = 0.0       # tokens per second of verify steps
     pause: int = 0               # plain steps left before drafting again
     next_pause: int = FIRST_PAUSE
+    accepted: float = 1.0        # faded counts of accepted and rejected drafts (a prior of one each)
+    rejected: float = 1.0
+    width_seconds: dict[int, float] = field(default_factory=dict)     # W -> seconds of a verify that wide
 
     def room(self) -> int:
         """Tokens the next step may draft: 0 while paused."""
-        if self.pause and self.params.gated:
+        if not self.params.gated:
+            return self.params.draft_max
+        if self.pause:
             self.pause -= 1
             self.stats.paused_steps += 1
             return 0
-        return self.params.draft_max
+        return self.best_length()
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def best_length(self) -> int:
+        """The drafts a verify should check for the most tokens a second (--draft-max until a
+        plain step and a verify are measured)."""
+        if not self.plain_seconds or not self.width_seconds:
+            return self.params.draft_max
+        alpha = min(self.alpha, 0.999)
+        rates = [(1 - alpha ** (k + 1)) / (1 - alpha) / self.cost(k + 1) for k in range(1, self.params.draft_max + 1)]
+        return 1 + max(range(len(rates)), key=rates.__getitem__)
+
+    def cost(self, width: int) -> float:
+        """Seconds of a verify `width` tokens wide: measured, else along the line through the
+        nearest known widths (width 1: a plain step)."""
+        known = {1: self.plain_seconds, **self.width_seconds}
+        if width in known:
+            return known[width]
+        below = max((w for w in known if w < width), default=None)
+        above = min((w for w in known if w > width), default=None)
+        if above is None:                                 # past the widest: its slope from the one before
+            widest = max(known)
+            before = max((w for w in known if w < widest), default=None)
+            if before is None:
+                return known[widest]
+            slope = (known[widest] - known[before]) / (widest - before)
+            return known[widest] + slope * (width - widest)
+        if below is None:
+            return known[above]
+        return known[below] + (known[above] - known[below]) * (width - below) / (above - below)
 
     def plain_step(self, seconds: float) -> None:
         self.plain_seconds = _averaged(self.plain_seconds, seconds)
@@ -152,6 +195,10 @@ class SpecGate:
         self.stats.verify_steps += 1
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
+        self.accepted = FADE * self.accepted + accepted
+        self.rejected = FADE * self.rejected + (accepted < drafted)
+        width = drafted + 1
+        self.width_seconds[width] = _averaged(self.width_seconds.get(width, 0.0), seconds)
         self.spec_rate = _averaged(self.spec_rate, (accepted + 1) / seconds if seconds > 0 else float("inf"))
         if not self.plain_seconds:
             return

@@ -154,14 +154,31 @@ def test_the_ngram_drafter_proposes_what_followed_the_longest_match():
 
 def test_the_gate_pauses_drafting_while_verifies_lose_and_measures_again():
     gate = SpecGate(SpecParams("ngram", draft_max=8))
+    assert gate.room() == 8                                           # nothing measured: --draft-max
     gate.plain_step(0.010)
     gate.verify_step(drafted=8, accepted=0, seconds=0.030)            # one token in 30 ms: slower than plain
     assert [gate.room() for _ in range(FIRST_PAUSE)] == [0] * FIRST_PAUSE
-    assert gate.room() == 8 and gate.stats.paused_steps == FIRST_PAUSE
+    assert gate.room() > 0 and gate.stats.paused_steps == FIRST_PAUSE
     gate.verify_step(drafted=8, accepted=0, seconds=0.030)
     assert sum(gate.room() == 0 for _ in range(4 * FIRST_PAUSE)) == 2 * FIRST_PAUSE    # the pause doubled
     gate.verify_step(drafted=8, accepted=5, seconds=0.015)            # six tokens in 15 ms: it wins
-    assert gate.room() == 8
+    assert gate.room() > 0
+    ungated = SpecGate(SpecParams("ngram", draft_max=8, gated=False))
+    ungated.plain_step(0.010)
+    ungated.verify_step(drafted=8, accepted=0, seconds=0.030)
+    assert ungated.room() == 8
+
+
+@pytest.mark.parametrize(("accepted", "rejected", "best"), [(19.0, 1.0, 8), (3.0, 7.0, 1)])
+def test_the_gate_drafts_the_length_that_yields_the_most_tokens_a_second(accepted, rejected, best):
+    """Verifies cost 10 ms + 2 ms a token (two widths measured, the rest on their line): at a
+    95% acceptance eight drafts (the most) yield the most tokens a second, at 30% one."""
+    gate = SpecGate(SpecParams("ngram", draft_max=8), accepted=accepted, rejected=rejected)
+    gate.plain_step(0.010)
+    gate.width_seconds = {3: 0.014, 9: 0.026}
+    assert gate.cost(2) == pytest.approx(0.012) and gate.cost(6) == pytest.approx(0.020)
+    assert gate.cost(17) == pytest.approx(0.042)                      # past the widest, at its slope
+    assert gate.best_length() == best == gate.room()
 
 
 def test_a_hybrid_model_rolls_its_deltanet_states_back_to_the_kept_drafts(tmp_path, scripted):

@@ -6,8 +6,9 @@ sequence and giving back the state after its last layer (FORWARD in moerun.ipc.s
 its socket or, from a parent on this host, through a slot of a shared arena: the state in the
 slot, or, from a parent on a GPU of the shard's vendor, in device buffers the shard exports
 through CUDA/HIP IPC, ordered by IPC events, neither side's host waiting for a device).
-It holds one sequence: position 0 starts one, every other step must continue it exactly
-(a shard that restarted, or missed a step, says so and the parent starts over).
+It holds one sequence: position 0 starts one, every other step must continue it, or go back
+within it (speculative decoding drops rejected drafts); a shard that restarted, or missed a
+step, says so and the parent starts over.
 
 Shape legend: T tokens, H hidden.
 """
@@ -110,14 +111,18 @@ class LayerShard:
         self._count(tokens, started)
 
     def _continue(self, sequence: int, start: int, tokens: int) -> None:
-        """Position 0 starts `sequence`; any other start must continue the one held."""
+        """Position 0 starts `sequence`; any other start must continue the one held, or go back
+        within it (the parent dropped a speculative verify's rejected drafts: so does the
+        shard's attention; layers with a DeltaNet state cannot go back)."""
         if start == 0:
             self.cache, self.sequence = self.backend.new_cache(self.ctx), sequence
-        elif self.cache is None or sequence != self.sequence or start != self.cache.length:
+        elif (self.cache is None or sequence != self.sequence or start > self.cache.length
+              or (start < self.cache.length and any(self.spec.is_recurrent(i) for i in self.layers))):
             held = ("no sequence" if self.cache is None else
                     f"sequence {self.sequence} at position {self.cache.length}")
             raise UsageError(f"sequence {sequence} at position {start} does not continue what this shard holds "
                              f"({held}): start the sequence again from position 0")
+        self.cache.truncate(start)
         if start + tokens > self.ctx:
             raise UsageError(f"positions {start}..{start + tokens - 1} do not fit this shard's context of "
                              f"{self.ctx} (--ctx)")

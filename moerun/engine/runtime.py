@@ -280,14 +280,15 @@ class Runtime:
 
     def _gate(self, speculation: SpecParams, stats: RunStats) -> SpecGate | None:
         """The speculation gate of a sequence, counting into stats.speculation; None when off. Refused
-        where a verify's rejected positions cannot be dropped yet: the layer shards' caches."""
+        where a verify's rejected positions cannot be dropped yet: layer shards of a hybrid model
+        (theirs go back with the next step's start, daemons/shard.py, but not their DeltaNet states)."""
         if not speculation.enabled:
             return None
         if speculation.spec_type == "draft" and self.draft is None:
             raise RequestError("--spec-type draft: this runtime has no draft model (--model-draft FILE)")
-        if self.shards is not None:
-            raise RequestError(f"--spec-type {speculation.spec_type}: the layer shards' KV caches cannot drop a "
-                               f"rejected draft yet; give --spec-type none, or run without --split")
+        if self.shards is not None and self.spec.delta_net is not None:
+            raise RequestError(f"--spec-type {speculation.spec_type}: layer shards of a model with DeltaNet layers "
+                               f"cannot roll a rejected draft back yet; give --spec-type none, or run without --split")
         stats.speculation = stats.speculation or SpecStats()        # a chat's turns add up
         return SpecGate(speculation, stats.speculation)
 

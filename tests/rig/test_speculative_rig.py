@@ -40,3 +40,18 @@ def test_speculation_with_cpu_daemons_gives_the_local_tokens(model, kill):
     assert stats.speculation.verify_steps > 0
     assert calls > 0 and times_down == int(kill)
     assert not shm_segments()
+
+
+def test_speculation_through_a_layer_shard_gives_the_local_tokens(model):
+    """The shard's KV cache goes back with the parent's (the next step starts before its end)."""
+    local = fault_free_tokens(model)
+    prompt = [*PROMPT, *local[:6], *PROMPT]
+    with Runtime(model) as alone:
+        plain = list(alone.generate(prompt, N_TOKENS, GREEDY))
+    stats = RunStats()
+    with Runtime(model, rig=RigConfig(splits=(("cpu", 2),), daemon_timeout_s=20)) as split:
+        tokens = list(split.generate(prompt, N_TOKENS, GREEDY, stats=stats, speculation=FORCED))
+        again = list(split.generate(prompt, N_TOKENS, GREEDY))
+    assert tokens == plain == again
+    spec = stats.speculation
+    assert spec.verify_steps > 0 and spec.accepted_tokens < spec.drafted_tokens, "drafts dropped by the shard too"

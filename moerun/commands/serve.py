@@ -99,9 +99,6 @@ def serve(model, host, port, served_model_name, max_prompt_tokens, max_tokens, m
     if not access.keys and not is_loopback(host):
         logger.warning(f"--insecure: no API key, so whoever reaches --host {host} may use the server")
     if parallel > 1:
-        if speculation.enabled:
-            raise click.ClickException("--spec-type: requests decoded together (--parallel) do not speculate yet; "
-                                       "give --parallel 1 or --spec-type none")
         if runtime_flags["device"] != "cpu" or runtime_flags["splits"]:
             raise click.ClickException("--parallel: requests are decoded together on the CPU parent without --split "
                                        "for now; give --parallel 1 (the default) here")

@@ -61,11 +61,13 @@ class MoEModel:
         self._count(cache, len(ids))
         return logits
 
-    def forward_batch(self, batch: Sequence[tuple[np.ndarray, KVCache]]) -> np.ndarray:
+    def forward_batch(self, batch: Sequence[tuple[np.ndarray, KVCache]],
+                      last: Sequence[int] | None = None) -> np.ndarray:
         """Several sequences in one step: each its ids [T_b] at positions cache.length.. of its own
         cache, their tokens through the layers together (each sequence's attention over its own
-        cache) -> float32 logits [B, V] of each sequence's last position; each cache extended. Eager,
-        on a backend whose positions are host arrays (the CPU parent), without layer shards."""
+        cache) -> float32 logits [Σ last_b, V] of each sequence's last last_b positions (default 1:
+        [B, V]; a speculative verify's, all of them), in order; each cache extended. Eager, on a
+        backend whose positions are host arrays (the CPU parent), without layer shards."""
         if self.shards is not None or self.backend.kind != "CPU":
             raise UsageError("batched steps run on a CPU parent without --split for now")
         segments, first = [], 0
@@ -74,7 +76,9 @@ class MoEModel:
             segments.append(Segment(cache, cache.length + np.arange(len(ids)), slice(first, first + len(ids))))
             first += len(ids)
         ids = np.concatenate([np.asarray(ids, np.int64) for ids, _ in batch])
-        last_rows = [segment.rows.stop - 1 for segment in segments]
+        last = last if last is not None else [1] * len(segments)
+        last_rows = [row for segment, n in zip(segments, last)
+                     for row in range(segment.rows.stop - n, segment.rows.stop)]
         logits = self.backend.run_step(lambda ids_, _: self._run(ids_, tuple(segments), last_rows), ids, 0, None)
         for ids_b, cache in batch:
             self._count(cache, len(ids_b))

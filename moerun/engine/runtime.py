@@ -294,13 +294,13 @@ class Runtime:
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                        sampling: Sequence[SamplingParams], stop_ids: frozenset[int] = frozenset(),
-                       stats: BatchStats | None = None) -> list[list[int]]:
+                       stats: BatchStats | None = None, speculation: SpecParams = SpecParams()) -> list[list[int]]:
         """Several sequences decoded together (engine/scheduler.py), each sampled, resumed from
         prefix snapshots and snapshotted as generate() does it alone; returns each one's tokens.
         On the CPU parent, without layer shards (for now)."""
         if not len(prompts) == len(max_new_tokens) == len(sampling):
             raise RequestError("generate_batch: one max_new_tokens and one sampling per prompt")
-        scheduler = self.scheduler(stats)
+        scheduler = self.scheduler(stats, speculation)
         for prompt, most, params in zip(prompts, max_new_tokens, sampling):
             self._check_prompt(prompt)
             scheduler.add(prompt, most, params, stop_ids)
@@ -313,13 +313,16 @@ class Runtime:
                     raise RequestError(self.pool_full(self.kv_pool + 1))
         return [tokens[i] for i in range(len(prompts))]
 
-    def scheduler(self, stats: BatchStats | None = None) -> Scheduler:
+    def scheduler(self, stats: BatchStats | None = None, speculation: SpecParams = SpecParams()) -> Scheduler:
         """A batch of sequences this runtime decodes together, each step within ubatch tokens,
-        each sequence resuming from and keeping the runtime's prefix snapshots."""
+        each sequence resuming from and keeping the runtime's prefix snapshots, speculating as
+        `speculation` says (each with its own drafter and gate)."""
         capacity = self.kv_pool or self.ctx
+        if speculation.enabled:
+            self._gate(speculation, RunStats())          # what a lone sequence refuses, refused here too
         return Scheduler(self.model, self._start,
                          lambda cache: self.backend.restore_cache(cache.snapshot(), capacity), self.ctx, self.ubatch,
-                         stats, self.prefix_cache)
+                         stats, self.prefix_cache, speculation, self._drafter)
 
     def _sample(self, cache: KVCache, logits: np.ndarray, sampler: Sampler, history: list[int], max_new_tokens: int,
                 stop_ids: frozenset[int], stats: RunStats, gate: SpecGate | None) -> Iterator[int]:

@@ -17,12 +17,12 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from moerun.engine.runtime import RequestError, RunStats, Runtime
 from moerun.engine.scheduler import Scheduler
-from moerun.engine.speculative import SpecParams
+from moerun.engine.speculative import SpecParams, SpecStats
 from moerun.gguf.chat import ChatTemplateError, render_messages
 from moerun.gguf.tokenizer import TokenizerError, TooManyTokens
 from moerun.rig.shards import ShardFailed
@@ -114,6 +114,7 @@ class Worker:
         `speculation`: how each request alone decodes (engine/speculative.py)."""
         self.limits = limits
         self.speculation = speculation
+        self._spec_counted = SpecStats()       # the batch's speculation counters, as far as /metrics has them
         self.metrics = metrics or ServerMetrics()
         self.runtime: Runtime | None = None
         self.load_error: str | None = None
@@ -242,7 +243,8 @@ class Worker:
         """Up to `parallel` jobs in the runtime's scheduler, admitted as slots free (waiting for
         one only while none runs), one batched step at a time, each step's tokens streamed to
         their jobs. A failed step fails the jobs in it; the server goes on."""
-        scheduler = runtime.scheduler()
+        scheduler = runtime.scheduler(speculation=self.speculation)
+        self._spec_counted = SpecStats()
         slots: dict[int, Slot] = {}
         while True:
             if self._stopping:
@@ -287,8 +289,11 @@ class Worker:
                 slot.job.send(Failed(ApiError(400 if isinstance(err, RequestError) else 500, str(err))))
                 self._close_slot(slot, "failed")
             return
+        self._count_speculation(scheduler)
         for event in events:
-            slot = slots[event.sequence]
+            slot = slots.get(event.sequence)
+            if slot is None:                       # a verify's later tokens, after a stop string closed it
+                continue
             if event.token is not None:
                 slot.tokens += 1
                 if slot.tokens == 1:
@@ -311,6 +316,15 @@ class Worker:
                 self.metrics.prompt_tokens.inc(len(slot.job.prompt_ids))
                 self._observe_per_token(slot.first_token_at, slot.tokens)
                 self._close_slot(slots.pop(event.sequence), reason)
+
+    def _count_speculation(self, scheduler: Scheduler) -> None:
+        """The batch's speculation counters since the last step, into /metrics."""
+        total = scheduler.stats.speculation
+        if total is None:
+            return
+        counted = self._spec_counted
+        self.metrics.count_speculation(SpecStats(*(now - then for now, then in zip(astuple(total), astuple(counted)))))
+        self._spec_counted = SpecStats(*astuple(total))
 
     def _observe_per_token(self, first_token_at: float, tokens: int) -> None:
         """The time per output token after the first, of a request that gave two or more."""

@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.runtime import Runtime
 from moerun.engine.sampler import SamplingParams
+from moerun.engine.speculative import SpecParams
 from moerun.gguf.reader import GGUFError
 from moerun.server.app import create_app, error_response
 from moerun.server.schemas import ApiError, Generation
@@ -222,6 +223,30 @@ def test_parallel_slots_decode_requests_together_each_answered_as_alone(demo_mod
         assert "".join(e.text for e in together if isinstance(e, Piece)) == "".join(
             e.text for e in alone if isinstance(e, Piece))
         assert together[-1] == alone[-1] and isinstance(together[-1], Finished)
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_speculating_slots_answer_as_plain_decoding(demo_model, parallel):
+    """--spec-type ngram alone and with --parallel 3: every request's text and counts are the
+    plain one-at-a-time worker's, and /metrics counts the verifies."""
+    prompts = ["The rig hums in the corner of the workshop. The rig hums", "experts experts experts", "The rig"]
+    lengths = [24, 10, 16]
+    answers = {}
+    for speculation in (SpecParams(), SpecParams("ngram", gated=False)):
+        worker = Worker(lambda: Runtime(demo_model), Limits(parallel=parallel if speculation.enabled else 1),
+                        speculation=speculation)
+        worker.start()
+        try:
+            wait_until(lambda: worker.ready)
+            answers[speculation.enabled], _ = serve_all(worker, prompts, lengths)
+            verifies = sample(worker, "moerun_spec_verify_steps_total")
+        finally:
+            worker.stop()
+    for plain, spec in zip(answers[False], answers[True]):
+        assert "".join(e.text for e in spec if isinstance(e, Piece)) == "".join(
+            e.text for e in plain if isinstance(e, Piece))
+        assert spec[-1] == plain[-1] and isinstance(spec[-1], Finished)
+    assert verifies > 0
 
 
 def test_a_cancelled_request_leaves_the_batch_and_the_others_finish(demo_model):

@@ -267,3 +267,27 @@ def test_a_speculating_answer_leaves_a_snapshot_the_next_turn_resumes_from(model
         resumed = list(runtime.generate(turn, 12, GREEDY, stats=stats))
     assert answer == first[:7]
     assert stats.restored_tokens == len(prompt) + 7 and resumed == expected
+
+
+@pytest.mark.parametrize("arch", [ARCHS[0], HYBRID_ARCHS[0]])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_sequences_decoded_together_speculate_each_as_alone(tmp_path, monkeypatch, arch, temperature):
+    """Batched steps (the scheduler): each decoding sequence's share of a step is its last token
+    and its drafts; greedy, each gets its plain tokens; sampled, each runs (and stops) as asked."""
+    path = write_gguf(tiny_model(arch), tmp_path / f"{arch}.gguf", "Q8_0")
+    lengths, new_tokens = (5, 17, 9), (40, 12, 30)
+    with Runtime(path, ubatch=32) as runtime:
+        rng = np.random.default_rng(9)
+        prompts = [rng.integers(0, runtime.spec.vocab, n).tolist() for n in lengths]
+        sampling = [SamplingParams(temperature=temperature, seed=3 + b) for b in range(len(prompts))]
+        plain = [list(runtime.generate(p, n, GREEDY)) for p, n in zip(prompts, new_tokens)]
+        scripts = iter([ScriptedDrafter(p, t, runtime.spec.vocab) for p, t in zip(prompts, plain)])
+        monkeypatch.setattr(runtime, "_drafter", lambda params: next(scripts))
+        stats = runtime_module.BatchStats()
+        together = runtime.generate_batch(prompts, new_tokens, sampling, stats=stats, speculation=FORCED)
+    assert [len(t) for t in together] == list(new_tokens)
+    if temperature == 0.0:
+        assert together == plain
+        spec = stats.speculation
+        assert spec.verify_steps > 0 and 0 < spec.accepted_tokens < spec.drafted_tokens
+        assert stats.decoded_tokens == sum(new_tokens) - len(new_tokens)

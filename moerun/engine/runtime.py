@@ -193,9 +193,9 @@ class Runtime:
                                       cache_type_k=rig.cache_type_k, cache_type_v=rig.cache_type_v))
         if draft.spec.delta_net is not None:
             draft.close()
-            raise RequestError(f"--model-draft {path}: a draft model with DeltaNet layers "
-                               f"({draft.spec.rule.gguf_arch}) cannot drop its rejected drafts yet; draft with an "
-                               f"attention-only model or ngram")
+            arch = draft.gguf.metadata.get("general.architecture")
+            raise RequestError(f"--model-draft {path}: a draft model with DeltaNet layers ({arch}) cannot drop its "
+                               f"rejected drafts yet; draft with an attention-only model or ngram")
         tokens, draft_tokens = (runtime.gguf.metadata.get("tokenizer.ggml.tokens") for runtime in (self, draft))
         if draft.spec.vocab != self.spec.vocab or tokens != draft_tokens:
             draft.close()

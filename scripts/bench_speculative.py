@@ -7,7 +7,8 @@ runs it, relative to a one-token step).
     python scripts/bench_speculative.py -m target.gguf --draft small.gguf --device cuda:0
 
 The default prompt repeats a passage of text, the case n-gram drafting is for (quotes, edits of
-code); --prompt-file gives another. Each figure is the best of --repetitions runs.
+code); --prompt-file gives another. Each figure is the best of --repetitions runs. Two more rows
+bound the gate: a drafter whose every draft is wrong (`wrong`), gated and not, against plain.
 """
 from __future__ import annotations
 
@@ -42,15 +43,19 @@ def main() -> None:
     rig = RigConfig(device=args.device, threads=args.threads)
     with Runtime(args.model, ubatch=512, rig=rig, draft_model=args.draft) as runtime:
         prompt = runtime.tokenizer.encode(text)
-        modes = {"plain": SpecParams(), "ngram": SpecParams("ngram", draft_max=args.draft_max)}
+        modes = {"plain": SpecParams(), "ngram": SpecParams("ngram", draft_max=args.draft_max),
+                 "wrong, gated": SpecParams("ngram", draft_max=args.draft_max),
+                 "wrong, --no-spec-gate": SpecParams("ngram", draft_max=args.draft_max, gated=False)}
         if args.draft:
             modes["draft"] = SpecParams("draft", draft_max=args.draft_max, draft_model=args.draft)
+        drafter = runtime._drafter
         print(f"{args.model}, {len(prompt)}-token prompt, {args.tokens} greedy tokens, {args.device}\n")
         print("| decoding | t/s | x plain | verifies | accepted / drafted | tokens equal plain |")
         print("|---|---:|---:|---:|---:|---|")
         plain_rate, plain_tokens = 0.0, None
         for name, params in modes.items():
             best, tokens, stats = 0.0, None, None
+            runtime._drafter = WrongDrafter if name.startswith("wrong") else drafter
             for _ in range(args.repetitions):
                 run = RunStats()
                 tokens = list(runtime.generate(prompt, args.tokens, GREEDY, stats=run, speculation=params))
@@ -67,6 +72,16 @@ def main() -> None:
             ms = verify_ms(runtime, prompt, width, args.repetitions)
             one = one or ms
             print(f"| {width} | {ms:.2f} | {ms / one:.2f} |")
+
+
+class WrongDrafter:
+    """Drafts that are never right: the token after the one the sequence ends with, repeated."""
+
+    def __init__(self, params: SpecParams):
+        self.vocab = None
+
+    def draft(self, history, most):
+        return [history[-1] + 1] * most
 
 
 def verify_ms(runtime: Runtime, prompt: list[int], width: int, repetitions: int) -> float:

@@ -31,6 +31,7 @@ FADE = 0.9                   # the acceptance counts keep this much of the past 
 MARGIN = 0.97                # speculation keeps running while it is at least this fast as plain steps
 FIRST_PAUSE = 8              # plain steps the gate waits after a loss, doubled after each further one
 LONGEST_PAUSE = 256
+REMEASURE = 64               # verifies between the plain steps that keep a plain step's cost measured
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ class SpecGate:
     (linearly; past the widest, at the slope up to it). While verifies yield fewer tokens a
     second than plain steps (by MARGIN), drafting pauses for FIRST_PAUSE plain steps, twice as
     many after each further loss (at most LONGEST_PAUSE), then is measured again; a verify that
-    wins resets the pause. Ungated (--no-spec-gate): --draft-max at every step."""
+    wins resets the pause. The first step is plain (its cost measured), and one every REMEASURE
+    verifies. Ungated (--no-spec-gate): --draft-max at every step."""
     params: SpecParams
     stats: SpecStats = field(default_factory=SpecStats)
     plain_seconds: float = 0.0   # per plain step
@@ -144,14 +146,18 @@ class SpecGate:
     accepted: float = 1.0        # faded counts of accepted and rejected drafts (a prior of one each)
     rejected: float = 1.0
     width_seconds: dict[int, float] = field(default_factory=dict)     # W -> seconds of a verify that wide
+    since_plain: int = 0         # verifies since the last plain step
 
     def room(self) -> int:
-        """Tokens the next step may draft: 0 while paused."""
+        """Tokens the next step may draft: 0 while paused, and for a plain step to measure (the
+        first, and one every REMEASURE verifies: a plain step's cost grows with the context)."""
         if not self.params.gated:
             return self.params.draft_max
         if self.pause:
             self.pause -= 1
             self.stats.paused_steps += 1
+            return 0
+        if not self.plain_seconds or self.since_plain >= REMEASURE:
             return 0
         return self.best_length()
 
@@ -161,7 +167,7 @@ class SpecGate:
 
     def best_length(self) -> int:
         """The drafts a verify should check for the most tokens a second (--draft-max until a
-        plain step and a verify are measured)."""
+        verify is measured)."""
         if not self.plain_seconds or not self.width_seconds:
             return self.params.draft_max
         alpha = min(self.alpha, 0.999)
@@ -189,12 +195,14 @@ class SpecGate:
 
     def plain_step(self, seconds: float) -> None:
         self.plain_seconds = _averaged(self.plain_seconds, seconds)
+        self.since_plain = 0
 
     def verify_step(self, drafted: int, accepted: int, seconds: float) -> None:
         """A verify of `drafted` tokens that kept `accepted`, and gave one token more."""
         self.stats.verify_steps += 1
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
+        self.since_plain += 1
         self.accepted = FADE * self.accepted + accepted
         self.rejected = FADE * self.rejected + (accepted < drafted)
         width = drafted + 1

@@ -12,7 +12,7 @@ import moerun.engine.runtime as runtime_module
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.runtime import RequestError, RunStats, Runtime
 from moerun.engine.sampler import Sampler, SamplingParams
-from moerun.engine.speculative import FIRST_PAUSE, NgramDrafter, SpecGate, SpecParams
+from moerun.engine.speculative import FIRST_PAUSE, REMEASURE, NgramDrafter, SpecGate, SpecParams
 from moerun.errors import UsageError
 from tests.support.hf_models import ARCHS, HYBRID_ARCHS, tiny_model
 from tests.support.to_gguf import write_gguf
@@ -154,14 +154,20 @@ def test_the_ngram_drafter_proposes_what_followed_the_longest_match():
 
 def test_the_gate_pauses_drafting_while_verifies_lose_and_measures_again():
     gate = SpecGate(SpecParams("ngram", draft_max=8))
-    assert gate.room() == 8                                           # nothing measured: --draft-max
+    assert gate.room() == 0                                           # a plain step first, to measure
     gate.plain_step(0.010)
+    assert gate.room() == 8                                           # no verify measured: --draft-max
     gate.verify_step(drafted=8, accepted=0, seconds=0.030)            # one token in 30 ms: slower than plain
     assert [gate.room() for _ in range(FIRST_PAUSE)] == [0] * FIRST_PAUSE
     assert gate.room() > 0 and gate.stats.paused_steps == FIRST_PAUSE
     gate.verify_step(drafted=8, accepted=0, seconds=0.030)
     assert sum(gate.room() == 0 for _ in range(4 * FIRST_PAUSE)) == 2 * FIRST_PAUSE    # the pause doubled
     gate.verify_step(drafted=8, accepted=5, seconds=0.015)            # six tokens in 15 ms: it wins
+    assert gate.room() > 0
+    for _ in range(REMEASURE):
+        gate.verify_step(drafted=8, accepted=5, seconds=0.015)
+    assert gate.room() == 0                                           # a plain step again, to measure
+    gate.plain_step(0.010)
     assert gate.room() > 0
     ungated = SpecGate(SpecParams("ngram", draft_max=8, gated=False))
     ungated.plain_step(0.010)

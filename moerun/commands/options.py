@@ -63,8 +63,8 @@ def speculation_options(command):
     options = [
         click.option("--spec-type", type=click.Choice(SPEC_TYPES), default="none", show_default=True,
                      help="Speculative decoding: ngram drafts from the sequence itself (llama.cpp's lookup), draft "
-                          "with --model-draft; auto: the draft model if given, else ngram. Greedy output and sampled "
-                          "distributions stay as without."),
+                          "with --model-draft; auto: ngram where the sequence repeats itself, else the draft model if "
+                          "given. Greedy output and sampled distributions stay as without."),
         click.option("-md", "--model-draft", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="A draft model: a smaller GGUF of the same vocabulary, run on the parent's device."),
         click.option("--draft-max", "--draft", "--draft-n", "draft_max", type=click.IntRange(min=1), default=16,

@@ -27,7 +27,7 @@ from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.engine.scheduler import BatchStats, Scheduler
 from moerun.engine.snapshot_store import Snapshot
-from moerun.engine.speculative import ModelDrafter, NgramDrafter, SpecGate, SpecParams, SpecStats
+from moerun.engine.speculative import FirstDrafter, ModelDrafter, NgramDrafter, SpecGate, SpecParams, SpecStats
 from moerun.engine.weights import load_weights
 from moerun.errors import MoerunError
 from moerun.gguf.reader import GGUFError, GGUFFile
@@ -191,11 +191,6 @@ class Runtime:
         draft = Runtime(path, ctx=self.ctx, ubatch=self.ubatch,
                         rig=RigConfig(device=rig.device, graphs=rig.graphs, threads=rig.threads, kv_dtype=rig.kv_dtype,
                                       cache_type_k=rig.cache_type_k, cache_type_v=rig.cache_type_v))
-        if draft.spec.delta_net is not None:
-            draft.close()
-            arch = draft.gguf.metadata.get("general.architecture")
-            raise RequestError(f"--model-draft {path}: a draft model with DeltaNet layers ({arch}) cannot drop its "
-                               f"rejected drafts yet; draft with an attention-only model or ngram")
         tokens, draft_tokens = (runtime.gguf.metadata.get("tokenizer.ggml.tokens") for runtime in (self, draft))
         if draft.spec.vocab != self.spec.vocab or tokens != draft_tokens:
             draft.close()
@@ -269,14 +264,15 @@ class Runtime:
         logits = yield from self._sample(cache, logits, sampler, history, max_new_tokens, stop_ids, stats, gate)
         self._snapshot(history[:cache.length], cache, logits)      # the end of an answer: a chat's next turn
 
-    def _drafter(self, params: SpecParams) -> NgramDrafter | ModelDrafter:
-        """The sequence's drafter: the draft model's (spec types draft, and auto where there is one),
-        else n-gram lookup."""
+    def _drafter(self, params: SpecParams) -> NgramDrafter | ModelDrafter | FirstDrafter:
+        """The sequence's drafter: n-gram lookup (ngram, and auto without a draft model), the draft
+        model's (draft), or auto with one: n-gram lookup where it matches, else the draft model."""
         if self.draft is None or params.spec_type == "ngram":
             return NgramDrafter()
         model = self.draft.model
-        return ModelDrafter(lambda ids, cache: model.forward(ids, cache, all_logits=False),
-                            self.draft._new_cache(), self.ubatch)
+        drafter = ModelDrafter(lambda ids, cache: model.forward(ids, cache, all_logits=False),
+                               self.draft._new_cache(), self.ubatch)
+        return drafter if params.spec_type == "draft" else FirstDrafter(NgramDrafter(), drafter)
 
     def _gate(self, speculation: SpecParams, stats: RunStats) -> SpecGate | None:
         """The speculation gate of a sequence, counting into stats.speculation; None when off. Refused

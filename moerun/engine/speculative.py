@@ -23,7 +23,7 @@ import numpy as np
 from moerun.backends.protocol import KVCache
 from moerun.errors import UsageError
 
-SPEC_TYPES = ("none", "ngram", "draft", "auto")   # auto: the draft model where one is given, else ngram
+SPEC_TYPES = ("none", "ngram", "draft", "auto")   # auto: ngram where it matches, else the draft model if any
 NGRAM_MAX = 4
 NGRAM_MIN = 1
 SMOOTHING = 0.2              # the gate's moving averages: this much of each new step
@@ -85,21 +85,29 @@ class ModelDrafter:
     """Drafts with a draft model: its greedy tokens after the sequence. Its cache follows the
     sequence from call to call: positions past the first token where they part (a rejected
     draft) are dropped, the sequence's new tokens fed in chunks of `chunk`, then each draft but
-    the last fed to give the next."""
+    the last fed to give the next. A draft model with DeltaNet layers cannot drop positions
+    from its states: it keeps a copy of them at the sequence's end before drafting, and the
+    next call goes back there and feeds the sequence's new tokens."""
 
     def __init__(self, forward: Callable[[np.ndarray, KVCache], np.ndarray], cache: KVCache, chunk: int):
         self._forward, self._cache, self._chunk = forward, cache, chunk
         self._tokens: list[int] = []            # what the cache holds
         self._known = 0                         # of those, the sequence's own (it only grows)
+        self._states = cache.recurrent_states()            # at position _known (DeltaNet layers only)
 
     def draft(self, history: Sequence[int], most: int) -> list[int]:
         same = self._known
-        while same < min(len(self._tokens), len(history)) and self._tokens[same] == history[same]:
-            same += 1
+        if self._states.conv:
+            self._cache.restore_recurrent(self._states)
+        else:
+            while same < min(len(self._tokens), len(history)) and self._tokens[same] == history[same]:
+                same += 1
         same = min(same, len(history) - 1)      # the last token fed again: its logits start the draft
         self._cache.truncate(same)
         for start in range(same, len(history), self._chunk):
             logits = self._forward(np.asarray(history[start:start + self._chunk]), self._cache)
+        if self._states.conv:
+            self._states = self._cache.recurrent_states()
         drafts = [int(np.argmax(logits[-1]))]
         while len(drafts) < most:
             logits = self._forward(np.array(drafts[-1:]), self._cache)
@@ -107,6 +115,21 @@ class ModelDrafter:
         self._tokens[same:] = [*history[same:], *drafts[:-1]]
         self._known = len(history)
         return drafts
+
+
+class FirstDrafter:
+    """Drafts of the first drafter that has any (auto: n-gram lookup, free where the sequence
+    repeats itself, then the draft model)."""
+
+    def __init__(self, *drafters):
+        self._drafters = drafters
+
+    def draft(self, history: Sequence[int], most: int) -> list[int]:
+        for drafter in self._drafters:
+            drafts = drafter.draft(history, most)
+            if drafts:
+                return drafts
+        return []
 
 
 @dataclass

@@ -21,6 +21,7 @@ import click
 from moerun.backends.devices import DEVICE_PATTERN
 from moerun.backends.kv_types import KV_TYPES
 from moerun.engine.runtime import DEFAULT_UBATCH
+from moerun.engine.speculative import SPEC_TYPES
 from moerun.errors import UsageError
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES
 from moerun.ipc.sockets import ENDPOINT
@@ -328,6 +329,11 @@ TABLES = {
         "repeat_penalty": Key(number(above=0)),
         "repeat_last_n": Key(integer(0)),
         "seed": Key(integer(0, 2**32 - 1)),
+        "spec_type": Key(one_of(*SPEC_TYPES)),
+        "model_draft": Key(text, path=True),
+        "draft_max": Key(integer(1)),
+        "draft_min": Key(integer(0)),
+        "spec_gate": Key(boolean),
         "stats": Key(boolean),
         "stats_json": Key(text, path=True),
     },
@@ -348,6 +354,11 @@ TABLES = {
         "public_health": Key(boolean),
         "public_metrics": Key(boolean),
         "insecure": Key(boolean),
+        "spec_type": Key(one_of(*SPEC_TYPES)),
+        "model_draft": Key(text, path=True),
+        "draft_max": Key(integer(1)),
+        "draft_min": Key(integer(0)),
+        "spec_gate": Key(boolean),
     },
 }
 DAEMON = {

@@ -53,18 +53,20 @@ def _quiet_broken_pipe() -> None:
 def speculation_options(command):
     """--spec-type, --model-draft, --draft-max, --draft-min, --spec-gate/--no-spec-gate (llama.cpp's
     names), handed to the command as one `speculation` (SpecParams, engine/speculative.py); a
-    draft model alone means --spec-type draft, as llama.cpp's speculative examples take it."""
+    draft model without a spec type means --spec-type draft, as llama.cpp's speculative examples
+    take it."""
     @functools.wraps(command)
     def wrapper(*args, spec_type, model_draft, draft_max, draft_min, spec_gate, **kwargs):
-        spec_type = "draft" if model_draft is not None and spec_type == "none" else spec_type
+        spec_type = spec_type or ("draft" if model_draft is not None else "none")
         return command(*args, speculation=SpecParams(spec_type, draft_max, draft_min, spec_gate, model_draft),
                        **kwargs)
 
     options = [
-        click.option("--spec-type", type=click.Choice(SPEC_TYPES), default="none", show_default=True,
+        click.option("--spec-type", type=click.Choice(SPEC_TYPES), default=None,
                      help="Speculative decoding: ngram drafts from the sequence itself (llama.cpp's lookup), draft "
                           "with --model-draft; auto: ngram where the sequence repeats itself, else the draft model if "
-                          "given. Greedy output and sampled distributions stay as without."),
+                          "given. Greedy output and sampled distributions stay as without [default: none; draft "
+                          "with --model-draft]."),
         click.option("-md", "--model-draft", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="A draft model: a smaller GGUF of the same vocabulary, run on the parent's device."),
         click.option("--draft-max", "--draft", "--draft-n", "draft_max", type=click.IntRange(min=1), default=16,
@@ -142,6 +144,6 @@ def open_runtime(model: str, flags: dict, prefix_cache: PrefixCache | None = Non
                  speculation: SpecParams = SpecParams()) -> Runtime:
     """The Runtime of a model-loading command's flags (what runtime_options hands it): the rig's
     settings from the option table (config.RUN_OPTIONS), the context and prefill chunk from the rest;
-    the draft model of `speculation` loaded beside it."""
+    the draft model of `speculation` loaded beside it where it speculates."""
     return Runtime(model, ctx=flags["ctx"], kv_pool=flags["kv_pool"], ubatch=flags["ubatch"], rig=rig_config(flags),
-                   prefix_cache=prefix_cache, draft_model=speculation.draft_model)
+                   prefix_cache=prefix_cache, draft_model=speculation.draft_model if speculation.enabled else None)

@@ -120,6 +120,8 @@ BAD_VALUES = [
     ("[generate]\nrepeat_penalty = -1.5", 3, "repeat_penalty = -1.5: must be > 0"),
     ("[generate]\nseed = -1", 3, "seed = -1: must be between 0 and 4294967295"),
     ("[generate]\nseed = 4294967296", 3, "seed = 4294967296: must be between 0 and 4294967295"),
+    ("[generate]\nspec_type = 'eagle'", 3, "spec_type = 'eagle': must be one of none, ngram, draft, auto"),
+    ("[server]\ndraft_max = 0", 3, "draft_max = 0: must be >= 1"),
     ("[server]\nmax_body = 'big'", 3, "max_body = 'big': must be a size such as 24GiB, 512MiB or 64GB"),
     ("[server]\nmax_body = 4096", 3, "max_body = 4096: must be a size such as 24GiB, 512MiB or 64GB"),
 ]

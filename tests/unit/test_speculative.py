@@ -314,3 +314,16 @@ def test_sequences_decoded_together_speculate_each_as_alone(tmp_path, monkeypatc
         spec = stats.speculation
         assert spec.verify_steps > 0 and 0 < spec.accepted_tokens < spec.drafted_tokens
         assert stats.decoded_tokens == sum(new_tokens) - len(new_tokens)
+
+
+def test_speculation_from_a_config_file(draft_pair, moerun, tmp_path):
+    """[generate]'s spec keys act as the flags do; a flag on the command line wins."""
+    target, draft, _ = draft_pair
+    config = tmp_path / "rig.toml"
+    config.write_text(f"model = '{target}'\n[generate]\nprompt = 'ab'\nn_predict = 16\ntemp = 0\n"
+                      f"spec_type = 'draft'\nmodel_draft = '{draft}'\ndraft_max = 3\nspec_gate = false\nstats = true\n")
+    result = moerun("run", "--config", config)
+    assert result.exit_code == 0, result.output
+    assert "spec:" in result.stderr and "verifies" in result.stderr
+    plain = moerun("run", "--config", config, "--spec-type", "none")
+    assert plain.exit_code == 0 and plain.stdout == result.stdout and "spec:" not in plain.stderr

@@ -21,7 +21,7 @@ import click
 from moerun.backends.devices import DEVICE_PATTERN
 from moerun.backends.kv_types import KV_TYPES
 from moerun.engine.runtime import DEFAULT_UBATCH
-from moerun.engine.speculative import SPEC_TYPES
+from moerun.engine.speculative import BRANCHES_KEPT, SPEC_TYPES
 from moerun.errors import UsageError
 from moerun.ipc.protocol import MAX_BATCH_CAPACITY, PAYLOAD_DTYPES
 from moerun.ipc.sockets import ENDPOINT
@@ -333,6 +333,7 @@ TABLES = {
         "model_draft": Key(text, path=True),
         "draft_max": Key(integer(1)),
         "draft_min": Key(integer(0)),
+        "draft_branches": Key(integer(1, BRANCHES_KEPT)),
         "spec_gate": Key(boolean),
         "stats": Key(boolean),
         "stats_json": Key(text, path=True),
@@ -358,6 +359,7 @@ TABLES = {
         "model_draft": Key(text, path=True),
         "draft_max": Key(integer(1)),
         "draft_min": Key(integer(0)),
+        "draft_branches": Key(integer(1, BRANCHES_KEPT)),
         "spec_gate": Key(boolean),
     },
 }

@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--prompt-file", default=None)
     parser.add_argument("-n", "--tokens", type=int, default=128)
     parser.add_argument("--draft-max", type=int, default=16)
+    parser.add_argument("--branches", type=int, default=1, help="also n-gram trees of this many branches")
     parser.add_argument("-r", "--repetitions", type=int, default=2)
     args = parser.parse_args()
     text = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else PASSAGE * 4
@@ -44,6 +45,8 @@ def main() -> None:
     with Runtime(args.model, ubatch=512, rig=rig, draft_model=args.draft) as runtime:
         prompt = runtime.tokenizer.encode(text)
         modes = {"plain": SpecParams(), "ngram": SpecParams("ngram", draft_max=args.draft_max),
+                 **({f"ngram tree ({args.branches})": SpecParams("ngram", draft_max=args.draft_max,
+                                                                 branches=args.branches)} if args.branches > 1 else {}),
                  "wrong, gated": SpecParams("ngram", draft_max=args.draft_max),
                  "wrong, --no-spec-gate": SpecParams("ngram", draft_max=args.draft_max, gated=False)}
         if args.draft:

@@ -233,6 +233,14 @@ class NumpyBackend:
         types = self.kv_types
         return causal_attention(q, decode(types.key, keys), decode(types.value, values), int(positions[0]))
 
+    def tree_attention(self, q: np.ndarray, cache: PagedKVCache, layer: int, among: np.ndarray) -> np.ndarray:
+        """q [T, NH, D] of a speculative tree's nodes, written at the cache's next T rows, each over
+        every row before them and the nodes `among` [T, T] says (its ancestors and itself) -> [T, NH*Dv]"""
+        start = cache.length
+        keys, values = cache.rows(layer, start + len(q))
+        types = self.kv_types
+        return causal_attention(q, decode(types.key, keys), decode(types.value, values), start, among)
+
     def concat(self, parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts)
 
@@ -345,6 +353,15 @@ class PagedKVCache:
         written over). A DeltaNet layer's state has taken the dropped positions in: the caller
         restores one from before them (restore_recurrent)."""
         self.length = min(self.length, length)
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """Positions start.. to hold the rows `rows` (ascending, each at or past its new place: a
+        tree verify's accepted path), and no more."""
+        for layer in range(len(self._k)):
+            if layer not in self.conv:
+                self._k[layer][start:start + len(rows)] = self._k[layer][list(rows)]
+                self._v[layer][start:start + len(rows)] = self._v[layer][list(rows)]
+        self.length = start + len(rows)
 
     def recurrent_states(self) -> RecurrentStates:
         return RecurrentStates({i: a.copy() for i, a in self.conv.items()}, {i: a.copy() for i, a in self.ssm.items()})

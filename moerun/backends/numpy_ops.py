@@ -67,11 +67,14 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> n
     return out
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
+                     among: np.ndarray | None = None) -> np.ndarray:
     """Grouped-query attention of a chunk over the cache.
 
     q [T, NH, D] at positions start..start+T-1; k [S, NKV, D], v [S, NKV, Dv] with
     S = start + T; query head h reads kv head h // (NH / NKV). Returns [T, NH * Dv].
+    `among` [T, T] bool: which of the chunk's own rows each query sees besides every row before
+    the chunk (a speculative tree's ancestors and itself); default: those up to its own.
     """
     n_tokens, n_heads, head_dim = q.shape
     n_cached, n_kv = k.shape[:2]
@@ -79,9 +82,12 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) ->
     qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3)     # [NKV, G, T, D]
     kt = k.transpose(1, 2, 0)[:, None]                                          # [NKV, 1, D, S]
     scores = (qg @ kt) * np.float32(1.0 / np.sqrt(head_dim))                    # [NKV, G, T, S]
-    query_pos = start + np.arange(n_tokens)[:, None]
-    future = np.arange(n_cached)[None, :] > query_pos                           # [T, S]
-    scores = np.where(future, np.float32(-np.inf), scores)
+    if among is None:
+        hidden = np.arange(n_cached)[None, :] > start + np.arange(n_tokens)[:, None]   # [T, S]
+    else:
+        hidden = np.zeros((n_tokens, n_cached), bool)
+        hidden[:, start:] = ~among
+    scores = np.where(hidden, np.float32(-np.inf), scores)
     probs = softmax(scores, axis=-1)
     out = probs @ v.transpose(1, 0, 2)[:, None]                                 # [NKV, G, T, Dv]
     return out.transpose(2, 0, 1, 3).reshape(n_tokens, -1)

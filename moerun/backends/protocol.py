@@ -153,6 +153,11 @@ class Backend(Protocol):
     def attention(self, q: Array, cache: KVCache, layer: int, positions: Array) -> Array:
         """Causal attention of q over the cache -> [T, NH*Dv]"""
 
+    def tree_attention(self, q: Array, cache: KVCache, layer: int, among: np.ndarray) -> Array:
+        """q [T, NH, D] of a speculative tree's nodes (at the cache's next T rows) over the rows
+        before them and the nodes `among` [T, T] marks -> [T, NH*Dv] (the CPU backend; a GPU's
+        refuses)"""
+
     def route(self, x: Array, norm: Array, router: Any) -> tuple[Array, Array, Array]:
         """h = rms_norm(x [T, H], norm), the experts' input, and h through the router [E, H] ->
         (h, the top-K expert ids [T, K], their weights [T, K]), by the model's rule; a GPU

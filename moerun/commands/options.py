@@ -14,7 +14,7 @@ from moerun.backends import GpuError, is_gpu_error
 from moerun.config import RUN_OPTIONS, load_config_file, rig_config
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.runtime import Runtime
-from moerun.engine.speculative import SPEC_TYPES, SpecParams
+from moerun.engine.speculative import BRANCHES_KEPT, SPEC_TYPES, SpecParams
 from moerun.errors import MoerunError
 
 DEMO_DAEMONS = ("cpu", "cpu")   # `moerun run` and `serve` run the built-in demo with two CPU expert daemons
@@ -51,15 +51,16 @@ def _quiet_broken_pipe() -> None:
 
 
 def speculation_options(command):
-    """--spec-type, --model-draft, --draft-max, --draft-min, --spec-gate/--no-spec-gate (llama.cpp's
+    """--spec-type, --model-draft, --draft-max, --draft-min, --draft-branches, --spec-gate/--no-spec-gate (llama.cpp's
     names), handed to the command as one `speculation` (SpecParams, engine/speculative.py); a
     draft model without a spec type means --spec-type draft, as llama.cpp's speculative examples
     take it."""
     @functools.wraps(command)
-    def wrapper(*args, spec_type, model_draft, draft_max, draft_min, spec_gate, **kwargs):
+    def wrapper(*args, spec_type, model_draft, draft_max, draft_min, draft_branches, spec_gate, **kwargs):
         spec_type = spec_type or ("draft" if model_draft is not None else "none")
-        return command(*args, speculation=SpecParams(spec_type, draft_max, draft_min, spec_gate, model_draft),
-                       **kwargs)
+        speculation = SpecParams(spec_type, draft_max=draft_max, draft_min=draft_min, gated=spec_gate,
+                                 draft_model=model_draft, branches=draft_branches)
+        return command(*args, speculation=speculation, **kwargs)
 
     options = [
         click.option("--spec-type", type=click.Choice(SPEC_TYPES), default=None,
@@ -73,6 +74,9 @@ def speculation_options(command):
                      show_default=True, help="Most tokens one verify step checks."),
         click.option("--draft-min", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Fewer tokens drafted than this: a plain step instead."),
+        click.option("--draft-branches", type=click.IntRange(1, BRANCHES_KEPT), default=1, show_default=True,
+                     help="n-gram drafts: the continuations of this many earlier occurrences, verified as one "
+                          "tree (a CPU parent, attention-only models; elsewhere the latest alone)."),
         click.option("--spec-gate/--no-spec-gate", default=True, show_default=True,
                      help="Pause drafting while verify steps yield fewer tokens a second than plain steps."),
     ]

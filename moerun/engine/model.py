@@ -84,6 +84,22 @@ class MoEModel:
             self._count(cache, len(ids_b))
         return logits
 
+    def forward_tree(self, ids: np.ndarray, parents: Sequence[int], cache: KVCache) -> np.ndarray:
+        """A speculative tree's verify: ids [W] (the sampled token, then the drafts, each after its
+        parent: parents[j] the index among the drafts, -1 the sampled token), written at the cache's
+        next W rows, each at the position after its parent's and attending to its ancestors and
+        itself -> float32 logits [W, V] after each; the cache extended by W rows (the caller keeps
+        the accepted path's). Eager, on the CPU parent, attention-only models, without shards."""
+        if self.shards is not None or self.backend.kind != "CPU" or self.spec.delta_net is not None:
+            raise UsageError("tree verifies run on a CPU parent, attention-only models, without --split for now")
+        among = ancestry(parents)                                            # [W, W]
+        cache.reserve(len(ids))
+        self._start = cache.length
+        positions = cache.length + among.sum(axis=1) - 1                     # the depth of each node
+        logits = self._run(np.asarray(ids, np.int64), (Segment(cache, positions, slice(0, len(ids)), among),), None)
+        self._count(cache, len(ids))
+        return logits
+
     def forward_hidden(self, x: Any, cache: KVCache) -> Any:
         """A layer shard's step: x f32 [T, H] at positions cache.length.. through this
         process's layers, extending the cache -> f32 [T, H], on the host, or, for x on the
@@ -158,3 +174,12 @@ class MoEModel:
         for i, layer in zip(self.layer_ids, self.weights.layers):
             x = self.architecture.layer(step, i, layer, x)
         return x
+
+
+def ancestry(parents: Sequence[int]) -> np.ndarray:
+    """[W, W] bool of a tree of W nodes, the sampled token (node 0) and the drafts (node j + 1,
+    under node parents[j] + 1): row n marks n's ancestors and n itself."""
+    among = np.eye(len(parents) + 1, dtype=bool)
+    for j, parent in enumerate(parents):
+        among[j + 1] |= among[parent + 1]
+    return among

@@ -324,10 +324,13 @@ class Runtime:
                 stop_ids: frozenset[int], stats: RunStats, gate: SpecGate | None) -> Iterator[int]:
         """generate()'s tokens after the prompt; returns the last logits computed. Each pass
         leaves the cache holding `history` and `logits` [1, V] the distribution after it. With a
-        gate, a pass verifies the drafter's tokens after the one sampled (engine/speculative.py):
-        each draft the sampler accepts counts as drawn, the cache keeps the positions taken."""
+        gate, a pass verifies the drafter's tokens after the one sampled (engine/speculative.py),
+        a chain or, with --draft-branches, a tree: from each position the sampler tries the drafts
+        that follow it in turn, each it accepts counts as drawn, and the cache keeps the positions
+        of the path taken."""
         drafter = self._drafter(gate.params) if gate is not None else None
-        excluded = None                                 # the draft rejected at this position
+        trees = gate is not None and gate.params.branches > 1 and isinstance(drafter, NgramDrafter) and self._trees
+        excluded: set[int] = set()                      # drafts rejected at this position
         produced = 0
         while produced < max_new_tokens:
             token = sampler(logits[-1], history, excluded)
@@ -350,34 +353,49 @@ class Runtime:
             room = min(gate.room(), max_new_tokens - produced,
                        min(self.ctx, cache.capacity) - cache.length - 1) if gate is not None else 0
             started = time.perf_counter()
-            drafts = drafter.draft(history, room) if room > 0 else []
+            drafts, parents = ((drafter.tree(history, room, gate.params.branches) if trees else
+                                (drafter.draft(history, room), None)) if room > 0 else ([], None))
             if not drafts or len(drafts) < gate.params.draft_min:
-                logits, excluded = self._decode(token, cache, stats, gate), None
+                logits, excluded = self._decode(token, cache, stats, gate), set()
                 continue
+            chain = parents is None or parents == list(range(-1, len(drafts) - 1))
+            parents = list(range(-1, len(drafts) - 1)) if chain else parents
             start, states = cache.length, cache.recurrent_states()
-            rows = self.model.forward(np.array([token, *drafts]), cache, all_logits=True)    # [W, V]
-            taken, excluded = 0, None
-            for drafted in drafts:
-                if not sampler.accepts(rows[taken], history, drafted):
-                    excluded = drafted
+            ids = np.array([token, *drafts])
+            rows = (self.model.forward(ids, cache, all_logits=True) if chain
+                    else self.model.forward_tree(ids, parents, cache))                         # [W, V]
+            path, excluded = [], set()
+            while produced < max_new_tokens and stats.finish != "stop":
+                node = path[-1] if path else -1
+                taken = next((child for child, parent in enumerate(parents) if parent == node
+                              and (sampler.accepts(rows[node + 1], history, drafts[child], excluded)
+                                   or excluded.add(drafts[child]))), None)
+                if taken is None:
                     break
-                if drafted in stop_ids:
+                if drafts[taken] in stop_ids:
                     stats.finish = "stop"
                     break
-                taken += 1
+                excluded = set()
+                path.append(taken)
                 produced += 1
                 stats.generated_tokens += 1
-                yield drafted
-                history.append(drafted)
-                if produced == max_new_tokens:
-                    break
-            self._keep(cache, history, start, states)
-            logits = rows[taken:taken + 1]
-            self._count_verify(stats, gate, len(drafts), taken, time.perf_counter() - started,
+                yield drafts[taken]
+                history.append(drafts[taken])
+            if chain:
+                self._keep(cache, history, start, states)
+            else:
+                cache.keep_rows(start, [start, *(start + 1 + node for node in path)])
+            logits = rows[path[-1] + 1 if path else 0][None]
+            self._count_verify(stats, gate, len(drafts), len(path), time.perf_counter() - started,
                                produced < max_new_tokens)
             if stats.finish == "stop":
                 return logits
         return logits
+
+    @property
+    def _trees(self) -> bool:
+        """Whether verifies may be trees here: a CPU parent, attention-only, without layer shards."""
+        return self.backend.kind == "CPU" and self.spec.delta_net is None and self.shards is None
 
     def _prefill(self, prompt: Sequence[int], stats: RunStats,
                  resumed: KVCache | None = None) -> tuple[KVCache, np.ndarray]:

@@ -9,7 +9,7 @@ Shape legend: V vocab.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,28 +56,34 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int], excluded: int | None = None) -> int:
+    def __call__(self, logits: np.ndarray, history: Sequence[int], excluded: Collection[int] = ()) -> int:
         """logits [V] of the next position; history = ids so far (prompt included). `excluded`:
-        a drafted token the verify rejected here (engine/speculative.py), drawn from the rest of
-        the distribution, renormalised (greedy: it was not the argmax, so nothing changes)."""
-        ids, probs = self.candidates(logits, history)
+        drafted tokens the verify rejected here (engine/speculative.py), drawn from the rest of
+        the distribution, renormalised (greedy: none was the argmax, so nothing changes)."""
+        ids, probs = self._rest(logits, history, excluded)
         if self.params.greedy:
             return int(ids[0])
-        if excluded is not None and np.any(ids == excluded):
-            keep = ids != excluded
-            ids, probs = ids[keep], probs[keep] / probs[keep].sum()
         return int(ids[self.rng.choice(len(ids), p=probs)])
 
-    def accepts(self, logits: np.ndarray, history: Sequence[int], drafted: int) -> bool:
+    def accepts(self, logits: np.ndarray, history: Sequence[int], drafted: int,
+                excluded: Collection[int] = ()) -> bool:
         """Whether the token drawn here is the drafted one: greedy, whether it is the argmax;
-        sampling, with the probability the distribution gives it (speculative sampling's rule
-        for a draft that proposes one token: with a rejection drawn from the rest, the draws
-        keep the distribution)."""
-        ids, probs = self.candidates(logits, history)
+        sampling, with the probability the distribution, less the `excluded` drafts rejected here
+        before, gives it. Speculative sampling's rule for drafts of one token each: a draw that
+        tries the drafts in turn this way, then draws from what is left, keeps the distribution."""
+        ids, probs = self._rest(logits, history, excluded)
         if self.params.greedy:
             return int(ids[0]) == drafted
         chance = probs[ids == drafted]
         return bool(chance.size) and self.rng.random() < float(chance[0])
+
+    def _rest(self, logits: np.ndarray, history: Sequence[int], excluded: Collection[int]):
+        """candidates() less the excluded ids, renormalised (greedy: the argmax as it is)."""
+        ids, probs = self.candidates(logits, history)
+        if self.params.greedy or not excluded:
+            return ids, probs
+        keep = ~np.isin(ids, list(excluded))
+        return ids[keep], probs[keep] / probs[keep].sum()
 
     def candidates(self, logits: np.ndarray, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """The ids a draw picks from and their probabilities, as llama.cpp's chain leaves them;

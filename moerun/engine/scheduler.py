@@ -68,7 +68,6 @@ class Running:
     drafter: object = None
     drafts: list[int] = field(default_factory=list)      # this step's drafts
     states: RecurrentStates | None = None     # its DeltaNet states before this step's verify
-    excluded: int | None = None               # the draft rejected at the position its next token is drawn at
 
     @property
     def decoding(self) -> bool:
@@ -183,7 +182,7 @@ class Scheduler:
             history.append(drafts[kept])                             # what the next draft's penalties see
             kept += 1
         del history[len(history) - kept:]
-        excluded = drafts[kept] if kept < len(drafts) else None
+        excluded = drafts[kept:kept + 1]                             # the draft rejected, if one was
         if sequence.states is not None and sequence.states.conv and kept < len(drafts):
             sequence.cache.restore_recurrent(sequence.states)        # the DeltaNet states take the kept tokens again
             sequence.cache.truncate(start)
@@ -191,7 +190,7 @@ class Scheduler:
         sequence.cache.truncate(start + 1 + kept)                   # the positions of the tokens kept
         events = []
         for row in range(kept + 1):
-            chosen, avoided = (drafts[row], None) if row < kept else (None, excluded)
+            chosen, avoided = (drafts[row], ()) if row < kept else (None, excluded)
             events.append(self._sample(sequence_id, sequence, rows[row], chosen, avoided, held=start + 1 + row))
             if events[-1].finish is not None:
                 break
@@ -229,10 +228,10 @@ class Scheduler:
             self.prefix_cache.keep(tokens, sequence.cache, logits)
 
     def _sample(self, sequence_id: int, sequence: Running, logits: np.ndarray, chosen: int | None = None,
-                excluded: int | None = None, held: int | None = None) -> StepEvent:
+                excluded: Sequence[int] = (), held: int | None = None) -> StepEvent:
         """The sequence's next token from the logits [V] after its last position, the cache's
         `held`-th (default: its length; a verify's cache holds more); `chosen`: a draft the verify
-        kept, taken as if drawn; `excluded`: one it rejected here. Out of the batch where it ends
+        kept, taken as if drawn; `excluded`: drafts it rejected here. Out of the batch where it ends
         (its cache then holding `held` positions, for the answer's snapshot)."""
         token, finish, cache = None, None, sequence.cache
         held = cache.length if held is None else held

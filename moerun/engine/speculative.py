@@ -26,6 +26,7 @@ from moerun.errors import UsageError
 SPEC_TYPES = ("none", "ngram", "draft", "auto")   # auto: ngram where it matches, else the draft model if any
 NGRAM_MAX = 4
 NGRAM_MIN = 1
+BRANCHES_KEPT = 8            # occurrences of each n-gram the index keeps, for trees
 SMOOTHING = 0.2              # the gate's moving averages: this much of each new step
 FADE = 0.9                   # the acceptance counts keep this much of the past at each verify
 MARGIN = 0.97                # speculation keeps running while it is at least this fast as plain steps
@@ -41,12 +42,15 @@ class SpecParams:
     draft_min: int = 0           # fewer drafted than this: a plain step instead (--draft-min)
     gated: bool = True           # False (--no-spec-gate): draft at every step, even where it loses
     draft_model: str | None = None   # --model-draft FILE: the draft model (spec types draft and auto)
+    branches: int = 1            # --draft-branches: n-gram continuations a verify checks as one tree
 
     def __post_init__(self) -> None:
         if self.spec_type not in SPEC_TYPES:
             raise UsageError(f"--spec-type must be one of {', '.join(SPEC_TYPES)} (got {self.spec_type!r})")
         if self.spec_type == "draft" and self.draft_model is None:
             raise UsageError("--spec-type draft needs a draft model: --model-draft FILE (-md)")
+        if not 1 <= self.branches <= BRANCHES_KEPT:
+            raise UsageError(f"--draft-branches must be between 1 and {BRANCHES_KEPT} (got {self.branches})")
         if self.draft_max < 1 or self.draft_min < 0 or self.draft_min > self.draft_max:
             raise UsageError(f"--draft-min {self.draft_min} and --draft-max {self.draft_max}: give "
                              f"0 <= --draft-min <= --draft-max and --draft-max >= 1")
@@ -58,27 +62,50 @@ class SpecParams:
 
 class NgramDrafter:
     """Drafts from the sequence itself: for n from NGRAM_MAX down to NGRAM_MIN, the last n tokens'
-    latest earlier occurrence, and the tokens that followed it. The n-grams are indexed as the
-    sequence grows (each position once), so a draft costs a few lookups at any length."""
+    latest earlier occurrences, and the tokens that followed them. The n-grams are indexed as the
+    sequence grows (each position once, the last BRANCHES_KEPT occurrences of each), so a draft
+    costs a few lookups at any length."""
 
     def __init__(self) -> None:
-        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
+        self._ends: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(NGRAM_MIN, NGRAM_MAX + 1)}
         self._indexed = 0          # positions whose preceding n-grams are in the index
 
     def draft(self, history: Sequence[int], most: int) -> list[int]:
         """Up to `most` tokens that may follow `history` (none where nothing matches)."""
+        return self.tree(history, most, 1)[0]
+
+    def tree(self, history: Sequence[int], most: int, branches: int) -> tuple[list[int], list[int]]:
+        """Up to `most` drafted tokens and each one's parent (its index among them; -1: the
+        sequence's end): what followed the longest matching n-gram's `branches` latest
+        occurrences, as one tree whose paths share their common starts, grown a level at a time
+        (the latest occurrence first) until `most` nodes."""
         for end in range(max(self._indexed, 1), len(history)):   # n-grams that something followed
             for n, ends in self._ends.items():
                 if end >= n:
-                    ends[tuple(history[end - n:end])] = end
+                    seen = ends.setdefault(tuple(history[end - n:end]), [])
+                    seen[:] = [*seen[-(BRANCHES_KEPT - 1):], end]
         self._indexed = max(self._indexed, len(history))
-        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
-            if len(history) < n:
-                continue
-            start = self._ends[n].get(tuple(history[-n:]))
-            if start is not None:
-                return list(history[start:start + most])
-        return []
+        starts = next((self._ends[n].get(tuple(history[-n:]), []) for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1)
+                       if len(history) >= n and tuple(history[-n:]) in self._ends[n]), [])
+        tokens: list[int] = []
+        parents: list[int] = []
+        nodes: dict[tuple[int, int], int] = {}                   # (parent, token) -> node
+        followed = [list(history[start:start + most]) for start in reversed(starts[-branches:])]
+        tips: list[int | None] = [-1] * len(followed)            # each branch's deepest node; None: out of room
+        for depth in range(most):                                # level by level, the latest branch first
+            for branch, continuation in enumerate(followed):
+                if tips[branch] is None or depth >= len(continuation):
+                    continue
+                key = (tips[branch], continuation[depth])
+                if key not in nodes and len(tokens) == most:
+                    tips[branch] = None
+                    continue
+                if key not in nodes:
+                    nodes[key] = len(tokens)
+                    tokens.append(continuation[depth])
+                    parents.append(tips[branch])
+                tips[branch] = nodes[key]
+        return tokens, parents
 
 
 class ModelDrafter:

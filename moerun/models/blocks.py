@@ -19,10 +19,12 @@ from moerun.models.spec import ModelSpec
 @dataclass(frozen=True)
 class Segment:
     """One sequence's tokens in a step: rows [rows.start, rows.stop) of the step's, their positions
-    and the sequence's KV cache (and DeltaNet states)."""
+    and the sequence's KV cache (and DeltaNet states); `among` [T, T] bool, where the tokens are a
+    speculative tree's nodes, which of them each one attends to (its ancestors and itself)."""
     cache: Any
     positions: Any
     rows: slice
+    among: Any = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ def _rope_attend(step: Step, i: int, q: Any, k: Any, v: Any, q_norm: Any, k_norm
 
     def attend(segment: Segment, qkv: tuple[Any, Any, Any]) -> Any:
         roped = backend.rope_append(*qkv, q_norm, k_norm, segment.cache, i, segment.positions)   # [T, NH, D]
+        if segment.among is not None:
+            return backend.tree_attention(roped, segment.cache, i, segment.among)
         return backend.attention(roped, segment.cache, i, segment.positions)
 
     return step.per_sequence(attend, q, k, v)

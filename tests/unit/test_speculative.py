@@ -102,7 +102,7 @@ def test_sampling_accept_or_redraw_keeps_the_distribution():
     counts = dict.fromkeys(ids.tolist(), 0)
     for i in range(draws):
         drafted = int(ids[i % 3])                                  # likely and less likely drafts
-        token = drafted if sampler.accepts(logits, [], drafted) else sampler(logits, [], excluded=drafted)
+        token = drafted if sampler.accepts(logits, [], drafted) else sampler(logits, [], excluded={drafted})
         counts[token] += 1
     expected = draws * probs
     chi2 = sum((counts[int(t)] - e) ** 2 / e for t, e in zip(ids, expected))
@@ -110,9 +110,25 @@ def test_sampling_accept_or_redraw_keeps_the_distribution():
     assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
 
 
-def test_the_first_two_sampled_tokens_keep_their_distribution(monkeypatch, tmp_path):
+class SiblingDrafter(NgramDrafter):
+    """For the token after x1, the given drafts as siblings: a tree of one level."""
+
+    def __init__(self, drafts):
+        super().__init__()
+        self.drafts = drafts
+
+    def tree(self, history, most, branches):
+        return self.drafts[history[-1]], [-1] * len(self.drafts[history[-1]])
+
+    def draft(self, history, most):
+        return self.drafts[history[-1]][:1]
+
+
+@pytest.mark.parametrize("siblings", [1, 2], ids=["chain", "tree"])
+def test_the_first_two_sampled_tokens_keep_their_distribution(monkeypatch, tmp_path, siblings):
     """On a tiny model: the joint distribution of the first two tokens (the second a verified
-    draft: taken or redrawn) against p(x1) · p(x2 | x1) from the model's logits."""
+    draft: taken or redrawn; with a tree, the two likeliest tried in turn) against
+    p(x1) · p(x2 | x1) from the model's logits."""
     path = write_gguf(tiny_model("qwen3moe"), tmp_path / "m.gguf", "Q8_0")
     sampling = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0)
     with Runtime(path, ubatch=16) as runtime:
@@ -120,14 +136,13 @@ def test_the_first_two_sampled_tokens_keep_their_distribution(monkeypatch, tmp_p
         first_ids, first_probs = Sampler(sampling).candidates(runtime.logits(prompt)[-1], prompt)
         second = {int(x1): Sampler(sampling).candidates(runtime.logits([*prompt, int(x1)])[-1], [*prompt, int(x1)])
                   for x1 in first_ids}
-        drafted = {x1: int(ids[0]) for x1, (ids, _) in second.items()}       # the likeliest second token
-        monkeypatch.setattr(runtime_module, "NgramDrafter",
-                            lambda: type("D", (), {"draft": lambda self, history, most: [drafted[history[-1]]]})())
+        drafted = {x1: [int(t) for t in ids[:siblings]] for x1, (ids, _) in second.items()}   # the likeliest
+        monkeypatch.setattr(runtime, "_drafter", lambda params: SiblingDrafter(drafted))
         counts: dict[tuple[int, int], int] = {}
         runs = 1500
         for seed in range(runs):
             pair = tuple(runtime.generate(prompt, 2, SamplingParams(**{**sampling.__dict__, "seed": seed}),
-                                          speculation=SpecParams("ngram", gated=False)))
+                                          speculation=SpecParams("ngram", gated=False, branches=2)))
             counts[pair] = counts.get(pair, 0) + 1
     chi2, cells = 0.0, 0
     for x1, p1 in zip(first_ids, first_probs):
@@ -327,3 +342,69 @@ def test_speculation_from_a_config_file(draft_pair, moerun, tmp_path):
     assert "spec:" in result.stderr and "verifies" in result.stderr
     plain = moerun("run", "--config", config, "--spec-type", "none")
     assert plain.exit_code == 0 and plain.stdout == result.stdout and "spec:" not in plain.stderr
+
+
+def test_ngram_trees_share_the_starts_of_their_branches():
+    history = [1, 2, 5, 6, 9, 1, 2, 5, 7, 1, 2, 8, 3, 1, 2]
+    tokens, parents = NgramDrafter().tree(history, 8, 3)       # (1, 2) followed by 8 3 .., 5 7 .., 5 6 ..
+    assert tokens[:2] == [8, 5] and parents[:2] == [-1, -1]      # a level at a time, the latest first
+    paths = {}
+    for node, (token, parent) in enumerate(zip(tokens, parents)):
+        paths[node] = (*paths.get(parent, ()), token)
+    assert (5, 7) in paths.values() and (5, 6) in paths.values()
+    assert sum(parent == -1 for parent in parents) == 2          # 8 .. and 5 .. : the two 5s share a node
+    assert len(tokens) == 8 and all(parent < node for node, parent in enumerate(parents))     # the budget, spent
+    assert NgramDrafter().tree(history, 8, 1)[0] == NgramDrafter().draft(history, 8) == [8, 3, 1, 2]
+
+
+def test_a_tree_verify_gives_each_node_the_logits_of_its_path(model):
+    """Each node's row of forward_tree equals the logits after the prompt and its path alone."""
+    tokens, parents = [7, 8, 9, 30, 31, 32], [-1, 0, 0, -1, 3, 1]
+    with Runtime(model, ubatch=16) as runtime:
+        prompt = prompt_of(runtime)
+        cache = runtime.backend.new_cache(runtime.ctx)
+        runtime.model.forward(np.asarray(prompt[:-1]), cache, all_logits=False)
+        rows = runtime.model.forward_tree(np.asarray([prompt[-1], *tokens]), parents, cache)
+        for node in range(-1, len(tokens)):
+            path, at = [], node
+            while at != -1:
+                path.insert(0, tokens[at])
+                at = parents[at]
+            alone = runtime.logits([*prompt, *path])[-1]
+            np.testing.assert_allclose(rows[node + 1], alone, rtol=0, atol=1e-4 * np.abs(alone).max())
+
+
+class TreeDrafter(NgramDrafter):
+    """Trees whose first branch is wrong and whose second is plain decoding's continuation."""
+
+    def __init__(self, prompt, plain, vocab):
+        super().__init__()
+        self.sequence, self.vocab = prompt + plain, vocab
+
+    def tree(self, history, most, branches):
+        right = self.sequence[len(history):len(history) + max(1, most // 2)]
+        if not right:
+            return [], []
+        wrong = [(right[0] + 1) % self.vocab, right[0]]          # a wrong first token, then a token of no path
+        tokens = [*wrong, *right][:most]
+        parents = [-1, 0, -1, *range(2, len(right) + 1)][:len(tokens)]
+        return tokens, parents
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_tree_verifies_take_a_later_branch_and_keep_its_rows(model, monkeypatch, temperature):
+    with Runtime(model, ubatch=16) as runtime:
+        prompt = prompt_of(runtime)
+        plain = list(runtime.generate(prompt, 48, GREEDY))
+        drafter = TreeDrafter(prompt, plain, runtime.spec.vocab)
+        monkeypatch.setattr(runtime, "_drafter", lambda params: drafter)
+        stats = RunStats()
+        sampling = SamplingParams(temperature=temperature, seed=2) if temperature else GREEDY
+        tokens = list(runtime.generate(prompt, 48, sampling, stats=stats,
+                                       speculation=SpecParams("ngram", draft_max=8, gated=False, branches=2)))
+        after = list(runtime.generate(prompt, 6, GREEDY))
+    assert len(tokens) == 48 and after == plain[:6]
+    assert stats.speculation.verify_steps > 0
+    if temperature == 0.0:
+        assert tokens == plain
+        assert stats.speculation.accepted_tokens > stats.speculation.verify_steps    # paths past the first node

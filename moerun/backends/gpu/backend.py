@@ -452,6 +452,9 @@ class GpuBackend:
              i32(spec.head_dim_k), i32(spec.head_dim_v), i32(spec.rotary_dims)))
         return q
 
+    def tree_attention(self, q: Any, cache: GpuKVCache, layer: int, among: np.ndarray) -> Any:
+        raise UsageError("tree verifies run on a CPU parent for now: give --draft-branches 1 on a GPU")
+
     def attention(self, q: Any, cache: GpuKVCache, layer: int, positions: Any) -> Any:
         """Causal attention of q [T, NH*D] over the cache -> [T, NH*Dv]: split-K kernels
         for a few tokens, batched TF32 products for a prefill chunk."""

@@ -4,12 +4,13 @@ sampler keeps the drafts it would have drawn itself (Sampler.accepts) plus one t
 so the output is what plain decoding gives: the same tokens greedy, the same distribution
 sampling. The cache keeps the accepted positions and drops the rest (KVCache.truncate).
 
-Two drafters: n-gram lookup (llama.cpp's `lookup`, prompt lookup decoding: the longest of the
-sequence's last 1..NGRAM_MAX tokens that occurred before proposes what followed it there), and a
-draft model (`--model-draft`: a smaller model of the same vocabulary, drafting greedily with a KV
-cache of its own that follows the sequence).
-The gate measures what a verify gains (tokens per step) and costs (seconds per step, by width)
-against a plain step, and pauses drafting while it loses.
+Drafters: n-gram lookup (llama.cpp's `lookup`, prompt lookup decoding: the longest of the
+sequence's last 1..NGRAM_MAX tokens that occurred before proposes what followed it there; with
+several occurrences, their continuations as one tree), a draft model (`--model-draft`: a smaller
+model of the same vocabulary, drafting greedily with a KV cache of its own that follows the
+sequence), and auto's: n-gram lookup where it matches, else the draft model. The gate measures
+what a verify gains (tokens per step) and costs (seconds per step, by width) against a plain
+step, drafts the length that yields the most tokens a second, and pauses drafting while it loses.
 
 Shape legend: W verified positions, V vocab.
 """

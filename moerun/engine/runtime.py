@@ -367,9 +367,7 @@ class Runtime:
             path, excluded = [], set()
             while produced < max_new_tokens and stats.finish != "stop":
                 node = path[-1] if path else -1
-                taken = next((child for child, parent in enumerate(parents) if parent == node
-                              and (sampler.accepts(rows[node + 1], history, drafts[child], excluded)
-                                   or excluded.add(drafts[child]))), None)
+                taken = _accepted_child(sampler, rows[node + 1], history, drafts, parents, node, excluded)
                 if taken is None:
                     break
                 if drafts[taken] in stop_ids:
@@ -523,3 +521,17 @@ class Runtime:
                 end = self.prefix_cache.chunk_end(start, end)
             yield array[start:end]
             start = end
+
+
+def _accepted_child(sampler: Sampler, logits: np.ndarray, history: list[int], drafts: list[int], parents: list[int],
+                    node: int, excluded: set[int]) -> int | None:
+    """The first child of `node` (-1: the sampled token) whose draft the sampler takes at the
+    distribution `logits` [V] after it, trying them in turn and adding each one it rejects to
+    `excluded`; None where it takes none."""
+    for child, parent in enumerate(parents):
+        if parent != node:
+            continue
+        if sampler.accepts(logits, history, drafts[child], excluded):
+            return child
+        excluded.add(drafts[child])
+    return None

@@ -314,6 +314,14 @@ TOP_LEVEL = {
     "workload": Key(one_of(*WORKLOADS)),
     **{option.name: option.key for option in RUN_OPTIONS if option.key is not None},
 }
+SPEC_KEYS = {                  # speculative decoding's, in both workloads' tables (docs/speculative.md)
+    "spec_type": Key(one_of(*SPEC_TYPES)),
+    "model_draft": Key(text, path=True),
+    "draft_max": Key(integer(1)),
+    "draft_min": Key(integer(0)),
+    "draft_branches": Key(integer(1, BRANCHES_KEPT)),
+    "spec_gate": Key(boolean),
+}
 TABLES = {
     "auth": {
         "client_secret_key": Key(text, path=True),
@@ -329,12 +337,7 @@ TABLES = {
         "repeat_penalty": Key(number(above=0)),
         "repeat_last_n": Key(integer(0)),
         "seed": Key(integer(0, 2**32 - 1)),
-        "spec_type": Key(one_of(*SPEC_TYPES)),
-        "model_draft": Key(text, path=True),
-        "draft_max": Key(integer(1)),
-        "draft_min": Key(integer(0)),
-        "draft_branches": Key(integer(1, BRANCHES_KEPT)),
-        "spec_gate": Key(boolean),
+        **SPEC_KEYS,
         "stats": Key(boolean),
         "stats_json": Key(text, path=True),
     },
@@ -355,12 +358,7 @@ TABLES = {
         "public_health": Key(boolean),
         "public_metrics": Key(boolean),
         "insecure": Key(boolean),
-        "spec_type": Key(one_of(*SPEC_TYPES)),
-        "model_draft": Key(text, path=True),
-        "draft_max": Key(integer(1)),
-        "draft_min": Key(integer(0)),
-        "draft_branches": Key(integer(1, BRANCHES_KEPT)),
-        "spec_gate": Key(boolean),
+        **SPEC_KEYS,
     },
 }
 DAEMON = {

@@ -94,7 +94,6 @@ class MoEModel:
             raise UsageError("tree verifies run on a CPU parent, attention-only models, without --split for now")
         among = ancestry(parents)                                            # [W, W]
         cache.reserve(len(ids))
-        self._start = cache.length
         positions = cache.length + among.sum(axis=1) - 1                     # the depth of each node
         logits = self._run(np.asarray(ids, np.int64), (Segment(cache, positions, slice(0, len(ids)), among),), None)
         self._count(cache, len(ids))

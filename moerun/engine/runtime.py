@@ -21,13 +21,21 @@ import numpy as np
 
 from moerun.backends import open_backend
 from moerun.backends.kv_types import KVTypes
-from moerun.backends.protocol import CacheState, KVCache, RecurrentStates
+from moerun.backends.protocol import CacheState, KVCache
 from moerun.engine.model import MoEModel
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.engine.scheduler import BatchStats, Scheduler
 from moerun.engine.snapshot_store import Snapshot
-from moerun.engine.speculative import FirstDrafter, ModelDrafter, NgramDrafter, SpecGate, SpecParams, SpecStats
+from moerun.engine.speculative import (
+    FirstDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SpecGate,
+    SpecParams,
+    SpecStats,
+    keep_verified,
+)
 from moerun.engine.weights import load_weights
 from moerun.errors import MoerunError
 from moerun.gguf.reader import GGUFError, GGUFFile
@@ -275,18 +283,22 @@ class Runtime:
         return drafter if params.spec_type == "draft" else FirstDrafter(NgramDrafter(), drafter)
 
     def _gate(self, speculation: SpecParams, stats: RunStats) -> SpecGate | None:
-        """The speculation gate of a sequence, counting into stats.speculation; None when off. Refused
-        where a verify's rejected positions cannot be dropped yet: layer shards of a hybrid model
-        (theirs go back with the next step's start, daemons/shard.py, but not their DeltaNet states)."""
+        """The speculation gate of a sequence, counting into stats.speculation; None when off."""
         if not speculation.enabled:
             return None
+        self._check_speculation(speculation)
+        stats.speculation = stats.speculation or SpecStats()        # a chat's turns add up
+        return SpecGate(speculation, stats.speculation)
+
+    def _check_speculation(self, speculation: SpecParams) -> None:
+        """Refused: a draft spec type without a draft model, and where a verify's rejected positions
+        cannot be dropped yet: layer shards of a hybrid model (theirs go back with the next step's
+        start, daemons/shard.py, but not their DeltaNet states)."""
         if speculation.spec_type == "draft" and self.draft is None:
             raise RequestError("--spec-type draft: this runtime has no draft model (--model-draft FILE)")
         if self.shards is not None and self.spec.delta_net is not None:
             raise RequestError(f"--spec-type {speculation.spec_type}: layer shards of a model with DeltaNet layers "
                                f"cannot roll a rejected draft back yet; give --spec-type none, or run without --split")
-        stats.speculation = stats.speculation or SpecStats()        # a chat's turns add up
-        return SpecGate(speculation, stats.speculation)
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                        sampling: Sequence[SamplingParams], stop_ids: frozenset[int] = frozenset(),
@@ -315,7 +327,7 @@ class Runtime:
         `speculation` says (each with its own drafter and gate)."""
         capacity = self.kv_pool or self.ctx
         if speculation.enabled:
-            self._gate(speculation, RunStats())          # what a lone sequence refuses, refused here too
+            self._check_speculation(speculation)
         return Scheduler(self.model, self._start,
                          lambda cache: self.backend.restore_cache(cache.snapshot(), capacity), self.ctx, self.ubatch,
                          stats, self.prefix_cache, speculation, self._drafter)
@@ -358,8 +370,9 @@ class Runtime:
             if not drafts or len(drafts) < gate.params.draft_min:
                 logits, excluded = self._decode(token, cache, stats, gate), set()
                 continue
-            chain = parents is None or parents == list(range(-1, len(drafts) - 1))
-            parents = list(range(-1, len(drafts) - 1)) if chain else parents
+            in_line = list(range(-1, len(drafts) - 1))                  # a chain's parents
+            chain = parents is None or parents == in_line
+            parents = in_line if chain else parents
             start, states = cache.length, cache.recurrent_states()
             ids = np.array([token, *drafts])
             rows = (self.model.forward(ids, cache, all_logits=True) if chain
@@ -380,7 +393,8 @@ class Runtime:
                 yield drafts[taken]
                 history.append(drafts[taken])
             if chain:
-                self._keep(cache, history, start, states)
+                keep_verified(cache, history, start, states,
+                              lambda ids: self.model.forward(ids, cache, all_logits=False))
             else:
                 cache.keep_rows(start, [start, *(start + 1 + node for node in path)])
             logits = rows[path[-1] + 1 if path else 0][None]
@@ -467,19 +481,6 @@ class Runtime:
         if gate is not None:
             gate.plain_step(seconds)
         return logits
-
-    def _keep(self, cache: KVCache, history: list[int], start: int, states: RecurrentStates) -> None:
-        """After a verify that wrote positions from `start` on: the cache holding `history` only.
-        Attention drops the positions past it; DeltaNet layers, whose states took every verified
-        token in, go back to their states before the verify and take the kept tokens in again."""
-        if cache.length == len(history):
-            return
-        if not states.conv:
-            cache.truncate(len(history))
-            return
-        cache.restore_recurrent(states)
-        cache.truncate(start)
-        self.model.forward(np.array(history[start:]), cache, all_logits=False)
 
     @staticmethod
     def _count_verify(stats: RunStats, gate: SpecGate, drafted: int, taken: int, seconds: float,

@@ -77,7 +77,8 @@ class Sampler:
         chance = probs[ids == drafted]
         return bool(chance.size) and self.rng.random() < float(chance[0])
 
-    def _rest(self, logits: np.ndarray, history: Sequence[int], excluded: Collection[int]):
+    def _rest(self, logits: np.ndarray, history: Sequence[int],
+              excluded: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
         """candidates() less the excluded ids, renormalised (greedy: the argmax as it is)."""
         ids, probs = self.candidates(logits, history)
         if self.params.greedy or not excluded:

@@ -27,7 +27,7 @@ from moerun.backends.protocol import KVCache, RecurrentStates
 from moerun.engine.prefix_cache import PrefixCache
 from moerun.engine.sampler import Sampler, SamplingParams
 from moerun.engine.snapshot_store import Snapshot
-from moerun.engine.speculative import SpecGate, SpecParams, SpecStats
+from moerun.engine.speculative import SpecGate, SpecParams, SpecStats, keep_verified
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Running:
     gate: SpecGate | None = None              # with speculation: its gate and drafter,
     drafter: object = None
     drafts: list[int] = field(default_factory=list)      # this step's drafts
-    states: RecurrentStates | None = None     # its DeltaNet states before this step's verify
+    states: RecurrentStates = field(default_factory=RecurrentStates)   # its DeltaNet states before this verify
 
     @property
     def decoding(self) -> bool:
@@ -162,7 +162,7 @@ class Scheduler:
         """The sequence's drafts for this step, at most `most` (its share of the step's budget;
         none without speculation, or where its gate, the token limit or the context leaves no
         room), its DeltaNet states kept where it has drafts."""
-        sequence.drafts, sequence.states = [], None
+        sequence.drafts, sequence.states = [], RecurrentStates()
         if sequence.gate is None:
             return
         cache, generated = sequence.cache, len(sequence.history) - len(sequence.prompt)
@@ -183,11 +183,9 @@ class Scheduler:
             kept += 1
         del history[len(history) - kept:]
         excluded = drafts[kept:kept + 1]                             # the draft rejected, if one was
-        if sequence.states is not None and sequence.states.conv and kept < len(drafts):
-            sequence.cache.restore_recurrent(sequence.states)        # the DeltaNet states take the kept tokens again
-            sequence.cache.truncate(start)
-            self.model.forward_batch([(np.asarray(history[start:] + drafts[:kept]), sequence.cache)])
-        sequence.cache.truncate(start + 1 + kept)                   # the positions of the tokens kept
+        cache = sequence.cache
+        keep_verified(cache, [*history, *drafts[:kept]], start, sequence.states,
+                      lambda ids: self.model.forward_batch([(ids, cache)]))
         events = []
         for row in range(kept + 1):
             chosen, avoided = (drafts[row], ()) if row < kept else (None, excluded)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from moerun.backends.protocol import KVCache
+from moerun.backends.protocol import KVCache, RecurrentStates
 from moerun.errors import UsageError
 
 SPEC_TYPES = ("none", "ngram", "draft", "auto")   # auto: ngram where it matches, else the draft model if any
@@ -158,6 +158,22 @@ class FirstDrafter:
             if drafts:
                 return drafts
         return []
+
+
+def keep_verified(cache: KVCache, tokens: Sequence[int], start: int, states: RecurrentStates,
+                  feed: Callable[[np.ndarray], object]) -> None:
+    """After a verify that wrote positions from `start` on: the cache holding `tokens` (the
+    sequence up to its last kept token) and no more. Attention drops the positions past them;
+    DeltaNet layers, whose states took every verified token in, go back to `states` (from before
+    the verify) and take the kept tokens in again through feed(ids)."""
+    if cache.length == len(tokens):
+        return
+    if not states.conv:
+        cache.truncate(len(tokens))
+        return
+    cache.restore_recurrent(states)
+    cache.truncate(start)
+    feed(np.asarray(tokens[start:]))
 
 
 @dataclass
